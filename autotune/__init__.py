@@ -1,0 +1,1 @@
+"""Autotuning of GemmConfig for CODA's GEMM (installed as ``coda.autotune``)."""

@@ -1,0 +1,87 @@
+"""Time CODA's GEMM against cuBLAS (torch.mm) in the same process: ``python -m coda.bench_gemm [--quick]``.
+
+For each shape, every candidate config is timed (do_bench median, inputs rotated so that A/B come from HBM) and the
+best is reported next to cuBLAS, with TFLOP/s and the ratio ours / cuBLAS.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+SHAPES = [(8192, 8192, 8192), (8192, 4096, 4096), (8192, 28672, 4096), (8192, 4096, 14336), (8192, 128256, 4096)]
+
+
+def candidates():
+    from .config import GemmConfig
+    out = []
+    for tm, tn, pp in [(128, 256, False), (256, 128, False), (128, 128, True), (64, 256, True)]:
+        for cm, cn in [(1, 1), (2, 1), (1, 2)]:
+            for raster in ("m", "n"):
+                c = GemmConfig(tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=cn, raster=raster)
+                if not c.problems():
+                    out.append(c)
+    return out
+
+
+def bench(fn, rep_ms=200):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
+
+
+def main(argv=None):
+    import coda
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=None, help="M,N,K;M,N,K;...")
+    ap.add_argument("--configs", default=None, help="indices into the candidate list, comma separated")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    shapes = SHAPES if not args.shapes else [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
+    cands = candidates()
+    if args.configs:
+        cands = [cands[int(i)] for i in args.configs.split(",")]
+    rows = []
+    for M, N, K in shapes:
+        nbuf = max(1, min(4, int(2e9 // ((M + N) * K * 2))))
+        As = [torch.randn(M, K, device="cuda", dtype=dtype) for _ in range(nbuf)]
+        Bs = [torch.randn(N, K, device="cuda", dtype=dtype) for _ in range(nbuf)]
+        out = torch.empty(M, N, device="cuda", dtype=dtype)
+        it = [0]
+
+        def rot():
+            it[0] = (it[0] + 1) % nbuf
+            return As[it[0]], Bs[it[0]]
+
+        flops = 2 * M * N * K
+        t_cublas = bench(lambda: torch.mm(*(lambda ab: (ab[0], ab[1].T))(rot()), out=out))
+        res = []
+        for cfg in cands:
+            try:
+                coda.gemm(As[0], Bs[0], out=out, config=cfg)
+                t = bench(lambda: coda.gemm(*rot(), out=out, config=cfg))
+            except Exception as e:  # report, keep going
+                print(f"  {cfg.name}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                continue
+            res.append((t, cfg.name))
+            print(f"  {M}x{N}x{K} {cfg.name:32s} {t:8.3f} ms {flops / t / 1e9:7.1f} TFLOP/s  x{t / t_cublas:.3f}",
+                  flush=True)
+        res.sort()
+        best_t, best_name = res[0]
+        row = dict(M=M, N=N, K=K, cublas_ms=t_cublas, cublas_tflops=flops / t_cublas / 1e9, coda_ms=best_t,
+                   coda_tflops=flops / best_t / 1e9, ratio=best_t / t_cublas, config=best_name)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{'shape':>20s} {'cuBLAS ms':>10s} {'TFLOP/s':>8s} {'CODA ms':>9s} {'TFLOP/s':>8s} {'ratio':>6s}  config")
+    for r in rows:
+        print(f"{r['M']}x{r['N']}x{r['K']:>6} {r['cublas_ms']:10.3f} {r['cublas_tflops']:8.1f} {r['coda_ms']:9.3f} "
+              f"{r['coda_tflops']:8.1f} {r['ratio']:6.3f}  {r['config']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

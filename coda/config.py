@@ -1,0 +1,126 @@
+"""GEMM kernel configurations: the knobs of the one Hopper GEMM, their validity rules, and a default heuristic.
+
+A :class:`GemmConfig` selects, at compile time:
+
+- the CTA tile ``tile_m x tile_n`` (``tile_k`` is fixed at 64 for 16-bit inputs: one 128-byte swizzled row);
+- the consumer schedule: *cooperative* (two consumer warpgroups split one tile along M) or *ping-pong* (each consumer
+  warpgroup owns a whole tile; their mainloops are serialised by an ordering barrier so one warpgroup's epilogue
+  overlaps the other's tensor-core work);
+- the cluster shape ``cluster_m x cluster_n`` (1x1, 2x1, 1x2): A is TMA-multicast along the cluster's N extent, B
+  along its M extent;
+- the persistent tile scheduler's rasterisation (``raster="m"`` walks down M inside a group of ``swizzle`` N-tiles);
+- the number of pipeline stages (``stages=None`` derives it from the shared memory left after the epilogue).
+
+No object in this module imports cutlass: configs are plain data and cheap to enumerate.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Iterator, Optional
+
+TILE_K = 64
+SMEM_CAPACITY = 227 * 1024  # bytes of dynamic shared memory per CTA on sm_90
+# Register budget of a consumer thread after setmaxnreg (232): the fp32 accumulator must leave room for addressing
+# and the epilogue, so a warpgroup holds at most 128 x 128 / 128 threads = 128 accumulator values per thread.
+MAX_ACC_PER_THREAD = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    tile_m: int = 128
+    tile_n: int = 256
+    cluster_m: int = 2
+    cluster_n: int = 1
+    pingpong: bool = False
+    raster: str = "m"
+    swizzle: int = 8
+    stages: Optional[int] = None
+    epi_n: int = 32
+
+    # -- derived ---------------------------------------------------------------------------------------------------
+    @property
+    def tile_k(self) -> int:
+        return TILE_K
+
+    @property
+    def wg_tile_m(self) -> int:
+        """Rows of the CTA tile held by one consumer warpgroup."""
+        return self.tile_m if self.pingpong else self.tile_m // 2
+
+    @property
+    def name(self) -> str:
+        sched = "pp" if self.pingpong else "coop"
+        st = f"_s{self.stages}" if self.stages else ""
+        return (f"{self.tile_m}x{self.tile_n}_{sched}_c{self.cluster_m}x{self.cluster_n}"
+                f"_r{self.raster}{self.swizzle}{st}")
+
+    def problems(self) -> list[str]:
+        """Reasons this config cannot be built (empty list: valid)."""
+        out = []
+        if self.pingpong:
+            if self.tile_m not in (64, 128):
+                out.append(f"ping-pong tile_m must be 64 or 128 (one warpgroup per tile), got {self.tile_m}")
+        elif self.tile_m not in (128, 256):
+            out.append(f"cooperative tile_m must be 128 or 256 (two warpgroups of 64 or 128 rows), got {self.tile_m}")
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            out.append(f"tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}")
+        if self.wg_tile_m * self.tile_n // 128 > MAX_ACC_PER_THREAD:
+            out.append(f"a warpgroup would hold {self.wg_tile_m}x{self.tile_n} fp32 accumulators "
+                       f"({self.wg_tile_m * self.tile_n // 128} registers/thread > {MAX_ACC_PER_THREAD})")
+        if (self.cluster_m, self.cluster_n) not in ((1, 1), (2, 1), (1, 2)):
+            out.append(f"cluster shape must be 1x1, 2x1 or 1x2, got {self.cluster_m}x{self.cluster_n}")
+        if self.raster not in ("m", "n"):
+            out.append(f"raster must be 'm' or 'n', got {self.raster!r}")
+        if self.swizzle < 1:
+            out.append(f"swizzle must be >= 1, got {self.swizzle}")
+        if self.epi_n not in (16, 32, 64) or self.tile_n % self.epi_n:
+            out.append(f"epi_n must be 16, 32 or 64 and divide tile_n={self.tile_n}, got {self.epi_n}")
+        if self.stages is not None and self.stages < 2:
+            out.append(f"stages must be >= 2, got {self.stages}")
+        return out
+
+    def validate(self) -> "GemmConfig":
+        p = self.problems()
+        if p:
+            raise ValueError(f"invalid GemmConfig {self}: " + "; ".join(p))
+        return self
+
+    # -- shared memory budget --------------------------------------------------------------------------------------
+    def epi_smem_bytes(self, out_bytes: list[int], epi_stages: int = 2) -> int:
+        """Shared memory of the epilogue: ``epi_stages`` sub-tile buffers per tile output, per consumer tile."""
+        per_tile = sum(self.tile_m * self.epi_n * b for b in out_bytes) * epi_stages
+        return per_tile * (2 if self.pingpong else 1)
+
+    def ab_stage_bytes(self, in_bytes: int = 2) -> int:
+        return (self.tile_m + self.tile_n) * TILE_K * in_bytes
+
+    def derive_stages(self, out_bytes: list[int], extra_smem: int = 0, in_bytes: int = 2) -> int:
+        """Pipeline stages that fit in the shared memory left after the epilogue (and barriers/scratch)."""
+        left = SMEM_CAPACITY - 2048 - extra_smem - self.epi_smem_bytes(out_bytes)
+        n = left // self.ab_stage_bytes(in_bytes)
+        if self.stages is not None:
+            if self.stages > n:
+                raise ValueError(f"GemmConfig {self.name}: {self.stages} stages need "
+                                 f"{self.stages * self.ab_stage_bytes(in_bytes)} B of shared memory, {left} B left")
+            return self.stages
+        if n < 2:
+            raise ValueError(f"GemmConfig {self.name}: shared memory too small for 2 pipeline stages")
+        return min(n, 8)
+
+
+def all_configs() -> Iterator[GemmConfig]:
+    """Every tile/schedule/cluster variant CODA builds (`python -m coda.check` compiles each)."""
+    tiles = {False: [(128, 128), (128, 256), (256, 128)], True: [(128, 128), (64, 256), (64, 128)]}
+    for pingpong, shapes in tiles.items():
+        for (tm, tn), (cm, cn) in itertools.product(shapes, [(1, 1), (2, 1), (1, 2)]):
+            cfg = GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=pingpong)
+            if not cfg.problems():
+                yield cfg
+
+
+def default_config(M: int, N: int, K: int) -> GemmConfig:
+    """Heuristic choice without timing (used when autotuning is off)."""
+    if M * N <= 2048 * 2048 or M <= 256:
+        return GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, pingpong=True)
+    return GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, pingpong=False)

@@ -1,0 +1,1 @@
+"""CODA's CuTeDSL kernels: the Hopper GEMM and its epilogue hook."""

@@ -1,0 +1,114 @@
+"""The epilogue hook of CODA's GEMM: what an epilogue declares and how the kernel calls it.
+
+An epilogue is a compile-time Python object. The GEMM's consumer warpgroups call :meth:`Epilogue.visit` once per
+accumulator element of each epilogue sub-tile, *while tracing the kernel*: whatever CuTeDSL arithmetic ``visit``
+emits becomes part of the fused kernel. ``visit`` receives the fp32 accumulator value and an :class:`EpiEnv` that
+gives the element's global row/column and the values of the declared operands at that element; it returns a dict:
+
+- ``"out"``: the value stored to the main output D (cast to D's dtype, TMA-stored);
+- one key per extra tile output (``outputs``): an M x N tensor written beside D, also by TMA;
+- one key per reduction (``reductions``): the element's contribution to a per-row (``axis="n"``) or per-column
+  (``axis="m"``) reduction. The kernel reduces it over each CTA tile deterministically (registers, warp shuffles,
+  shared memory; no atomics) and writes one partial per (row, N-tile) or (column, M-tile); the host finishes the
+  reduction over the tiles (:func:`finish_reduction`).
+
+Operand kinds (declared, never guessed from shapes):
+
+- ``vec_m``  one value per output row (length M, or (L, M) when batched),
+- ``vec_n``  one value per output column (length N),
+- ``scalar`` a run-time fp32 scalar (a Python number that is baked in is simply a constant inside ``visit``),
+- ``tile``   an M x N tensor (a residual), read at each element.
+
+The identity epilogue (``Epilogue()``) is the plain GEMM.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional
+
+KINDS = ("vec_m", "vec_n", "scalar", "tile")
+REDUCE_OPS = ("sum", "max")
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    name: str
+    kind: str
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"operand {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    name: str
+    axis: str  # "n": one value per row (reduced along N); "m": one value per column
+    op: str = "sum"
+
+    def __post_init__(self):
+        if self.axis not in ("n", "m"):
+            raise ValueError(f"reduction {self.name!r}: axis must be 'n' or 'm', got {self.axis!r}")
+        if self.op not in REDUCE_OPS:
+            raise ValueError(f"reduction {self.name!r}: op must be one of {REDUCE_OPS}, got {self.op!r}")
+
+
+class EpiEnv:
+    """What ``visit`` sees of one accumulator element: its coordinates and operand values (loaded lazily)."""
+
+    def __init__(self, row, col, loaders: Mapping[str, Callable[[], Any]]):
+        self.row, self.col = row, col
+        self._loaders, self._cache = loaders, {}
+
+    def __getitem__(self, name: str):
+        if name not in self._cache:
+            self._cache[name] = self._loaders[name]()
+        return self._cache[name]
+
+
+class Epilogue:
+    """Base class (and identity epilogue). Subclasses set the declarations and override ``visit``/``reference``."""
+
+    name: str = "identity"
+    operands: tuple[Operand, ...] = ()
+    outputs: tuple[str, ...] = ()
+    reductions: tuple[Reduction, ...] = ()
+
+    def key(self) -> tuple:
+        """Identifies the generated code in compile caches: must change whenever ``visit`` emits other code."""
+        return (type(self).__module__, type(self).__qualname__, self.name, self.operands, self.outputs,
+                self.reductions)
+
+    # -- device (trace time) --------------------------------------------------------------------------------------
+    def visit(self, acc, env: EpiEnv) -> dict:
+        return {"out": acc}
+
+    # -- torch reference (fp32 math, any device) ------------------------------------------------------------------
+    def reference(self, acc, **operands) -> dict:
+        """``acc``: fp32 (..., M, N) tensor; operands as passed to ``coda.gemm``; returns the same keys as visit,
+        with reductions already finished (VecM / VecN tensors)."""
+        return {"out": acc}
+
+    @property
+    def is_identity(self) -> bool:
+        return type(self) is Epilogue
+
+
+IDENTITY = Epilogue()
+
+
+def finish_reduction(partials, op: str):
+    """Finish a tile-partial reduction on the host side: partials (tiles, L, len) -> (L, len). Deterministic."""
+    if op == "sum":
+        return partials.sum(dim=0)
+    if op == "max":
+        return partials.amax(dim=0)
+    raise ValueError(f"unknown reduction op {op!r}")
+
+
+def check_epilogue(epilogue: Optional[Epilogue]) -> Epilogue:
+    if epilogue is None:
+        return IDENTITY
+    if not isinstance(epilogue, Epilogue):
+        raise TypeError(f"epilogue must be a coda Epilogue (e.g. made with @coda.epilogue), got {type(epilogue)}")
+    return epilogue

@@ -1,0 +1,458 @@
+"""CODA's Hopper GEMM: D = epilogue(A @ B^T), written in CuTeDSL for sm_90a.
+
+A (M, K, L) and B (N, K, L) are K-major (the ``nn.Linear`` layout), D (M, N, L) is N-major; fp32 accumulation.
+
+Structure (one CTA = 3 warpgroups, persistent over output tiles):
+
+Phase 0 (host, ``__call__``): build the tiled WGMMA, the swizzled shared-memory layouts, the TMA descriptors (A/B
+  loads, multicast across the cluster when it has more than one CTA along the other dimension; D and extra outputs
+  stores), the persistent scheduler's parameters (grouped rasterisation) and the shared-storage struct; the number of
+  pipeline stages is what the shared memory holds after the epilogue buffers.
+Phase 1 (all warps): allocate shared memory, initialise the mainloop mbarrier pipeline, cluster-sync.
+Phase 2 (producer warpgroup, warp 0; registers lowered to 40): for each tile of this CTA, for each k-tile: wait for
+  an empty stage, TMA-load A and B into it (multicast to the cluster peers).
+Phase 3 (consumer warpgroups; registers raised to 232):
+  cooperative: both warpgroups work on the same tile (64 or 128 rows each);
+  ping-pong:   warpgroup w takes every other tile; an ordering barrier serialises the two mainloops so that one
+               warpgroup's epilogue runs under the other's tensor-core work.
+  3a mainloop: wait for a full stage, issue WGMMAs, keep one WGMMA batch in flight, release the previous stage.
+  3b epilogue: per sub-tile (tile_m x epi_n): call the epilogue hook on every accumulator element (with its global
+     row/column and operand values), convert, write to shared memory with stmatrix, TMA-store; per-row (axis n)
+     reductions accumulate in registers across the sub-tiles and are reduced across the 4 lanes sharing a row, then
+     written as one partial per (row, N-tile); per-column (axis m) reductions are reduced across the rows of the
+     tile through shared memory and written as one partial per (column, M-tile). No atomics: deterministic.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from ..config import GemmConfig
+from .epilogue import Epilogue, EpiEnv
+
+WG_THREADS = 128
+PRODUCER_REGS, CONSUMER_REGS = 40, 232
+# named barriers (0 is __syncthreads): epilogue of the cooperative pair, or of ping-pong warpgroup w (1 + w);
+# ping-pong mainloop ordering: warpgroup w waits on 3 + w; axis-m reduction scratch: 5 + w.
+BAR_EPI, BAR_ORDER, BAR_RED = 1, 3, 5
+
+
+class GemmSm90:
+    def __init__(self, cfg: GemmConfig, epi: Epilogue):
+        self.cfg = cfg.validate()
+        self.epi = epi
+        self.acc_dtype = cutlass.Float32
+        self.tile_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
+        self.epi_tile = (cfg.tile_m if not cfg.pingpong else cfg.tile_m, cfg.epi_n)
+        # cooperative: the two warpgroups stack along M; ping-pong: one warpgroup spans the tile
+        self.atom_layout = (1, 1, 1) if cfg.pingpong else (2, 1, 1)
+        self.num_tiles_in_flight = 2 if cfg.pingpong else 1  # consumer tiles resident at once
+        self.epi_threads = WG_THREADS if cfg.pingpong else 2 * WG_THREADS
+        self.epi_stages = 2
+        self.n_vecm = [o for o in epi.operands if o.kind == "vec_m"]
+        self.red_n = [r for r in epi.reductions if r.axis == "n"]
+        self.red_m = [r for r in epi.reductions if r.axis == "m"]
+
+    # ------------------------------------------------------------------------------------------------ phase 0: host
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor, max_active_clusters: cutlass.Constexpr,
+                 stream, x0=None, x1=None, x2=None, x3=None, x4=None, x5=None, x6=None, x7=None):
+        """x0..x7: the epilogue's tensors in order: operands, extra outputs, reduction partial buffers."""
+        epi_args = [x for x in (x0, x1, x2, x3, x4, x5, x6, x7) if x is not None]
+        cfg = self.cfg
+        self.ab_dtype = mA.element_type
+        if cutlass.const_expr(mB.element_type != self.ab_dtype):
+            raise TypeError(f"A is {self.ab_dtype} but B is {mB.element_type}")
+        self.d_dtype = mD.element_type
+        n_ops = len(self.epi.operands)
+        n_out = len(self.epi.outputs)
+        op_tensors = epi_args[:n_ops]
+        out_tensors = epi_args[n_ops:n_ops + n_out]
+        red_tensors = epi_args[n_ops + n_out:]
+        out_dtypes = [self.d_dtype] + [t.element_type for t in out_tensors]
+        self.out_dtypes = out_dtypes
+
+        a_layout = utils.LayoutEnum.from_tensor(mA)
+        b_layout = utils.LayoutEnum.from_tensor(mB)
+        d_layout = utils.LayoutEnum.from_tensor(mD)
+        self.d_layout = d_layout
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+            self.acc_dtype, self.atom_layout, tiler_mn=(64, cfg.tile_n))
+
+        red_m_bytes = max(len(self.red_m), 1) * 2 * 8 * cfg.epi_n * 4  # axis-m scratch: [col][warp][red, wg]
+        self.ab_stage = cfg.derive_stages([d.width // 8 for d in out_dtypes], extra_smem=red_m_bytes,
+                                          in_bytes=self.ab_dtype.width // 8)
+        a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
+        b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
+        epi_bufs = self.epi_stages * self.num_tiles_in_flight
+        epi_smems = [sm90_utils.make_smem_layout_epi(dt, d_layout, self.epi_tile, epi_bufs) for dt in out_dtypes]
+
+        # TMA: A is shared by the CTAs of a cluster row (same m): multicast over cluster_n, B over cluster_m
+        self.mcast_a, self.mcast_b = cfg.cluster_n, cfg.cluster_m
+        tma_a, tA = self._tma_load(mA, a_smem, (cfg.tile_m, cfg.tile_k), self.mcast_a)
+        tma_b, tB = self._tma_load(mB, b_smem, (cfg.tile_n, cfg.tile_k), self.mcast_b)
+        stores = [cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), t,
+                                              cute.slice_(sl, (None, None, 0)), self.epi_tile)
+                  for t, sl in zip([mD, *out_tensors], epi_smems)]
+        self.tx_bytes = (cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0)))
+                         + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0))))
+
+        # persistent scheduler over (M-tiles, N-tiles, L)
+        gD = cute.zipped_divide(mD, tiler=(cfg.tile_m, cfg.tile_n))
+        n_tiles_mnl = gD[(0, (None, None, None))].shape
+        sched = utils.PersistentTileSchedulerParams(n_tiles_mnl, (cfg.cluster_m, cfg.cluster_n, 1), cfg.swizzle,
+                                                    cfg.raster == "m")
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
+
+        ab_stage, n_red_m = self.ab_stage, max(len(self.red_m), 1)
+        ab_dt = self.ab_dtype
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, ab_stage * 2]
+            red_m: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, n_red_m * 2 * 8 * cfg.epi_n], 16]
+            sA: cute.struct.Align[cute.struct.MemRange[ab_dt, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[ab_dt, cute.cosize(b_smem)], 1024]
+
+        self.shared_storage = SharedStorage  # the epilogue buffers (one per tile output) follow the struct
+
+        self.kernel(tma_a, tA, tma_b, tB, [s[0] for s in stores], [s[1] for s in stores], op_tensors,
+                    red_tensors, self.tiled_mma, a_smem, b_smem, epi_smems, sched).launch(
+            grid=grid, block=[3 * WG_THREADS, 1, 1], cluster=(cfg.cluster_m, cfg.cluster_n, 1),
+            min_blocks_per_mp=1, stream=stream)
+
+    @staticmethod
+    def _tma_load(t, smem_staged, tile, mcast):
+        op = cpasync.CopyBulkTensorTileG2SOp() if mcast == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
+        return cpasync.make_tiled_tma_atom(op, t, cute.slice_(smem_staged, (None, None, 0)), tile,
+                                           num_multicast=mcast)
+
+    # ---------------------------------------------------------------------------------------------- device kernel
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+               store_atoms: list, store_tensors: list, op_tensors: list, red_tensors: list,
+               tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
+               epi_smems: list, sched_params: utils.PersistentTileSchedulerParams):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            for atom in store_atoms:
+                cpasync.prefetch_descriptor(atom)
+
+        # ---- phase 1: shared memory, mainloop pipeline, cluster sync
+        cta_layout = cute.make_layout((cfg.cluster_m, cfg.cluster_n, 1))
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout.get_flat_coord(cta_rank)
+        a_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=1) if self.mcast_a > 1 else 0
+        b_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=0) if self.mcast_b > 1 else 0
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        consumer_wgs = 1 if cfg.pingpong else 2  # warpgroups that read each stage
+        mainloop = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(), num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, (self.mcast_a + self.mcast_b - 1) * consumer_wgs * 4),
+            tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, *cta_layout.shape)), defer_sync=True)
+        pipeline_init_arrive(cluster_shape_mn=(cfg.cluster_m, cfg.cluster_n), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sOuts = [smem.allocate_tensor(self.out_dtypes[i], sl.outer, byte_alignment=1024,
+                                      swizzle=sl.inner) for i, sl in enumerate(epi_smems)]
+        sRed = storage.red_m.get_tensor(cute.make_layout((cfg.epi_n, 8, max(len(self.red_m), 1) * 2)))
+
+        gA = cute.local_tile(mA, (cfg.tile_m, cfg.tile_k), (None, None, None))  # (bM, bK, m, k, l)
+        gB = cute.local_tile(mB, (cfg.tile_n, cfg.tile_k), (None, None, None))  # (bN, bK, n, k, l)
+        k_tiles = cute.size(gA, mode=[3])
+        tAsA, tAgA = cpasync.tma_partition(tma_a, cluster_coord[1], cute.make_layout(cfg.cluster_n),
+                                           cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, cluster_coord[0], cute.make_layout(cfg.cluster_m),
+                                           cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        pipeline_init_wait(cluster_shape_mn=(cfg.cluster_m, cfg.cluster_n))
+
+        if wg_idx == 0:
+            # ---- phase 2: producer
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
+                                                                   cute.arch.grid_dim())
+                work = sched.initial_work_tile_info()
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+                while work.is_valid_tile:
+                    m, n, l = work.tile_idx
+                    for k in range(k_tiles):
+                        mainloop.producer_acquire(state)
+                        bar = mainloop.producer_get_barrier(state)
+                        cute.copy(tma_a, tAgA[(None, m, k, l)], tAsA[(None, state.index)], tma_bar_ptr=bar,
+                                  mcast_mask=a_mask)
+                        cute.copy(tma_b, tBgB[(None, n, k, l)], tBsB[(None, state.index)], tma_bar_ptr=bar,
+                                  mcast_mask=b_mask)
+                        mainloop.producer_commit(state)
+                        state.advance()
+                    sched.advance_to_next_work()
+                    work = sched.get_current_work()
+                mainloop.producer_tail(state)
+        else:
+            # ---- phase 3: consumers
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consumer(tidx, wg_idx - 1, mainloop, k_tiles, sA, sB, sOuts, sRed, tiled_mma, store_atoms,
+                          store_tensors, op_tensors, red_tensors, sched_params)
+
+    @cute.jit
+    def consumer(self, tidx, cwg, mainloop, k_tiles, sA, sB, sOuts, sRed, tiled_mma, store_atoms,
+                 store_tensors, op_tensors, red_tensors, sched_params):
+        cfg = self.cfg
+        pp = cfg.pingpong
+        mD = store_tensors[0]
+        # thread index inside the group that shares a tile: the warpgroup (ping-pong) or both warpgroups
+        etidx = tidx % WG_THREADS if pp else tidx - WG_THREADS
+        thr_mma = tiled_mma.get_slice(0 if pp else cwg * WG_THREADS)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        gD = cute.local_tile(mD, (cfg.tile_m, cfg.tile_n), (None, None, None))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(gD[(None, None, 0, 0, 0)]).shape, self.acc_dtype)
+        k_blocks = cute.size(tCrA, mode=[2])
+
+        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
+                                                           cute.arch.grid_dim())
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        tile_step = 1
+        if cutlass.const_expr(pp):
+            tile_step = 2
+            if cwg == 1:  # warpgroup 1 starts on the CTA's second tile, after warpgroup 0's k-tiles
+                sched.advance_to_next_work()
+                read.advance(k_tiles)
+                release.advance(k_tiles)
+                # let warpgroup 0 start its first mainloop
+                cute.arch.barrier_arrive(barrier_id=BAR_ORDER, number_of_threads=2 * WG_THREADS)
+        work = sched.initial_work_tile_info() if cutlass.const_expr(not pp) else sched.get_current_work()
+
+        # ---- epilogue partitions (shared by every tile)
+        epi = self._epi_setup(tiled_mma, etidx, cwg, sOuts, mD)
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads))
+        tiles_done = cutlass.Int32(0)
+
+        while work.is_valid_tile:
+            m, n, l = work.tile_idx
+            # ---- 3a mainloop
+            if cutlass.const_expr(pp):
+                cute.arch.barrier(barrier_id=BAR_ORDER + cwg, number_of_threads=2 * WG_THREADS)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            for k in range(k_tiles):
+                mainloop.consumer_wait(read)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(k_blocks):
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
+                              tCrB[(None, None, kb, read.index)], acc)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                if k > 0:
+                    mainloop.consumer_release(release)
+                    release.advance()
+                read.advance()
+            warpgroup.wait_group(0)
+            if k_tiles > 0:
+                mainloop.consumer_release(release)
+                release.advance()
+            if cutlass.const_expr(pp):
+                # hand the tensor cores to the other warpgroup, skip its k-tiles in the pipeline state
+                cute.arch.barrier_arrive(barrier_id=BAR_ORDER + 1 - cwg, number_of_threads=2 * WG_THREADS)
+                read.advance(k_tiles)
+                release.advance(k_tiles)
+            if k_tiles == 0:
+                acc.fill(0.0)
+
+            # ---- 3b epilogue
+            self._epilogue(epi, acc, m, n, l, tiles_done, store_pipe, store_atoms, store_tensors, op_tensors,
+                           red_tensors, cwg, sRed)
+            tiles_done += 1
+            sched.advance_to_next_work(advance_count=tile_step)
+            work = sched.get_current_work()
+        store_pipe.producer_tail()
+
+    # ------------------------------------------------------------------------------------------------- epilogue
+    @cute.jit
+    def _epi_setup(self, tiled_mma, etidx, cwg, sOuts, mD):
+        """Register->shared-memory copy partitions of the epilogue sub-tile, one per tile output."""
+        d_layout = self.d_layout
+        atom_c = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(d_layout.is_m_major_c(), 4), self.d_dtype)
+        tiled_copy_c = cute.make_tiled_copy_C_atom(atom_c, tiled_mma)
+        parts = []
+        for s in sOuts:
+            r2s = sm90_utils.get_smem_store_op(d_layout, elem_ty_d=s.element_type, elem_ty_acc=self.acc_dtype)
+            tiled = cute.make_tiled_copy_S(r2s, tiled_copy_c)
+            parts.append((tiled, tiled.get_slice(etidx).partition_D(s)))
+        tiled0 = parts[0][0]
+        thr0 = tiled0.get_slice(etidx)
+        return dict(parts=parts, tiled=tiled0, thr=thr0, souts=sOuts,
+                    rshape=cute.shape(thr0.partition_S(sOuts[0]))[:3])
+
+    @cute.jit
+    def _epilogue(self, epi, acc, m, n, l, tiles_done, store_pipe, store_atoms, store_tensors, op_tensors,
+                  red_tensors, cwg, sRed):
+        cfg = self.cfg
+        pp = cfg.pingpong
+        mD = store_tensors[0]
+        M, N = mD.shape[0], mD.shape[1]
+        tRS_acc = epi["tiled"].retile(acc)
+        rD = cute.make_rmem_tensor(epi["rshape"], self.acc_dtype)
+        n_v = cute.size(rD)
+        n_epi = cfg.tile_n // cfg.epi_n
+        needs_coords = not self.epi.is_identity
+        cEpi = cute.flat_divide(cute.local_tile(cute.make_identity_tensor(mD.shape),
+                                                (cfg.tile_m, cfg.tile_n), (m, n, l)), self.epi_tile)
+        # thread 0's static sub-tile coordinates tell which registers share a row / a column (same for all threads)
+        rows_of, cols_of = self._groups(epi["tiled"].get_slice(0).partition_S(
+            cute.make_identity_tensor(self.epi_tile)), n_v)
+        bar = pipeline.NamedBarrier(barrier_id=BAR_EPI + (cwg if pp else 0), num_threads=self.epi_threads)
+        buf_base = cwg * self.epi_stages if pp else 0
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        store_warp = warp == (4 + 4 * cwg if pp else 4)
+        names = ["out", *self.epi.outputs]
+        row_acc = [[None] * len(rows_of) for _ in self.red_n]
+        cSub0 = None
+
+        for e in cutlass.range_constexpr(n_epi):
+            for v in cutlass.range_constexpr(n_v):
+                rD[v] = tRS_acc[e * n_v + v]
+            if cutlass.const_expr(needs_coords):
+                cSub = epi["thr"].partition_S(cEpi[(None, None, 0, e)])
+                if cutlass.const_expr(e == 0):
+                    cSub0 = cSub
+                results = self._visit_all(rD, cSub, n_v, op_tensors, M, N)
+            else:
+                results = {"out": [rD[v] for v in range(n_v)]}
+            # per-row (axis n) reductions: one row's registers combined in-thread, carried across sub-tiles
+            for ri, r in enumerate(self.red_n):
+                for g, regs in enumerate(rows_of):
+                    val = results[r.name][regs[0]]
+                    for v in regs[1:]:
+                        val = self._combine(r.op, val, results[r.name][v])
+                    row_acc[ri][g] = val if e == 0 else self._combine(r.op, row_acc[ri][g], val)
+            # per-column (axis m) reductions: over the tile's rows, through shared memory
+            if cutlass.const_expr(len(self.red_m) > 0):
+                self._reduce_m(results, cols_of, cSub, red_tensors, m, l, N, cwg, sRed, bar)
+            # tile outputs: convert, stmatrix into this sub-tile's buffer, then one warp TMA-stores them
+            buf = buf_base + (tiles_done * n_epi + e) % self.epi_stages
+            for i in cutlass.range_constexpr(len(epi["parts"])):
+                tiled_i, tRS_s = epi["parts"][i]
+                rOut = cute.make_rmem_tensor(epi["rshape"], self.out_dtypes[i])
+                vals = results[names[i]]
+                for v in cutlass.range_constexpr(n_v):
+                    rOut[v] = self.out_dtypes[i](vals[v])
+                cute.copy(tiled_i, rOut, tRS_s[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            bar.arrive_and_wait()
+            if store_warp:
+                for i in cutlass.range_constexpr(len(epi["parts"])):
+                    gTile = cute.local_tile(store_tensors[i], (cfg.tile_m, cfg.tile_n), (m, n, l))
+                    sT, gT = cpasync.tma_partition(store_atoms[i], 0, cute.make_layout(1),
+                                                   cute.group_modes(epi["souts"][i], 0, 2),
+                                                   cute.zipped_divide(gTile, self.epi_tile))
+                    cute.copy(store_atoms[i], sT[(None, buf)], gT[(None, (0, e))])
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            bar.arrive_and_wait()
+
+        # finish the per-row partials: the 4 lanes of a quad hold the same rows
+        lane = cute.arch.lane_idx()
+        for ri, r in enumerate(self.red_n):
+            for g, regs in enumerate(rows_of):
+                val = row_acc[ri][g]
+                for off in (1, 2):
+                    val = self._combine(r.op, val, cute.arch.shuffle_sync_bfly(val, offset=off))
+                row = cSub0[regs[0]][0]
+                self._store_if(red_tensors[ri], (row, n, l), val, (lane % 4 == 0) & (row < M))
+
+    @cute.jit
+    def _reduce_m(self, results, cols_of, cSub, red_tensors, m, l, N, cwg, sRed, bar):
+        """Per-column partial over the tile's rows for each axis-m reduction of this sub-tile."""
+        pp = self.cfg.pingpong
+        lane = cute.arch.lane_idx()
+        warp_in_group = (cute.arch.warp_idx() % 4) if pp else (cute.arch.warp_idx() - 4)
+        n_warps = 4 if pp else 8
+        etidx = cute.arch.thread_idx()[0] % self.epi_threads
+        for ri, r in enumerate(self.red_m):
+            slot = ri * 2 + (cwg if pp else 0)
+            for g, regs in enumerate(cols_of):
+                val = results[r.name][regs[0]]
+                for v in regs[1:]:
+                    val = self._combine(r.op, val, results[r.name][v])
+                for off in (4, 8, 16):  # lanes with the same lane % 4 hold the same columns
+                    val = self._combine(r.op, val, cute.arch.shuffle_sync_bfly(val, offset=off))
+                col_local = cSub[regs[0]][1] % self.cfg.epi_n
+                if lane < 4:
+                    sRed[col_local, warp_in_group, slot] = val
+        bar.arrive_and_wait()
+        ci = cutlass.min(etidx, self.cfg.epi_n - 1)
+        col = cSub[0][1] - cSub[0][1] % self.cfg.epi_n + ci
+        for ri, r in enumerate(self.red_m):
+            slot = ri * 2 + (cwg if pp else 0)
+            val = sRed[ci, 0, slot]
+            for w in range(1, n_warps):
+                val = self._combine(r.op, val, sRed[ci, w, slot])
+            self._store_if(red_tensors[len(self.red_n) + ri], (col, m, l), val, (etidx < self.cfg.epi_n) & (col < N))
+
+    @cute.jit
+    def _store_if(self, t, idx, val, pred):
+        if pred:
+            t[idx] = val
+
+    # -- helpers traced inside the epilogue ---------------------------------------------------------------------
+    @staticmethod
+    def _combine(op, a, b):
+        return a + b if op == "sum" else cute.arch.fmax(a, b)
+
+    @staticmethod
+    def _groups(c_static, n_v):
+        """Group register indices by the static row / column of thread 0's sub-tile coordinates."""
+        rows, cols = {}, {}
+        for v in range(n_v):
+            r, c = c_static[v]
+            rows.setdefault(int(r), []).append(v)
+            cols.setdefault(int(c), []).append(v)
+        return [rows[k] for k in sorted(rows)], [cols[k] for k in sorted(cols)]
+
+    def _visit_all(self, rD, cSub, n_v, op_tensors, M, N):
+        """Call the hook on every element; returns {key: [value per register]}."""
+        out = {}
+        for v in range(n_v):
+            row, col, l = cSub[v]
+            loaders = {op.name: self._loader(op.kind, t, row, col, l, M, N)
+                       for op, t in zip(self.epi.operands, op_tensors)}
+            for key, val in self.epi.visit(rD[v], EpiEnv(row, col, loaders)).items():
+                out.setdefault(key, []).append(val)
+        return out
+
+    @staticmethod
+    def _loader(kind, t, row, col, l, M, N):
+        # clamped indices: out-of-range elements are computed but never stored
+        rc = cutlass.min(row, M - 1)
+        cc = cutlass.min(col, N - 1)
+        if kind == "vec_n":
+            return lambda: t[cc].to(cutlass.Float32)
+        if kind == "vec_m":
+            return lambda: t[rc, l].to(cutlass.Float32)
+        if kind == "scalar":
+            return lambda: t[0].to(cutlass.Float32)
+        return lambda: t[rc, cc, l].to(cutlass.Float32)

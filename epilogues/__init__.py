@@ -1,0 +1,1 @@
+"""Epilogues of CODA's GEMM (installed as ``coda.epilogues``)."""

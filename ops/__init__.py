@@ -1,0 +1,1 @@
+"""Transformer ops built on coda.gemm with fused epilogues (installed as ``coda.ops``)."""

@@ -1,0 +1,19 @@
+"""Shared pytest setup: tests marked ``gpu`` run only where a Hopper (sm_90) GPU is present."""
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a Hopper (sm_90) GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    from coda._device import hopper_available
+
+    if hopper_available():
+        return
+    skip = pytest.mark.skip(reason="needs a Hopper (sm_90) GPU")
+    for item in gpu_items:
+        item.add_marker(skip)
