@@ -32,6 +32,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.tensor_utils import LayoutEnum
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
@@ -81,9 +82,9 @@ class GemmSm90:
         out_dtypes = [self.d_dtype] + [t.element_type for t in out_tensors]
         self.out_dtypes = out_dtypes
 
-        a_layout = utils.LayoutEnum.from_tensor(mA)
-        b_layout = utils.LayoutEnum.from_tensor(mB)
-        d_layout = utils.LayoutEnum.from_tensor(mD)
+        a_layout = LayoutEnum.from_tensor(mA)
+        b_layout = LayoutEnum.from_tensor(mB)
+        d_layout = LayoutEnum.from_tensor(mD)
         self.d_layout = d_layout
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
@@ -256,31 +257,34 @@ class GemmSm90:
             # ---- 3a mainloop
             if cutlass.const_expr(pp):
                 cute.arch.barrier(barrier_id=BAR_ORDER + cwg, number_of_threads=2 * WG_THREADS)
+            # first k-tile peeled: its first WGMMA overwrites the accumulator, every later one accumulates
+            mainloop.consumer_wait(read)
+            warpgroup.fence()
             tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-            for k in range(k_tiles):
+            for kb in cutlass.range_constexpr(k_blocks):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            read.advance()
+            for k in range(1, k_tiles):
                 mainloop.consumer_wait(read)
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(k_blocks):
                     cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
                               tCrB[(None, None, kb, read.index)], acc)
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
-                warpgroup.wait_group(1)
-                if k > 0:
-                    mainloop.consumer_release(release)
-                    release.advance()
-                read.advance()
-            warpgroup.wait_group(0)
-            if k_tiles > 0:
+                warpgroup.wait_group(1)  # the previous k-tile's WGMMAs are done: release its stage
                 mainloop.consumer_release(release)
                 release.advance()
+                read.advance()
+            warpgroup.wait_group(0)
+            mainloop.consumer_release(release)
+            release.advance()
             if cutlass.const_expr(pp):
                 # hand the tensor cores to the other warpgroup, skip its k-tiles in the pipeline state
                 cute.arch.barrier_arrive(barrier_id=BAR_ORDER + 1 - cwg, number_of_threads=2 * WG_THREADS)
                 read.advance(k_tiles)
                 release.advance(k_tiles)
-            if k_tiles == 0:
-                acc.fill(0.0)
 
             # ---- 3b epilogue
             self._epilogue(epi, acc, m, n, l, tiles_done, store_pipe, store_atoms, store_tensors, op_tensors,
