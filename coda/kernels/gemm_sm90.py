@@ -308,7 +308,7 @@ class GemmSm90:
             parts.append((tiled, tiled.get_slice(etidx).partition_D(s)))
         tiled0 = parts[0][0]
         thr0 = tiled0.get_slice(etidx)
-        return dict(parts=parts, tiled=tiled0, thr=thr0, souts=sOuts,
+        return dict(parts=parts, tiled=tiled0, thr=thr0, souts=sOuts, tiled_mma=tiled_mma,
                     rshape=cute.shape(thr0.partition_S(sOuts[0]))[:3])
 
     @cute.jit
@@ -318,7 +318,6 @@ class GemmSm90:
         pp = cfg.pingpong
         mD = store_tensors[0]
         M, N = mD.shape[0], mD.shape[1]
-        tRS_acc = epi["tiled"].retile(acc)
         rD = cute.make_rmem_tensor(epi["rshape"], self.acc_dtype)
         n_v = cute.size(rD)
         n_epi = cfg.tile_n // cfg.epi_n
@@ -326,8 +325,9 @@ class GemmSm90:
         cEpi = cute.flat_divide(cute.local_tile(cute.make_identity_tensor(mD.shape),
                                                 (cfg.tile_m, cfg.tile_n), (m, n, l)), self.epi_tile)
         # thread 0's static sub-tile coordinates tell which registers share a row / a column (same for all threads)
-        rows_of, cols_of = self._groups(epi["tiled"].get_slice(0).partition_S(
-            cute.make_identity_tensor(self.epi_tile)), n_v)
+        c_sub = epi["tiled"].get_slice(0).partition_S(cute.make_identity_tensor(self.epi_tile))
+        rows_of, cols_of = self._groups(c_sub, n_v)
+        acc_of = self._acc_map(epi["tiled_mma"], c_sub, n_v, n_epi)
         bar = pipeline.NamedBarrier(barrier_id=BAR_EPI + (cwg if pp else 0), num_threads=self.epi_threads)
         buf_base = cwg * self.epi_stages if pp else 0
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -338,7 +338,7 @@ class GemmSm90:
 
         for e in cutlass.range_constexpr(n_epi):
             for v in cutlass.range_constexpr(n_v):
-                rD[v] = tRS_acc[e * n_v + v]
+                rD[v] = acc[acc_of[e][v]]
             if cutlass.const_expr(needs_coords):
                 cSub = epi["thr"].partition_S(cEpi[(None, None, 0, e)])
                 if cutlass.const_expr(e == 0):
@@ -426,6 +426,19 @@ class GemmSm90:
     @staticmethod
     def _combine(op, a, b):
         return a + b if op == "sum" else cute.arch.fmax(a, b)
+
+    def _acc_map(self, tiled_mma, c_sub, n_v, n_epi):
+        """acc_of[e][v]: the accumulator register holding sub-tile e's register v. Matched through thread 0's static
+        coordinates (the accumulator and the sub-tile registers are the same values, reindexed)."""
+        c_acc = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
+        where = {}
+        for j in range(cute.size(c_acc)):
+            r, c = c_acc[j]
+            where[(int(r), int(c))] = j
+        out = []
+        for e in range(n_epi):
+            out.append([where[(int(c_sub[v][0]), int(c_sub[v][1]) + e * self.cfg.epi_n)] for v in range(n_v)])
+        return out
 
     @staticmethod
     def _groups(c_static, n_v):
