@@ -112,6 +112,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
         a3 = torch.zeros((a3.shape[0], a3.shape[1], 8), dtype=a3.dtype, device=a3.device)
         b3 = torch.zeros((b3.shape[0], prob.N, 8), dtype=b3.dtype, device=b3.device)
 
+    if prob.b_broadcast and any(r.axis == "m" for r in epi.reductions):
+        raise ValueError("an epilogue with a per-column (axis m) reduction needs b batched like a, got b "
+                         f"{tuple(b.shape)} shared by every batch of a {tuple(a.shape)}")
     args, outs, partials = epilogue_tensors(epi, prob, operands, out3, cfg)
     key = (cfg, epi.key(), prob.in_dtype, prob.out_dtype, tuple((t.dtype, t.dim()) for t, _ in args))
     mA, mB, mD = _cute(_mnl(a3), 1), _cute(_mnl(b3), 1), _cute(_mnl(out3), 1)
@@ -140,5 +143,7 @@ def _package(epi: Epilogue, res, outs, reds, prob):
     result = {"out": res}
     result.update({k: v.reshape(shape) for k, v in outs.items()})
     for k, v in reds.items():
+        if prob.b_broadcast:  # the batch was folded into M: (1, L*M) -> (L, M)
+            v = v.reshape(prob.L, prob.M)
         result[k] = v if prob.batched else v[0]
     return result

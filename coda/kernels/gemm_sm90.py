@@ -457,7 +457,13 @@ class GemmSm90:
             row, col, l = cSub[v]
             loaders = {op.name: self._loader(op.kind, t, row, col, l, M, N)
                        for op, t in zip(self.epi.operands, op_tensors)}
-            for key, val in self.epi.visit(rD[v], EpiEnv(row, col, loaders)).items():
+            res = self.epi.visit(rD[v], EpiEnv(row, col, loaders))
+            if cutlass.const_expr(len(self.epi.reductions) > 0):
+                inside = (row < M) & (col < N)  # out-of-range elements must not reach a reduction
+                for r in self.epi.reductions:
+                    neutral = cutlass.Float32(0.0 if r.op == "sum" else -math.inf)
+                    res[r.name] = cutlass.select_(inside, cutlass.Float32(res[r.name]), neutral)
+            for key, val in res.items():
                 out.setdefault(key, []).append(val)
         return out
 

@@ -1,0 +1,106 @@
+"""``python -m coda.check --arch sm_90a``: compile every GEMM variant on this machine (no GPU needed), check that the
+PTX issues ``wgmma.mma_async`` and that ``ptxas -v`` reports no spills; print a table; exit 1 on any failure.
+
+Kernels are traced with fake tensors (dynamic M, N, K, L), so what is checked is exactly the code ``coda.gemm`` runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from .config import GemmConfig, all_configs
+from .kernels.epilogue import IDENTITY, Epilogue
+
+
+def fake_args(epi: Epilogue, in_dtype: str = "bf16", out_dtype: str = "bf16"):
+    """Fake (shape-symbolic) tensors in the kernel's argument order: A, B, D, then the epilogue's tensors."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
+    M, L = cute.sym_int32(), cute.sym_int32()
+    N, K = cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8)
+
+    def mat(d, r, c):
+        return make_fake_compact_tensor(dt[d], (r, c, L), stride_order=(1, 0, 2), assumed_align=16)
+
+    def f32(*shape, order=None):
+        return make_fake_compact_tensor(cutlass.Float32, shape, stride_order=order, assumed_align=16)
+
+    xs = []
+    for op in epi.operands:
+        xs.append({"vec_n": lambda: f32(N), "vec_m": lambda: f32(M, L, order=(0, 1)),
+                   "scalar": lambda: f32(1), "tile": lambda: mat(out_dtype, M, N)}[op.kind]())
+    xs += [mat(out_dtype, M, N) for _ in epi.outputs]
+    for r in [r for r in epi.reductions if r.axis == "n"] + [r for r in epi.reductions if r.axis == "m"]:
+        xs.append(f32(M if r.axis == "n" else N, cute.sym_int32(), L, order=(0, 1, 2)))
+    return [mat(in_dtype, M, K), mat(in_dtype, N, K), mat(out_dtype, M, N)], xs
+
+
+def compile_variant(cfg: GemmConfig, epi: Epilogue = IDENTITY, in_dtype="bf16", out_dtype="bf16",
+                    arch="sm_90a") -> dict:
+    """Compile one variant for ``arch``; returns {'ok', 'seconds', 'wgmma', 'registers', 'spill_bytes', 'error'}."""
+    import cutlass.cute as cute
+    import cutlass.runtime as crt
+    from .kernels.gemm_sm90 import GemmSm90
+    row = dict(config=cfg.name, epilogue=epi.name, dtypes=f"{in_dtype}->{out_dtype}", ok=False, seconds=0.0,
+               wgmma=0, registers=None, spill_bytes=None, error="")
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            t = time.time()
+            (a, b, c), xs = fake_args(epi, in_dtype, out_dtype)
+            cute.compile(GemmSm90(cfg, epi), a, b, c, 132 // (cfg.cluster_m * cfg.cluster_n),
+                         crt.make_fake_stream(), *xs, options=f"--gpu-arch={arch} --keep-ptx --dump-dir={d}")
+            row["seconds"] = time.time() - t
+            ptx = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".ptx")]
+            if len(ptx) != 1:
+                raise RuntimeError(f"expected one PTX file, found {len(ptx)}")
+            text = open(ptx[0]).read()
+            row["wgmma"] = text.count("wgmma.mma_async")
+            ptxas = shutil.which("ptxas")
+            if ptxas is None:
+                raise RuntimeError("ptxas not found on PATH (install the CUDA toolkit to check spills)")
+            out = subprocess.run([ptxas, f"-arch={arch}", "-v", ptx[0], "-o", os.devnull], capture_output=True,
+                                 text=True, check=True).stderr
+            row["registers"] = int(re.search(r"Used (\d+) registers", out).group(1))
+            row["spill_bytes"] = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
+            problems = []
+            if row["wgmma"] == 0:
+                problems.append("no wgmma.mma_async in the PTX")
+            if row["spill_bytes"]:
+                problems.append(f"{row['spill_bytes']} bytes of spills")
+            row["ok"], row["error"] = not problems, "; ".join(problems)
+        except Exception as e:  # reported in the table
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--dtypes", default="bf16->bf16,fp16->fp16,bf16->fp32")
+    args = ap.parse_args(argv)
+    if args.arch != "sm_90a":
+        print(f"only sm_90a is supported (wgmma, setmaxnreg), got {args.arch}")
+        return 2
+    rows = []
+    for cfg in all_configs():
+        for pair in args.dtypes.split(","):
+            i, o = pair.split("->")
+            rows.append(compile_variant(cfg, IDENTITY, i, o, args.arch))
+            r = rows[-1]
+            print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['config']:28s} {r['dtypes']:12s} {r['seconds']:5.2f}s "
+                  f"wgmma={r['wgmma']:3d} regs={r['registers']} spills={r['spill_bytes']} {r['error']}", flush=True)
+    bad = [r for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(bad)} passed, {len(bad)} failed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
