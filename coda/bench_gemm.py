@@ -25,6 +25,15 @@ def candidates():
     return out
 
 
+def sweep():
+    """Second-order knobs (swizzle group, epilogue sub-tile) around the best first-order configs."""
+    from .config import GemmConfig
+    base = [dict(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, raster="n"),
+            dict(tile_m=128, tile_n=256, cluster_m=1, cluster_n=2, raster="m"),
+            dict(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2, raster="m")]
+    return [GemmConfig(**b, swizzle=sw, epi_n=en) for b in base for sw in (1, 4, 16) for en in (32, 64)]
+
+
 def bench(fn, rep_ms=200):
     from triton.testing import do_bench
     return do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
@@ -36,11 +45,12 @@ def main(argv=None):
     ap.add_argument("--shapes", default=None, help="M,N,K;M,N,K;...")
     ap.add_argument("--configs", default=None, help="indices into the candidate list, comma separated")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     shapes = SHAPES if not args.shapes else [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
-    cands = candidates()
+    cands = sweep() if args.sweep else candidates()
     if args.configs:
         cands = [cands[int(i)] for i in args.configs.split(",")]
     rows = []
@@ -66,7 +76,7 @@ def main(argv=None):
                 print(f"  {cfg.name}: FAILED {type(e).__name__}: {str(e)[:200]}")
                 continue
             res.append((t, cfg.name))
-            print(f"  {M}x{N}x{K} {cfg.name:32s} {t:8.3f} ms {flops / t / 1e9:7.1f} TFLOP/s  x{t / t_cublas:.3f}",
+            print(f"  {M}x{N}x{K} {cfg.name + '_e' + str(cfg.epi_n):32s} {t:8.3f} ms {flops / t / 1e9:7.1f} TFLOP/s  x{t / t_cublas:.3f}",
                   flush=True)
         t_cublas2 = bench(lambda: torch.mm(*(lambda ab: (ab[0], ab[1].T))(rot()), out=out))
         print(f"  cuBLAS before/after: {t_cublas:.3f} / {t_cublas2:.3f} ms", flush=True)
