@@ -72,3 +72,69 @@ def test_deterministic():
     r2 = coda.gemm(a, b, epilogue=Everything(), **ops)
     for k in r1:
         assert torch.equal(r1[k], r2[k]), k
+
+
+class One(Epilogue):
+    """A single feature of the hook at a time, so a failure names the feature."""
+
+    def __init__(self, what):
+        self.what = what
+        self.name = f"one_{what}"
+        kind = {"bias": "vec_n", "rowscale": "vec_m", "residual": "tile", "scalar": "scalar"}.get(what)
+        self.operands = (Operand("x", kind),) if kind else ()
+        self.reductions = {"rowsum": (Reduction("r", "n", "sum"),), "colsum": (Reduction("r", "m", "sum"),),
+                           "rowmax": (Reduction("r", "n", "max"),)}.get(what, ())
+        self.outputs = ("extra",) if what == "extra" else ()
+
+    def key(self):
+        return super().key() + (self.what,)
+
+    def visit(self, acc, env):
+        w = self.what
+        if w == "coords":
+            return {"out": acc + env.row.to(type(acc)) * 0.001 + env.col.to(type(acc)) * 0.01}
+        if w in ("bias", "rowscale", "residual", "scalar"):
+            return {"out": acc * env["x"] if w in ("rowscale", "scalar") else acc + env["x"]}
+        if w == "extra":
+            return {"out": acc, "extra": acc * 2.0}
+        return {"out": acc, "r": acc}
+
+    def reference(self, acc, x=None):
+        w = self.what
+        M, N = acc.shape[-2:]
+        if w == "coords":
+            r = torch.arange(M, device=acc.device, dtype=acc.dtype).unsqueeze(-1)
+            c = torch.arange(N, device=acc.device, dtype=acc.dtype)
+            return {"out": acc + r * 0.001 + c * 0.01}
+        if w == "bias" or w == "residual":
+            return {"out": acc + x}
+        if w == "rowscale":
+            return {"out": acc * x.unsqueeze(-1)}
+        if w == "scalar":
+            return {"out": acc * x}
+        if w == "extra":
+            return {"out": acc, "extra": acc * 2}
+        red = {"rowsum": lambda t: t.sum(-1), "colsum": lambda t: t.sum(-2), "rowmax": lambda t: t.amax(-1)}[w]
+        return {"out": acc, "r": red(acc)}
+
+
+@pytest.mark.parametrize("what", ["coords", "bias", "rowscale", "residual", "scalar", "extra", "rowsum", "colsum",
+                                  "rowmax"])
+@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=lambda c: c.name)
+def test_one_feature(what, cfg):
+    M, N, K = 333, 520, 264
+    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    x = {"bias": lambda: torch.randn(N, device="cuda"), "rowscale": lambda: torch.rand(M, device="cuda") + 0.5,
+         "residual": lambda: torch.randn(M, N, device="cuda", dtype=torch.bfloat16), "scalar": lambda: 0.37}
+    ops = {"x": x[what]()} if what in x else {}
+    got = coda.gemm(a, b, epilogue=One(what), config=cfg, **ops)
+    got = got if isinstance(got, dict) else {"out": got}
+    acc64 = a.double() @ b.double().T
+    ref = One(what).reference(acc64, **{k: (v.double() if torch.is_tensor(v) else v) for k, v in ops.items()})
+    for k in ref:
+        err = (got[k].double() - ref[k]).abs()
+        tol = 0.02 * ref[k].abs() + 0.05
+        bad = (err > tol).nonzero()
+        assert len(bad) == 0, f"{k}: {len(bad)} bad of {err.numel()}, first {bad[:4].tolist()}: got " \
+                              f"{got[k][tuple(bad[0])].item():.4f} ref {ref[k][tuple(bad[0])].item():.4f}"
