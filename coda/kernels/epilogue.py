@@ -98,11 +98,11 @@ IDENTITY = Epilogue()
 
 
 def finish_reduction(partials, op: str):
-    """Finish a tile-partial reduction on the host side: partials (tiles, L, len) -> (L, len). Deterministic."""
+    """Finish a tile-partial reduction: partials (L, tiles, len) -> (L, len). Deterministic (fixed order)."""
     if op == "sum":
-        return partials.sum(dim=0)
+        return partials.sum(dim=1)
     if op == "max":
-        return partials.amax(dim=0)
+        return partials.amax(dim=1)
     raise ValueError(f"unknown reduction op {op!r}")
 
 
