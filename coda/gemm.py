@@ -35,7 +35,15 @@ def _mnl(t: torch.Tensor) -> torch.Tensor:
 
 
 def _cute(t: torch.Tensor, leading: int):
+    """A cute view of ``t``. Size-1 dims get a canonical stride (torch may give them any value, and a TMA
+    descriptor needs every stride to be a multiple of 16 bytes); the data is not copied."""
     from cutlass.cute.runtime import from_dlpack
+    if any(s == 1 for s in t.shape):
+        strides = list(t.stride())
+        span = max((st * (sz - 1) for st, sz in zip(strides, t.shape) if sz > 1), default=0) + 1
+        span = -(-span // 8) * 8
+        strides = [span if sz == 1 and i != leading else st for i, (st, sz) in enumerate(zip(strides, t.shape))]
+        t = t.as_strided(t.shape, strides)
     return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=leading)
 
 
@@ -79,7 +87,8 @@ def epilogue_tensors(epi: Epilogue, prob, operands: dict, out3: torch.Tensor, cf
             p = torch.empty((L, tiles_n, M), dtype=torch.float32, device=out3.device)
             args.append((p.permute(2, 1, 0), 0))
         else:
-            p = torch.empty((L, tiles_m, N), dtype=torch.float32, device=out3.device)
+            warps = 4 if cfg.pingpong else 8  # one partial per warp of each M-tile
+            p = torch.empty((L, tiles_m * warps, N), dtype=torch.float32, device=out3.device)
             args.append((p.permute(2, 1, 0), 0))
         partials[r.name] = (p, r.op)
     return args, outs, partials

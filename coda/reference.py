@@ -59,12 +59,22 @@ def gemm(
         raise TypeError(f"operands {sorted(operands)} were given without an epilogue")
     with _ieee_fp32(problem.device):
         acc = torch.matmul(a.float(), b.float().transpose(-1, -2))  # zero-size M/N/K handled by torch
+    extras = {}
     if epilogue is not None:
-        acc = epilogue.reference(acc, **operands)
+        res = epilogue.reference(acc, **operands)
+        if isinstance(res, dict):  # CODA epilogues: {"out": ..., extra outputs..., finished reductions...}
+            if "out" not in res:
+                raise TypeError("epilogue.reference returned a dict without an 'out' entry")
+            res = dict(res)
+            acc = res.pop("out")
+            extras = {k: (v.to(problem.out_dtype) if k in getattr(epilogue, "outputs", ()) else v)
+                      for k, v in res.items()}
+        else:
+            acc = res
         if not isinstance(acc, torch.Tensor):
             raise TypeError(f"epilogue.reference must return a tensor; got {type(acc).__name__}")
     result = acc.to(problem.out_dtype)
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
+    if out is not None:
+        out.copy_(result)
+        result = out
+    return {"out": result, **extras} if extras else result

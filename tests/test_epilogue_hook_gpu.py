@@ -38,6 +38,43 @@ CONFIGS = [GemmConfig(), GemmConfig(tile_m=128, tile_n=128, pingpong=True, clust
                                                                                      pingpong=True, cluster_m=1)]
 
 
+class NoReductions(Everything):
+    name = "test_no_reductions"
+    reductions = ()
+
+
+class NoOperands(Epilogue):
+    name = "test_no_operands"
+    outputs = ("pre",)
+    reductions = Everything.reductions
+
+    def visit(self, acc, env):
+        return {"out": acc, "pre": acc * 0.5, "ss": acc * acc, "cs": acc, "mx": acc}
+
+
+def test_bisect_no_reductions():
+    M, N, K = 333, 520, 264
+    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    res0 = res.clone()
+    got = coda.gemm(a, b, epilogue=NoReductions(), bias=torch.randn(N, device="cuda"),
+                    rs=torch.rand(M, device="cuda"), res=res, s=0.5)
+    torch.cuda.synchronize()
+    assert torch.equal(res, res0), "the kernel wrote into an operand"
+
+
+def test_bisect_no_operands():
+    M, N, K = 333, 520, 264
+    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    got = coda.gemm(a, b, epilogue=NoOperands())
+    acc = a.double() @ b.double().T
+    torch.testing.assert_close(got["ss"].double(), (acc * acc).sum(-1), rtol=1e-3, atol=1e-2)
+    torch.testing.assert_close(got["cs"].double(), acc.sum(0), rtol=1e-3, atol=1e-2)
+    torch.testing.assert_close(got["mx"].double(), acc.amax(-1), rtol=1e-3, atol=1e-2)
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
 @pytest.mark.parametrize("L", [None, 2])
 def test_everything(cfg, L):

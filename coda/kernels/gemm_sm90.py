@@ -43,8 +43,8 @@ from .epilogue import Epilogue, EpiEnv
 WG_THREADS = 128
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
 # named barriers (0 is __syncthreads): epilogue of the cooperative pair, or of ping-pong warpgroup w (1 + w);
-# ping-pong mainloop ordering: warpgroup w waits on 3 + w; axis-m reduction scratch: 5 + w.
-BAR_EPI, BAR_ORDER, BAR_RED = 1, 3, 5
+# ping-pong mainloop ordering: warpgroup w waits on 3 + w.
+BAR_EPI, BAR_ORDER = 1, 3
 
 
 class GemmSm90:
@@ -62,6 +62,7 @@ class GemmSm90:
         self.n_vecm = [o for o in epi.operands if o.kind == "vec_m"]
         self.red_n = [r for r in epi.reductions if r.axis == "n"]
         self.red_m = [r for r in epi.reductions if r.axis == "m"]
+        self.warps_per_tile = 4 if cfg.pingpong else 8  # axis-m partials: one per warp of an M-tile
 
     # ------------------------------------------------------------------------------------------------ phase 0: host
     @cute.jit
@@ -90,8 +91,7 @@ class GemmSm90:
             self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
             self.acc_dtype, self.atom_layout, tiler_mn=(64, cfg.tile_n))
 
-        red_m_bytes = max(len(self.red_m), 1) * 2 * 8 * cfg.epi_n * 4  # axis-m scratch: [col][warp][red, wg]
-        self.ab_stage = cfg.derive_stages([d.width // 8 for d in out_dtypes], extra_smem=red_m_bytes,
+        self.ab_stage = cfg.derive_stages([d.width // 8 for d in out_dtypes],
                                           in_bytes=self.ab_dtype.width // 8)
         a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
@@ -115,13 +115,12 @@ class GemmSm90:
                                                     cfg.raster == "m")
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
 
-        ab_stage, n_red_m = self.ab_stage, max(len(self.red_m), 1)
+        ab_stage = self.ab_stage
         ab_dt = self.ab_dtype
 
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, ab_stage * 2]
-            red_m: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, n_red_m * 2 * 8 * cfg.epi_n], 16]
             sA: cute.struct.Align[cute.struct.MemRange[ab_dt, cute.cosize(a_smem)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[ab_dt, cute.cosize(b_smem)], 1024]
 
@@ -176,7 +175,6 @@ class GemmSm90:
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sOuts = [smem.allocate_tensor(self.out_dtypes[i], sl.outer, byte_alignment=1024,
                                       swizzle=sl.inner) for i, sl in enumerate(epi_smems)]
-        sRed = storage.red_m.get_tensor(cute.make_layout((cfg.epi_n, 8, max(len(self.red_m), 1) * 2)))
 
         gA = cute.local_tile(mA, (cfg.tile_m, cfg.tile_k), (None, None, None))  # (bM, bK, m, k, l)
         gB = cute.local_tile(mB, (cfg.tile_n, cfg.tile_k), (None, None, None))  # (bN, bK, n, k, l)
@@ -212,11 +210,11 @@ class GemmSm90:
         else:
             # ---- phase 3: consumers
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consumer(tidx, wg_idx - 1, mainloop, k_tiles, sA, sB, sOuts, sRed, tiled_mma, store_atoms,
+            self.consumer(tidx, wg_idx - 1, mainloop, k_tiles, sA, sB, sOuts, tiled_mma, store_atoms,
                           store_tensors, op_tensors, red_tensors, sched_params)
 
     @cute.jit
-    def consumer(self, tidx, cwg, mainloop, k_tiles, sA, sB, sOuts, sRed, tiled_mma, store_atoms,
+    def consumer(self, tidx, cwg, mainloop, k_tiles, sA, sB, sOuts, tiled_mma, store_atoms,
                  store_tensors, op_tensors, red_tensors, sched_params):
         cfg = self.cfg
         pp = cfg.pingpong
@@ -288,7 +286,7 @@ class GemmSm90:
 
             # ---- 3b epilogue
             self._epilogue(epi, acc, m, n, l, tiles_done, store_pipe, store_atoms, store_tensors, op_tensors,
-                           red_tensors, cwg, sRed)
+                           red_tensors, cwg)
             tiles_done += 1
             sched.advance_to_next_work(advance_count=tile_step)
             work = sched.get_current_work()
@@ -313,7 +311,7 @@ class GemmSm90:
 
     @cute.jit
     def _epilogue(self, epi, acc, m, n, l, tiles_done, store_pipe, store_atoms, store_tensors, op_tensors,
-                  red_tensors, cwg, sRed):
+                  red_tensors, cwg):
         cfg = self.cfg
         pp = cfg.pingpong
         mD = store_tensors[0]
@@ -355,7 +353,7 @@ class GemmSm90:
                     row_acc[ri][g] = val if e == 0 else self._combine(r.op, row_acc[ri][g], val)
             # per-column (axis m) reductions: over the tile's rows, through shared memory
             if cutlass.const_expr(len(self.red_m) > 0):
-                self._reduce_m(results, cols_of, cSub, red_tensors, m, l, N, cwg, sRed, bar)
+                self._reduce_m(results, cols_of, cSub, red_tensors, m, l, N)
             # tile outputs: convert, stmatrix into this sub-tile's buffer, then one warp TMA-stores them
             buf = buf_base + (tiles_done * n_epi + e) % self.epi_stages
             for i in cutlass.range_constexpr(len(epi["parts"])):
@@ -389,33 +387,21 @@ class GemmSm90:
                 self._store_if(red_tensors[ri], (row, n, l), val, (lane % 4 == 0) & (row < M))
 
     @cute.jit
-    def _reduce_m(self, results, cols_of, cSub, red_tensors, m, l, N, cwg, sRed, bar):
-        """Per-column partial over the tile's rows for each axis-m reduction of this sub-tile."""
-        pp = self.cfg.pingpong
+    def _reduce_m(self, results, cols_of, cSub, red_tensors, m, l, N):
+        """Per-column partials of this sub-tile: in-thread over a column's registers, then across the 8 lanes that
+        share the column; lanes 0-3 of each warp write one partial per (column, warp slot of the M-tile)."""
         lane = cute.arch.lane_idx()
-        warp_in_group = (cute.arch.warp_idx() % 4) if pp else (cute.arch.warp_idx() - 4)
-        n_warps = 4 if pp else 8
-        etidx = cute.arch.thread_idx()[0] % self.epi_threads
+        warps = self.warps_per_tile
+        warp_slot = m * warps + cute.arch.warp_idx() % warps  # warps 4..11 (coop) or 4..7 / 8..11 (ping-pong)
         for ri, r in enumerate(self.red_m):
-            slot = ri * 2 + (cwg if pp else 0)
             for g, regs in enumerate(cols_of):
                 val = results[r.name][regs[0]]
                 for v in regs[1:]:
                     val = self._combine(r.op, val, results[r.name][v])
                 for off in (4, 8, 16):  # lanes with the same lane % 4 hold the same columns
                     val = self._combine(r.op, val, cute.arch.shuffle_sync_bfly(val, offset=off))
-                col_local = cSub[regs[0]][1] % self.cfg.epi_n
-                if lane < 4:
-                    sRed[col_local, warp_in_group, slot] = val
-        bar.arrive_and_wait()
-        ci = cutlass.min(etidx, self.cfg.epi_n - 1)
-        col = cSub[0][1] - cSub[0][1] % self.cfg.epi_n + ci
-        for ri, r in enumerate(self.red_m):
-            slot = ri * 2 + (cwg if pp else 0)
-            val = sRed[ci, 0, slot]
-            for w in range(1, n_warps):
-                val = self._combine(r.op, val, sRed[ci, w, slot])
-            self._store_if(red_tensors[len(self.red_n) + ri], (col, m, l), val, (etidx < self.cfg.epi_n) & (col < N))
+                col = cSub[regs[0]][1]
+                self._store_if(red_tensors[len(self.red_n) + ri], (col, warp_slot, l), val, (lane < 4) & (col < N))
 
     @cute.jit
     def _store_if(self, t, idx, val, pred):
