@@ -125,6 +125,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
         raise ValueError("an epilogue with a per-column (axis m) reduction needs b batched like a, got b "
                          f"{tuple(b.shape)} shared by every batch of a {tuple(a.shape)}")
     args, outs, partials = epilogue_tensors(epi, prob, operands, out3, cfg)
+    if len(args) > 12:
+        raise ValueError(f"epilogue {epi.name!r} needs {len(args)} tensors (operands + extra outputs + reductions); "
+                         "the kernel takes at most 12")
     key = (cfg, epi.key(), prob.in_dtype, prob.out_dtype, tuple((t.dtype, t.dim()) for t, _ in args))
     mA, mB, mD = _cute(_mnl(a3), 1), _cute(_mnl(b3), 1), _cute(_mnl(out3), 1)
     xs = [_cute(t, lead) for t, lead in args]

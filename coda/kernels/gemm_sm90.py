@@ -67,9 +67,10 @@ class GemmSm90:
     # ------------------------------------------------------------------------------------------------ phase 0: host
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor, max_active_clusters: cutlass.Constexpr,
-                 stream, x0=None, x1=None, x2=None, x3=None, x4=None, x5=None, x6=None, x7=None):
-        """x0..x7: the epilogue's tensors in order: operands, extra outputs, reduction partial buffers."""
-        epi_args = [x for x in (x0, x1, x2, x3, x4, x5, x6, x7) if x is not None]
+                 stream, x0=None, x1=None, x2=None, x3=None, x4=None, x5=None, x6=None, x7=None, x8=None,
+                 x9=None, x10=None, x11=None):
+        """x0..x11: the epilogue's tensors in order: operands, extra outputs, reduction partial buffers."""
+        epi_args = [x for x in (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11) if x is not None]
         cfg = self.cfg
         self.ab_dtype = mA.element_type
         if cutlass.const_expr(mB.element_type != self.ab_dtype):
