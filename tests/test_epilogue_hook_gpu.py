@@ -1,5 +1,6 @@
 """The GEMM's epilogue hook on the H100: operands of every kind, an extra tile output, row and column reductions."""
 import math
+import os
 
 import pytest
 import torch
@@ -76,8 +77,11 @@ def test_three_reductions_and_extra_output():
     torch.testing.assert_close(got["mx"].double(), acc.amax(-1), rtol=1e-3, atol=1e-2)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: with operands, an extra output AND several reductions, the sum "
-                                        "reductions come out wrong (each feature alone and reductions-only combos pass)")
+@pytest.mark.skipif(not os.environ.get("CODA_RUN_KNOWN_BUGS"),
+                    reason="known bug (set CODA_RUN_KNOWN_BUGS=1 to run): operands + an extra output + several "
+                           "reductions together give wrong sum reductions and can fault (illegal address), which "
+                           "kills the CUDA context for every later test; each feature alone and reductions-only "
+                           "combinations pass")
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
 @pytest.mark.parametrize("L", [None, 2])
 def test_everything(cfg, L):
