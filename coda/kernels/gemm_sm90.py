@@ -127,8 +127,8 @@ class GemmSm90:
 
         self.shared_storage = SharedStorage  # the epilogue buffers (one per tile output) follow the struct
 
-        self.kernel(tma_a, tA, tma_b, tB, op_tensors, red_tensors, [s[0] for s in stores], [s[1] for s in stores],
-                    self.tiled_mma, a_smem, b_smem, epi_smems, sched).launch(
+        self.kernel(tma_a, tA, tma_b, tB, [s[0] for s in stores], [s[1] for s in stores], op_tensors,
+                    red_tensors, self.tiled_mma, a_smem, b_smem, epi_smems, sched).launch(
             grid=grid, block=[3 * WG_THREADS, 1, 1], cluster=(cfg.cluster_m, cfg.cluster_n, 1),
             min_blocks_per_mp=1, stream=stream)
 
@@ -141,7 +141,7 @@ class GemmSm90:
     # ---------------------------------------------------------------------------------------------- device kernel
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               op_tensors: list, red_tensors: list, store_atoms: list, store_tensors: list,
+               store_atoms: list, store_tensors: list, op_tensors: list, red_tensors: list,
                tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
                epi_smems: list, sched_params: utils.PersistentTileSchedulerParams):
         cfg = self.cfg
