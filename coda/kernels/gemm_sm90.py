@@ -25,7 +25,6 @@ Phase 3 (consumer warpgroups; registers raised to 232):
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -53,13 +52,12 @@ class GemmSm90:
         self.epi = epi
         self.acc_dtype = cutlass.Float32
         self.tile_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
-        self.epi_tile = (cfg.tile_m if not cfg.pingpong else cfg.tile_m, cfg.epi_n)
+        self.epi_tile = (cfg.tile_m, cfg.epi_n)  # epilogue sub-tile: full tile height, epi_n columns
         # cooperative: the two warpgroups stack along M; ping-pong: one warpgroup spans the tile
         self.atom_layout = (1, 1, 1) if cfg.pingpong else (2, 1, 1)
         self.num_tiles_in_flight = 2 if cfg.pingpong else 1  # consumer tiles resident at once
         self.epi_threads = WG_THREADS if cfg.pingpong else 2 * WG_THREADS
         self.epi_stages = 2
-        self.n_vecm = [o for o in epi.operands if o.kind == "vec_m"]
         self.red_n = [r for r in epi.reductions if r.axis == "n"]
         self.red_m = [r for r in epi.reductions if r.axis == "m"]
         self.warps_per_tile = 4 if cfg.pingpong else 8  # axis-m partials: one per warp of an M-tile
