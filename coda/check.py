@@ -38,7 +38,7 @@ def fake_args(epi: Epilogue, in_dtype: str = "bf16", out_dtype: str = "bf16"):
         xs.append({"vec_n": lambda: f32(N), "vec_m": lambda: f32(M, L, order=(0, 1)),
                    "scalar": lambda: f32(1), "tile": lambda: mat(out_dtype, M, N)}[op.kind]())
     xs += [mat(out_dtype, M, N) for _ in epi.outputs]
-    for r in [r for r in epi.reductions if r.axis == "n"] + [r for r in epi.reductions if r.axis == "m"]:
+    for r in epi.kernel_reductions():
         xs.append(f32(M if r.axis == "n" else N, cute.sym_int32(), L, order=(0, 1, 2)))
     return [mat(in_dtype, M, K), mat(in_dtype, N, K), mat(out_dtype, M, N)], xs
 

@@ -49,6 +49,11 @@ class GemmConfig:
         return self.tile_m if self.pingpong else self.tile_m // 2
 
     @property
+    def warps_per_tile(self) -> int:
+        """Consumer warps covering one M-tile: the number of axis-m reduction partials per (column, M-tile)."""
+        return 4 if self.pingpong else 8
+
+    @property
     def name(self) -> str:
         sched = "pp" if self.pingpong else "coop"
         st = f"_s{self.stages}" if self.stages else ""

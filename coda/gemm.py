@@ -82,14 +82,11 @@ def epilogue_tensors(epi: Epilogue, prob, operands: dict, out3: torch.Tensor, cf
     partials = {}
     tiles_n = -(-N // cfg.tile_n)
     tiles_m = -(-M // cfg.tile_m)
-    for r in [r for r in epi.reductions if r.axis == "n"] + [r for r in epi.reductions if r.axis == "m"]:
-        if r.axis == "n":
-            p = torch.empty((L, tiles_n, M), dtype=torch.float32, device=out3.device)
-            args.append((p.permute(2, 1, 0), 0))
-        else:
-            warps = 4 if cfg.pingpong else 8  # one partial per warp of each M-tile
-            p = torch.empty((L, tiles_m * warps, N), dtype=torch.float32, device=out3.device)
-            args.append((p.permute(2, 1, 0), 0))
+    for r in epi.kernel_reductions():
+        # per-row: one partial per N-tile; per-column: one partial per warp of each M-tile
+        tiles, length = (tiles_n, M) if r.axis == "n" else (tiles_m * cfg.warps_per_tile, N)
+        p = torch.empty((L, tiles, length), dtype=torch.float32, device=out3.device)
+        args.append((p.permute(2, 1, 0), 0))
         partials[r.name] = (p, r.op)
     return args, outs, partials
 

@@ -89,6 +89,10 @@ class Epilogue:
         with reductions already finished (VecM / VecN tensors)."""
         return {"out": acc}
 
+    def kernel_reductions(self) -> tuple:
+        """The reductions in the order of the kernel's partial buffers: per-row (axis n) first, then per-column."""
+        return tuple(r for r in self.reductions if r.axis == "n") + tuple(r for r in self.reductions if r.axis == "m")
+
     @property
     def is_identity(self) -> bool:
         return type(self) is Epilogue

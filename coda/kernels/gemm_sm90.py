@@ -60,7 +60,6 @@ class GemmSm90:
         self.epi_stages = 2
         self.red_n = [r for r in epi.reductions if r.axis == "n"]
         self.red_m = [r for r in epi.reductions if r.axis == "m"]
-        self.warps_per_tile = 4 if cfg.pingpong else 8  # axis-m partials: one per warp of an M-tile
 
     # ------------------------------------------------------------------------------------------------ phase 0: host
     @cute.jit
@@ -390,7 +389,7 @@ class GemmSm90:
         """Per-column partials of this sub-tile: in-thread over a column's registers, then across the 8 lanes that
         share the column; lanes 0-3 of each warp write one partial per (column, warp slot of the M-tile)."""
         lane = cute.arch.lane_idx()
-        warps = self.warps_per_tile
+        warps = self.cfg.warps_per_tile
         warp_slot = m * warps + cute.arch.warp_idx() % warps  # warps 4..11 (coop) or 4..7 / 8..11 (ping-pong)
         for ri, r in enumerate(self.red_m):
             for g, regs in enumerate(cols_of):
