@@ -54,6 +54,11 @@ def _max_active_clusters(size: int) -> int:
     return _max_clusters[size]
 
 
+def _new_partial(shape, device) -> torch.Tensor:
+    """A reduction's partial buffer (L, tiles, length), fp32; every entry is written by the kernel."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
 def epilogue_tensors(epi: Epilogue, prob, operands: dict, out3: torch.Tensor, cfg: GemmConfig):
     """The epilogue's kernel arguments (operands, extra outputs, reduction partials) as torch tensors in the
     kernel's mode order, plus the torch views handed back to the caller."""
@@ -85,7 +90,7 @@ def epilogue_tensors(epi: Epilogue, prob, operands: dict, out3: torch.Tensor, cf
     for r in epi.kernel_reductions():
         # per-row: one partial per N-tile; per-column: one partial per warp of each M-tile
         tiles, length = (tiles_n, M) if r.axis == "n" else (tiles_m * cfg.warps_per_tile, N)
-        p = torch.empty((L, tiles, length), dtype=torch.float32, device=out3.device)
+        p = _new_partial((L, tiles, length), out3.device)
         args.append((p.permute(2, 1, 0), 0))
         partials[r.name] = (p, r.op)
     return args, outs, partials

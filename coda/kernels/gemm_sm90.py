@@ -19,8 +19,10 @@ Phase 3 (consumer warpgroups; registers raised to 232):
   3b epilogue: per sub-tile (tile_m x epi_n): call the epilogue hook on every accumulator element (with its global
      row/column and operand values), convert, write to shared memory with stmatrix, TMA-store; per-row (axis n)
      reductions accumulate in registers across the sub-tiles and are reduced across the 4 lanes sharing a row, then
-     written as one partial per (row, N-tile); per-column (axis m) reductions are reduced across the rows of the
-     tile through shared memory and written as one partial per (column, M-tile). No atomics: deterministic.
+     written as one partial per (row, N-tile); per-column (axis m) reductions are reduced over a warp's rows
+     (in-thread, then across the 8 lanes sharing a column) and written as one partial per (column, warp of the
+     M-tile). No atomics: deterministic. The scheduler pads the tile grid (cluster shape, swizzle groups); padded
+     tiles are computed but store nothing (TMA clips them; partial stores are predicated on the tile index).
 """
 from __future__ import annotations
 
@@ -351,7 +353,7 @@ class GemmSm90:
                     row_acc[ri][g] = val if e == 0 else self._combine(r.op, row_acc[ri][g], val)
             # per-column (axis m) reductions: over the tile's rows, through shared memory
             if cutlass.const_expr(len(self.red_m) > 0):
-                self._reduce_m(results, cols_of, cSub, red_tensors, m, l, N)
+                self._reduce_m(results, cols_of, cSub, red_tensors, m, l, M, N)
             # tile outputs: convert, stmatrix into this sub-tile's buffer, then one warp TMA-stores them
             buf = buf_base + (tiles_done * n_epi + e) % self.epi_stages
             for i in cutlass.range_constexpr(len(epi["parts"])):
@@ -382,10 +384,13 @@ class GemmSm90:
                 for off in (1, 2):
                     val = self._combine(r.op, val, cute.arch.shuffle_sync_bfly(val, offset=off))
                 row = cSub0[regs[0]][0]
-                self._store_if(red_tensors[ri], (row, n, l), val, (lane % 4 == 0) & (row < M))
+                # n < N-tiles: the scheduler pads the tile grid (swizzle groups, cluster shape); a padded tile's
+                # elements are all masked, but its partial has no slot in the (M, N-tiles, L) buffer
+                self._store_if(red_tensors[ri], (row, n, l), val,
+                               (lane % 4 == 0) & (row < M) & (n * cfg.tile_n < N))
 
     @cute.jit
-    def _reduce_m(self, results, cols_of, cSub, red_tensors, m, l, N):
+    def _reduce_m(self, results, cols_of, cSub, red_tensors, m, l, M, N):
         """Per-column partials of this sub-tile: in-thread over a column's registers, then across the 8 lanes that
         share the column; lanes 0-3 of each warp write one partial per (column, warp slot of the M-tile)."""
         lane = cute.arch.lane_idx()
@@ -399,7 +404,9 @@ class GemmSm90:
                 for off in (4, 8, 16):  # lanes with the same lane % 4 hold the same columns
                     val = self._combine(r.op, val, cute.arch.shuffle_sync_bfly(val, offset=off))
                 col = cSub[regs[0]][1]
-                self._store_if(red_tensors[len(self.red_n) + ri], (col, warp_slot, l), val, (lane < 4) & (col < N))
+                # padded M-tiles (cluster shape, swizzle) have no slot in the partial buffer
+                self._store_if(red_tensors[len(self.red_n) + ri], (col, warp_slot, l), val,
+                               (lane < 4) & (col < N) & (m * self.cfg.tile_m < M))
 
     @cute.jit
     def _store_if(self, t, idx, val, pred):
