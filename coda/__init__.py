@@ -16,12 +16,16 @@ import types
 __version__ = "0.1.0"
 
 # public name -> (module, attribute); attribute None means the module itself.
-# The epilogue DSL (VecM, VecN, Scalar, TileMN) will be added here once it exists.
 _LAZY = {
     "gemm": ("coda.gemm", "gemm"),
     "GemmConfig": ("coda.config", "GemmConfig"),
     "reference": ("coda.reference", None),
 }
+# the epilogue DSL: @coda.epilogue, operand kinds, math on traced values (coda/dsl.py)
+_DSL = ["epilogue", "VecM", "VecN", "Scalar", "TileMN", "EpilogueError", "row", "col", "reduce_n", "reduce_m", "exp",
+        "exp2", "log", "log2", "sqrt", "rsqrt", "sigmoid", "tanh", "silu", "gelu", "relu", "abs", "minimum",
+        "maximum", "where", "cast"]
+_LAZY.update({n: ("coda.dsl", n) for n in _DSL})
 
 __all__ = ["__version__", *_LAZY]
 

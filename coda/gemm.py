@@ -1,16 +1,23 @@
 """``coda.gemm``: D = epilogue(a @ b.T) on CODA's Hopper kernel (F.linear semantics).
 
-Argument checks (``coda._validate``) run first on any machine; then the Hopper check; then the kernel for
-(config, epilogue, dtypes) is compiled once per process (cached, thread-safe) and launched on the current stream.
+Argument checks (``coda._validate``) run first on any machine; then the Hopper check; then the config is chosen
+(``config=None``: ``coda.autotune``, i.e. the in-memory / on-disk tuning result, tuning on a miss; the heuristic
+``default_config`` with ``CODA_AUTOTUNE=0``); then the kernel for (config, epilogue, dtypes) is loaded from the
+on-disk compile cache or compiled, once per process (cached, thread-safe), and launched on the current stream.
+
+Repeated calls with the same shapes, strides, dtypes, epilogue and config reuse a *launch plan*
+(``coda._launch``): only the data pointers and the stream change, and the compiled host function is called
+directly. ``CODA_LAUNCH_PLANS=0`` turns plans off.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Optional
 
 import torch
 
-from . import _device
+from . import _device, _launch
 from ._validate import check_gemm_args
 from .config import GemmConfig, default_config
 from .kernels.epilogue import Epilogue, check_epilogue, finish_reduction
@@ -19,6 +26,8 @@ _TORCH_TO_CUTLASS = {}
 _cache: dict = {}
 _lock = threading.Lock()
 _max_clusters: dict = {}
+_plans: dict = {}  # plan key -> _launch.Plan
+_PLAN_LIMIT = 4096
 
 
 def _cutlass_dtype(dt: torch.dtype):
@@ -34,16 +43,21 @@ def _mnl(t: torch.Tensor) -> torch.Tensor:
     return t.permute(1, 2, 0)
 
 
-def _cute(t: torch.Tensor, leading: int):
-    """A cute view of ``t``. Size-1 dims get a canonical stride (torch may give them any value, and a TMA
-    descriptor needs every stride to be a multiple of 16 bytes); the data is not copied."""
-    from cutlass.cute.runtime import from_dlpack
+def _canonical(t: torch.Tensor, leading: int) -> torch.Tensor:
+    """``t`` with a canonical stride for size-1 dims (torch may give them any value, and a TMA descriptor needs
+    every stride to be a multiple of 16 bytes); a view, the data is not copied."""
     if any(s == 1 for s in t.shape):
         strides = list(t.stride())
         span = max((st * (sz - 1) for st, sz in zip(strides, t.shape) if sz > 1), default=0) + 1
         span = -(-span // 8) * 8
         strides = [span if sz == 1 and i != leading else st for i, (st, sz) in enumerate(zip(strides, t.shape))]
         t = t.as_strided(t.shape, strides)
+    return t
+
+
+def _cute(t: torch.Tensor, leading: int):
+    """A cute view of ``t`` (already canonical, see :func:`_canonical`)."""
+    from cutlass.cute.runtime import from_dlpack
     return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=leading)
 
 
@@ -63,10 +77,6 @@ def epilogue_tensors(epi: Epilogue, prob, operands: dict, out3: torch.Tensor, cf
     """The epilogue's kernel arguments (operands, extra outputs, reduction partials) as torch tensors in the
     kernel's mode order, plus the torch views handed back to the caller."""
     L, M, N = out3.shape
-    names = {o.name for o in epi.operands}
-    missing, extra = names - operands.keys(), operands.keys() - names
-    if missing or extra:
-        raise TypeError(f"epilogue {epi.name!r}: missing operands {sorted(missing)}, unexpected {sorted(extra)}")
     args = []
     for op in epi.operands:
         t = operands[op.name]
@@ -102,10 +112,18 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
 
     Returns the main output (or a dict with ``"out"``, extra outputs and finished reductions when the epilogue
     declares them)."""
+    pkey = _plan_key(a, b, epilogue, out, out_dtype, config, operands)
+    if pkey is not None:
+        plan = _plans.get(pkey)
+        if plan is not None:
+            res = _run_plan(plan, a, b, out, operands)
+            if res is not None:
+                return res
     epi = check_epilogue(epilogue)
     prob = check_gemm_args(a, b, out=out, out_dtype=out_dtype)
+    epi.check_operands(operands, prob.L, prob.M, prob.N, prob.device)
     _device.require_hopper(prob.device, "coda.gemm")
-    cfg = (config or default_config(prob.M, prob.N, prob.K)).validate()
+    cfg = (config or _auto_config(prob, epi, a, b, operands)).validate()
 
     L = prob.L or 1
     a3 = a if a.dim() == 3 else a.unsqueeze(0)
@@ -131,23 +149,101 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
         raise ValueError(f"epilogue {epi.name!r} needs {len(args)} tensors (operands + extra outputs + reductions); "
                          "the kernel takes at most 12")
     key = (cfg, epi.key(), prob.in_dtype, prob.out_dtype, tuple((t.dtype, t.dim()) for t, _ in args))
-    mA, mB, mD = _cute(_mnl(a3), 1), _cute(_mnl(b3), 1), _cute(_mnl(out3), 1)
-    xs = [_cute(t, lead) for t, lead in args]
+    views = [_canonical(_mnl(a3), 1), _canonical(_mnl(b3), 1), _canonical(_mnl(out3), 1)]
+    views += [_canonical(t, lead) for t, lead in args]
+    leads = [1, 1, 1] + [lead for _, lead in args]
+    ts = [_cute(v, lead) for v, lead in zip(views, leads)]
     import cuda.bindings.driver as cuda
-    stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
+    device_index = res.device.index if res.device.index is not None else torch.cuda.current_device()
+    handle = _launch.stream_handle(device_index)
+    cute_args = [*ts[:3], cuda.CUstream(handle), *ts[3:]]
+    fn = _compiled(key, cfg, epi, prob, cute_args)
+    plan = None
+    if pkey is not None and not prob.zero_k and os.environ.get("CODA_LAUNCH_PLANS", "1") != "0":
+        plan = _make_plan(fn, cute_args, views, handle, prob, cfg, epi, (a, b, out), device_index)
+    if plan is not None:
+        if len(_plans) >= _PLAN_LIMIT:
+            _plans.clear()
+        _plans[pkey] = plan
+        plan.launch([v.data_ptr() for v in views], handle)
+    else:
+        fn(*cute_args)
+    reds = {name: finish_reduction(p, op) for name, (p, op) in partials.items()}
+    return _package(epi, res, outs, reds, prob)
+
+
+def _compiled(key, cfg: GemmConfig, epi: Epilogue, prob, cute_args):
+    """The compiled host function for ``key``: in memory, else the on-disk compile cache, else compiled."""
     fn = _cache.get(key)
     if fn is None:
         with _lock:
             fn = _cache.get(key)
             if fn is None:
-                import cutlass.cute as cute
-                from .kernels.gemm_sm90 import GemmSm90
-                fn = cute.compile(GemmSm90(cfg, epi), mA, mB, mD,
-                                  _max_active_clusters(cfg.cluster_m * cfg.cluster_n), stream, *xs)
+                from coda.autotune import compile_cache
+                from coda.autotune.keys import device_info
+                fn, _ = compile_cache.compile_kernel(cfg, epi, prob.in_dtype, prob.out_dtype, key[-1], cute_args,
+                                                     _max_active_clusters(cfg.cluster_m * cfg.cluster_n),
+                                                     device_info(prob.device).arch)
                 _cache[key] = fn
-    fn(mA, mB, mD, stream, *xs)
-    reds = {name: finish_reduction(p, op) for name, (p, op) in partials.items()}
-    return _package(epi, res, outs, reds, prob)
+    return fn
+
+
+def _auto_config(prob, epi: Epilogue, a, b, operands) -> GemmConfig:
+    """``config=None``: the tuned config (``coda.autotune``), or ``default_config`` with ``CODA_AUTOTUNE=0``."""
+    from coda import autotune
+    return autotune.select_config(prob, epi, a, b, operands)
+
+
+def _plan_key(a, b, epilogue, out, out_dtype, config, operands):
+    if epilogue is None:
+        ek = None
+    elif isinstance(epilogue, Epilogue):
+        ek = (type(epilogue), epilogue.key())
+    else:
+        return None
+    return _launch.plan_key(a, b, ek, out, out_dtype, config, operands)
+
+
+def _make_plan(fn, cute_args, views, handle, prob, cfg, epi, tensors, device_index):
+    """A launch plan checked against the DSL's marshalling of this call (None if it does not match)."""
+    try:
+        plan = _launch.Plan(fn, cute_args, views, handle)
+    except _launch.PlanError:
+        return None
+    plan.prob, plan.cfg, plan.epi, plan.device_index = prob, cfg, epi, device_index
+    a, b, out = tensors
+    plan.extents = (_launch.byte_extent(a), _launch.byte_extent(b), 0 if out is None else _launch.byte_extent(out))
+    return plan
+
+
+def _run_plan(plan, a, b, out, operands):
+    """A repeated call through its launch plan; None when a per-call check fails (the full path then raises the
+    proper error). Shapes, strides, dtypes, devices and the epilogue are the plan's (its key); what is left to check
+    per call is what depends on the data pointers: 16-byte alignment and ``out`` sharing memory with ``a``/``b``."""
+    pa, pb = a.data_ptr(), b.data_ptr()
+    if (pa | pb) & 15:
+        return None
+    prob = plan.prob
+    if out is None:
+        res = torch.empty(prob.out_shape, dtype=prob.out_dtype, device=a.device)
+        po = res.data_ptr()
+    else:
+        po = out.data_ptr()
+        ea, eb, eo = plan.extents
+        if po & 15 or _launch.overlap(po, eo, pa, ea) or _launch.overlap(po, eo, pb, eb):
+            return None
+        res = out
+    epi = plan.epi
+    if plan.has_epi_args:
+        out3 = res if res.dim() == 3 else res.unsqueeze(0)
+        if prob.b_broadcast:
+            out3 = out3.reshape(1, prob.L * prob.M, prob.N)
+        args, outs, partials = epilogue_tensors(epi, prob, operands, out3, plan.cfg)
+        plan.launch([pa, pb, po, *(t.data_ptr() for t, _ in args)], _launch.stream_handle(plan.device_index))
+        reds = {name: finish_reduction(p, op) for name, (p, op) in partials.items()}
+        return _package(epi, res, outs, reds, prob)
+    plan.launch((pa, pb, po), _launch.stream_handle(plan.device_index))
+    return _package(epi, res, {}, {}, prob)
 
 
 def _package(epi: Epilogue, res, outs, reds, prob):

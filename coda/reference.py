@@ -57,6 +57,8 @@ def gemm(
     problem = check_gemm_args(a, b, out=out, out_dtype=out_dtype)
     if epilogue is None and operands:
         raise TypeError(f"operands {sorted(operands)} were given without an epilogue")
+    if epilogue is not None and hasattr(epilogue, "check_operands"):
+        epilogue.check_operands(operands, problem.L, problem.M, problem.N, problem.device)
     with _ieee_fp32(problem.device):
         acc = torch.matmul(a.float(), b.float().transpose(-1, -2))  # zero-size M/N/K handled by torch
     extras = {}

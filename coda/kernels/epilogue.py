@@ -27,7 +27,8 @@ import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
 KINDS = ("vec_m", "vec_n", "scalar", "tile")
-REDUCE_OPS = ("sum", "max")
+_KIND_NAMES = {"vec_m": "VecM", "vec_n": "VecN", "scalar": "Scalar", "tile": "TileMN"}
+REDUCE_OPS = ("sum", "max", "logsumexp")  # logsumexp: per-row (axis n) only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,8 @@ class Reduction:
             raise ValueError(f"reduction {self.name!r}: axis must be 'n' or 'm', got {self.axis!r}")
         if self.op not in REDUCE_OPS:
             raise ValueError(f"reduction {self.name!r}: op must be one of {REDUCE_OPS}, got {self.op!r}")
+        if self.op == "logsumexp" and self.axis != "n":
+            raise ValueError(f"reduction {self.name!r}: logsumexp is supported along N only (axis='n')")
 
 
 class EpiEnv:
@@ -89,6 +92,41 @@ class Epilogue:
         with reductions already finished (VecM / VecN tensors)."""
         return {"out": acc}
 
+    def check_operands(self, operands: Mapping[str, Any], L: Optional[int], M: int, N: int, device) -> None:
+        """Call-time checks of the operands against the declared kinds (before any launch): names, shapes,
+        dtypes, devices, layouts. ``L`` is None when unbatched."""
+        import torch
+        names = {o.name for o in self.operands}
+        missing, extra = sorted(names - set(operands)), sorted(set(operands) - names)
+        if missing or extra:
+            raise TypeError(f"epilogue {self.name!r}: missing operands {missing}, unexpected {extra} "
+                            f"(declared: {sorted(names)})")
+        batch = () if L is None else (L,)
+        for o in self.operands:
+            v = operands[o.name]
+            if o.kind == "scalar":
+                if isinstance(v, bool) or not isinstance(v, (int, float, torch.Tensor)):
+                    raise TypeError(f"operand {o.name!r} (Scalar): expected a Python number or a 1-element tensor, "
+                                    f"got {type(v).__name__}")
+                if isinstance(v, torch.Tensor) and v.numel() != 1:
+                    raise ValueError(f"operand {o.name!r} (Scalar): expected 1 element, got shape {tuple(v.shape)}")
+                if isinstance(v, torch.Tensor) and v.device != device:
+                    raise ValueError(f"operand {o.name!r}: on {v.device}, expected {device} (the device of a)")
+                continue
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"operand {o.name!r} ({o.kind}): expected a torch tensor, got {type(v).__name__}")
+            want = {"vec_n": (N,), "vec_m": (*batch, M), "tile": (*batch, M, N)}[o.kind]
+            if tuple(v.shape) != want:
+                raise ValueError(f"operand {o.name!r} ({_KIND_NAMES[o.kind]}): expected shape {want}, got "
+                                 f"{tuple(v.shape)}")
+            if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise TypeError(f"operand {o.name!r}: expected dtype float32, bfloat16 or float16, got {v.dtype}")
+            if v.device != device:
+                raise ValueError(f"operand {o.name!r}: on {v.device}, expected {device} (the device of a)")
+            if v.numel() and v.stride(-1) != 1 and v.shape[-1] > 1:
+                raise ValueError(f"operand {o.name!r}: the last dim must be contiguous (stride 1), got strides "
+                                 f"{tuple(v.stride())}; CODA never copies an operand silently, call .contiguous()")
+
     def kernel_reductions(self) -> tuple:
         """The reductions in the order of the kernel's partial buffers: per-row (axis n) first, then per-column."""
         return tuple(r for r in self.reductions if r.axis == "n") + tuple(r for r in self.reductions if r.axis == "m")
@@ -107,6 +145,8 @@ def finish_reduction(partials, op: str):
         return partials.sum(dim=1)
     if op == "max":
         return partials.amax(dim=1)
+    if op == "logsumexp":
+        return partials.logsumexp(dim=1)
     raise ValueError(f"unknown reduction op {op!r}")
 
 

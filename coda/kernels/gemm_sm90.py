@@ -46,6 +46,7 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232
 # named barriers (0 is __syncthreads): epilogue of the cooperative pair, or of ping-pong warpgroup w (1 + w);
 # ping-pong mainloop ordering: warpgroup w waits on 3 + w.
 BAR_EPI, BAR_ORDER = 1, 3
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
 class GemmSm90:
@@ -347,10 +348,14 @@ class GemmSm90:
             # per-row (axis n) reductions: one row's registers combined in-thread, carried across sub-tiles
             for ri, r in enumerate(self.red_n):
                 for g, regs in enumerate(rows_of):
-                    val = results[r.name][regs[0]]
-                    for v in regs[1:]:
-                        val = self._combine(r.op, val, results[r.name][v])
-                    row_acc[ri][g] = val if e == 0 else self._combine(r.op, row_acc[ri][g], val)
+                    xs = [results[r.name][v] for v in regs]
+                    if cutlass.const_expr(r.op == "logsumexp"):
+                        row_acc[ri][g] = self._lse_update(row_acc[ri][g], xs)
+                    else:
+                        val = xs[0]
+                        for x in xs[1:]:
+                            val = self._combine(r.op, val, x)
+                        row_acc[ri][g] = val if e == 0 else self._combine(r.op, row_acc[ri][g], val)
             # per-column (axis m) reductions: over the tile's rows, through shared memory
             if cutlass.const_expr(len(self.red_m) > 0):
                 self._reduce_m(results, cols_of, cSub, red_tensors, m, l, M, N)
@@ -381,8 +386,11 @@ class GemmSm90:
         for ri, r in enumerate(self.red_n):
             for g, regs in enumerate(rows_of):
                 val = row_acc[ri][g]
-                for off in (1, 2):
-                    val = self._combine(r.op, val, cute.arch.shuffle_sync_bfly(val, offset=off))
+                if cutlass.const_expr(r.op == "logsumexp"):
+                    val = self._lse_finish(val)
+                else:
+                    for off in (1, 2):
+                        val = self._combine(r.op, val, cute.arch.shuffle_sync_bfly(val, offset=off))
                 row = cSub0[regs[0]][0]
                 # n < N-tiles: the scheduler pads the tile grid (swizzle groups, cluster shape); a padded tile's
                 # elements are all masked, but its partial has no slot in the (M, N-tiles, L) buffer
@@ -416,7 +424,39 @@ class GemmSm90:
     # -- helpers traced inside the epilogue ---------------------------------------------------------------------
     @staticmethod
     def _combine(op, a, b):
-        return a + b if op == "sum" else cute.arch.fmax(a, b)
+        return a + b if op == "sum" else cute.arch.fmax(a, b, nan=True)
+
+    # logsumexp rows: an online (max m, sum s of exp(x - m)) pair per row, in base 2
+    @staticmethod
+    def _safe(m):
+        return cutlass.select_(m == -math.inf, cutlass.Float32(0.0), m)  # all -inf so far: exp2(-inf - 0) = 0
+
+    def _lse_update(self, state, xs):
+        m_sub = xs[0]
+        for x in xs[1:]:
+            m_sub = cute.arch.fmax(m_sub, x, nan=True)
+        if state is None:
+            m_new, s = m_sub, cutlass.Float32(0.0)
+        else:
+            m_old, s_old = state
+            m_new = cute.arch.fmax(m_old, m_sub, nan=True)
+            s = s_old * cute.math.exp2((m_old - self._safe(m_new)) * LOG2E, fastmath=True)
+        ms = self._safe(m_new)
+        for x in xs:
+            s = s + cute.math.exp2((x - ms) * LOG2E, fastmath=True)
+        return (m_new, s)
+
+    def _lse_finish(self, state):
+        m, s = state
+        for off in (1, 2):
+            mo = cute.arch.shuffle_sync_bfly(m, offset=off)
+            so = cute.arch.shuffle_sync_bfly(s, offset=off)
+            mn = cute.arch.fmax(m, mo, nan=True)
+            ms = self._safe(mn)
+            s = (s * cute.math.exp2((m - ms) * LOG2E, fastmath=True)
+                 + so * cute.math.exp2((mo - ms) * LOG2E, fastmath=True))
+            m = mn
+        return m + cute.math.log2(s, fastmath=True) * LN2  # ln(sum exp(x)) of this (row, N-tile)
 
     def _acc_map(self, tiled_mma, c_sub, n_v, n_epi):
         """acc_of[e][v]: the accumulator register holding sub-tile e's register v. Matched through thread 0's static

@@ -1,0 +1,249 @@
+"""Evaluate a sympy epilogue expression with a backend: CuTeDSL arithmetic (kernel) or torch ops (reference).
+
+One walker (:func:`evaluate`) maps every node kind the epilogue DSL produces -- and every node sympy's derivatives
+produce (Heaviside, sign, Piecewise, relationals) -- onto a small backend interface, so the kernel and the reference
+cannot disagree about what an expression means. Conventions shared by both backends: Heaviside(0) = 0 and
+sign(0) = 0 (the derivative of relu / abs at 0 is 0, as in torch), max/min propagate NaN.
+"""
+from __future__ import annotations
+
+import math
+
+import sympy as sp
+
+from .dsl import CastBF16, CastF16, Sigmoid
+
+
+def evaluate(e, leaves: dict, B, memo: dict):
+    """Value of sympy expression ``e`` given ``leaves`` {Symbol: value} on backend ``B``."""
+    if e in leaves:
+        return leaves[e]
+    if e in memo:
+        return memo[e]
+    r = _node(e, leaves, B, memo)
+    memo[e] = r
+    return r
+
+
+def _node(e, leaves, B, memo):
+    ev = lambda x: evaluate(x, leaves, B, memo)  # noqa: E731
+    if e is sp.true or e is sp.false:
+        return B.boolean(bool(e))
+    if e.is_Symbol:
+        raise KeyError(f"no value for symbol {e}")
+    if e.is_number and not isinstance(e, (sp.core.relational.Relational, sp.logic.boolalg.Boolean)):
+        return B.const(_num(e))
+    if isinstance(e, sp.Add):
+        terms = [ev(a) for a in e.args]
+        r = terms[0]
+        for t in terms[1:]:
+            r = B.add(r, t)
+        return r
+    if isinstance(e, sp.Mul):
+        num, den = [], []
+        for a in e.args:
+            if isinstance(a, sp.Pow) and a.exp.is_Integer and a.exp < 0:
+                den.append(a.base ** -a.exp)
+            else:
+                num.append(a)
+        r = None
+        for a in num:
+            r = ev(a) if r is None else B.mul(r, ev(a))
+        if den:
+            d = ev(den[0])
+            for a in den[1:]:
+                d = B.mul(d, ev(a))
+            r = B.div(B.const(1.0), d) if r is None else B.div(r, d)
+        return r
+    if isinstance(e, sp.Pow):
+        base, ex = e.args
+        if ex.is_Integer:
+            n = int(ex)
+            if n < 0:
+                return B.div(B.const(1.0), _powi(ev(base), -n, B))
+            return _powi(ev(base), n, B)
+        if ex == sp.Rational(1, 2):
+            return B.sqrt(ev(base))
+        if ex == sp.Rational(-1, 2):
+            return B.rsqrt(ev(base))
+        if base == 2:
+            return B.exp2(ev(ex))
+        if base.is_number:  # c ** x = exp2(x * log2(c))
+            return B.exp2(B.mul(ev(ex), B.const(math.log2(_num(base)))))
+        if ex.is_number:  # x ** c (non-integer c) = exp2(c * log2(x))
+            return B.exp2(B.mul(B.const(_num(ex)), B.log2(ev(base))))
+        raise NotImplementedError(f"power with a traced exponent and base: {e}")
+    if isinstance(e, sp.exp):
+        return B.exp(ev(e.args[0]))
+    if isinstance(e, sp.log):
+        return B.log(ev(e.args[0]))
+    if isinstance(e, sp.tanh):
+        return B.tanh(ev(e.args[0]))
+    if isinstance(e, sp.erf):
+        return B.erf(ev(e.args[0]))
+    if isinstance(e, Sigmoid):
+        return B.sigmoid(ev(e.args[0]))
+    if isinstance(e, CastBF16):
+        return B.cast(ev(e.args[0]), "bf16")
+    if isinstance(e, CastF16):
+        return B.cast(ev(e.args[0]), "f16")
+    if isinstance(e, sp.Abs):
+        return B.abs(ev(e.args[0]))
+    if isinstance(e, (sp.Max, sp.Min)):
+        f = B.max if isinstance(e, sp.Max) else B.min
+        vals = [ev(a) for a in e.args]
+        r = vals[0]
+        for v in vals[1:]:
+            r = f(r, v)
+        return r
+    if isinstance(e, sp.Heaviside):
+        x = ev(e.args[0])
+        return B.select(B.cmp(">", x, B.const(0.0)), B.const(1.0), B.const(0.0))
+    if isinstance(e, sp.sign):
+        x = ev(e.args[0])
+        zero = B.const(0.0)
+        return B.select(B.cmp(">", x, zero), B.const(1.0), B.select(B.cmp("<", x, zero), B.const(-1.0), zero))
+    if isinstance(e, sp.Piecewise):
+        r = None
+        for val, cond in reversed(e.args):
+            if r is None:
+                r = ev(val)  # the last piece's condition is True by construction
+                if cond is not sp.true:
+                    r = B.select(ev(cond), r, B.const(math.nan))
+            else:
+                r = B.select(ev(cond), ev(val), r)
+        return r
+    if isinstance(e, sp.core.relational.Relational):
+        op = {sp.StrictLessThan: "<", sp.LessThan: "<=", sp.StrictGreaterThan: ">", sp.GreaterThan: ">=",
+              sp.Equality: "==", sp.Unequality: "!="}[type(e)]
+        return B.cmp(op, ev(e.lhs), ev(e.rhs))
+    if isinstance(e, sp.And):
+        vals = [ev(a) for a in e.args]
+        r = vals[0]
+        for v in vals[1:]:
+            r = B.and_(r, v)
+        return r
+    if isinstance(e, sp.Or):
+        vals = [ev(a) for a in e.args]
+        r = vals[0]
+        for v in vals[1:]:
+            r = B.or_(r, v)
+        return r
+    if isinstance(e, sp.ITE):
+        return B.select(ev(e.args[0]), ev(e.args[1]), ev(e.args[2]))
+    if isinstance(e, sp.Not):
+        return B.not_(ev(e.args[0]))
+    raise NotImplementedError(f"CODA cannot evaluate {type(e).__name__}: {e}")
+
+
+def _num(e) -> float:
+    if e is sp.oo:
+        return math.inf
+    if e is -sp.oo:
+        return -math.inf
+    if e is sp.nan:
+        return math.nan
+    return float(e)
+
+
+def _powi(x, n: int, B):
+    """x ** n (n >= 0) by repeated squaring."""
+    if n == 0:
+        return B.const(1.0)
+    r, p = None, x
+    while n:
+        if n & 1:
+            r = p if r is None else B.mul(r, p)
+        n >>= 1
+        if n:
+            p = B.mul(p, p)
+    return r
+
+
+class TorchOps:
+    """fp32 torch ops (the reference); constants are Python floats, booleans are bool tensors."""
+
+    def __init__(self, like):
+        import torch
+        self.t = torch
+        self.like = like
+
+    def const(self, v): return self.t.tensor(v, dtype=self.like.dtype, device=self.like.device)
+    def boolean(self, v): return self.t.tensor(v, device=self.like.device)
+    def add(self, a, b): return a + b
+    def mul(self, a, b): return a * b
+    def div(self, a, b): return a / b
+    def sqrt(self, x): return self.t.sqrt(x)
+    def rsqrt(self, x): return self.t.rsqrt(x)
+    def exp(self, x): return self.t.exp(x)
+    def exp2(self, x): return self.t.exp2(x)
+    def log(self, x): return self.t.log(x)
+    def log2(self, x): return self.t.log2(x)
+    def tanh(self, x): return self.t.tanh(x)
+    def erf(self, x): return self.t.erf(x)
+    def sigmoid(self, x): return self.t.sigmoid(x)
+    def abs(self, x): return self.t.abs(x)
+    def max(self, a, b): return self.t.maximum(a, b)
+    def min(self, a, b): return self.t.minimum(a, b)
+    def select(self, c, a, b): return self.t.where(c, a, b)
+    def and_(self, a, b): return a & b
+    def or_(self, a, b): return a | b
+    def not_(self, a): return ~a
+
+    def cmp(self, op, a, b):
+        return {"<": self.t.lt, "<=": self.t.le, ">": self.t.gt, ">=": self.t.ge, "==": self.t.eq,
+                "!=": self.t.ne}[op](a, b)
+
+    def cast(self, x, dt):
+        return x.to(self.t.bfloat16 if dt == "bf16" else self.t.float16).to(x.dtype)
+
+
+class CuteOps:
+    """CuTeDSL fp32 scalar arithmetic, emitted while the GEMM kernel is traced."""
+
+    def __init__(self):
+        import cutlass
+        import cutlass.cute as cute
+        self.c, self.cute = cutlass, cute
+        self.F = cutlass.Float32
+
+    def const(self, v): return self.F(v)
+    def boolean(self, v): return self.c.Boolean(v)
+    def add(self, a, b): return a + b
+    def mul(self, a, b): return a * b
+    def div(self, a, b): return a / b
+    def sqrt(self, x): return self.cute.math.sqrt(x)
+    def rsqrt(self, x): return self.cute.math.rsqrt(x)
+    def exp(self, x): return self.cute.math.exp(x, fastmath=True)
+    def exp2(self, x): return self.cute.math.exp2(x, fastmath=True)
+    def log(self, x): return self.cute.math.log(x, fastmath=True)
+    def log2(self, x): return self.cute.math.log2(x, fastmath=True)
+    def tanh(self, x): return self.cute.math.tanh(x)
+    def erf(self, x): return self.cute.math.erf(x)
+    def abs(self, x): return self.cute.math.abs(x)
+    def max(self, a, b): return self.cute.arch.fmax(a, b, nan=True)
+    def min(self, a, b): return self.cute.arch.fmin(a, b, nan=True)
+    def select(self, c, a, b): return self.c.select_(c, a, b)
+    def and_(self, a, b): return a & b
+    def or_(self, a, b): return a | b
+    def not_(self, a): return self.c.select_(a, self.c.Boolean(False), self.c.Boolean(True))
+
+    def sigmoid(self, x):
+        return self.F(1.0) / (self.F(1.0) + self.cute.math.exp(-x, fastmath=True))
+
+    def cmp(self, op, a, b):
+        if op == "<":
+            return a < b
+        if op == "<=":
+            return a <= b
+        if op == ">":
+            return a > b
+        if op == ">=":
+            return a >= b
+        if op == "==":
+            return a == b
+        return a != b
+
+    def cast(self, x, dt):
+        t = self.c.BFloat16 if dt == "bf16" else self.c.Float16
+        return x.to(t).to(self.F)

@@ -1,0 +1,89 @@
+"""The backward of a traced epilogue, derived with sympy.
+
+For a forward epilogue with outputs ``O_k = e_k(acc, p)`` (main and extra M x N outputs) and reductions
+``R_r = reduce(e_r)``, and upstream gradients ``g_k`` (M x N) and ``g_r`` (one per row or column), the gradient of
+the loss with respect to any per-element quantity ``z`` (the accumulator or an operand's value at the element) is
+
+    G(z) = sum_k g_k * de_k/dz + sum_r w_r * de_r/dz,      w_r = g_r                      (sum)
+                                                            w_r = g_r * [e_r == R_r]       (max; every tie gets it)
+                                                            w_r = g_r * exp(e_r - R_r)     (logsumexp)
+
+The backward epilogue runs on the recomputed accumulator (a second GEMM of the same x and W) and produces:
+``out`` = dacc = G(acc) (then dX = dacc W and dW = dacc^T X), and per operand ``p``: TileMN -> G(p) as an extra
+M x N output, VecN -> reduce_m(G(p)), VecM -> reduce_n(G(p)), Scalar -> reduce_n(G(p)) (summed on the host).
+Common subexpressions of all of these are eliminated together when the epilogue is built.
+"""
+from __future__ import annotations
+
+import sympy as sp
+
+from .dsl import ACC, DslEpilogue, Operand, operand_symbol
+
+GRAD, VALUE, DGRAD = "grad_", "value_", "d_"
+
+
+def grad_name(output: str) -> str:
+    """The operand name of the upstream gradient of forward output / reduction ``output``."""
+    return GRAD + output
+
+
+def value_name(reduction: str) -> str:
+    """The operand name of a max / logsumexp reduction's forward result (needed by its backward)."""
+    return VALUE + reduction
+
+
+def backward_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilogue:
+    """The backward epilogue of ``epi``.
+
+    ``grads``: names of the forward outputs / reductions that have an upstream gradient (others are zero);
+    ``needs``: names of the operands whose gradient is wanted. Output keys: ``out`` (dacc) and ``d_<operand>``."""
+    for o in epi.operands:
+        if o.name.startswith((GRAD, VALUE)):
+            raise ValueError(f"epilogue {epi.name!r}: operand names starting with {GRAD!r} / {VALUE!r} are "
+                             "reserved for the backward")
+    ops = list(epi.operands)
+    terms = []  # (weight expression, forward expression)
+    for k in grads:
+        if k in epi.exprs:
+            g = operand_symbol(grad_name(k))
+            ops.append(Operand(grad_name(k), "tile"))
+            terms.append((g, epi.exprs[k]))
+        elif k in epi.red_specs:
+            axis, op, e = epi.red_specs[k]
+            g = operand_symbol(grad_name(k))
+            ops.append(Operand(grad_name(k), "vec_m" if axis == "n" else "vec_n"))
+            if op == "sum":
+                w = g
+            else:
+                val = operand_symbol(value_name(k))
+                ops.append(Operand(value_name(k), "vec_m"))
+                w = g * (sp.Piecewise((1, sp.Eq(e, val)), (0, True)) if op == "max" else sp.exp(e - val))
+            terms.append((w, e))
+        else:
+            raise ValueError(f"epilogue {epi.name!r} has no output or reduction {k!r}")
+
+    def G(z):
+        return sp.Add(*[w * sp.diff(e, z) for w, e in terms])
+
+    outputs = {"out": G(ACC)}
+    reductions = {}
+    kinds = {o.name: o.kind for o in epi.operands}
+    for name in needs:
+        if name not in kinds:
+            raise ValueError(f"epilogue {epi.name!r} has no operand {name!r}")
+        gz = G(operand_symbol(name))
+        kind = kinds[name]
+        if kind == "tile":
+            outputs[DGRAD + name] = gz
+        elif kind == "vec_n":
+            reductions[DGRAD + name] = ("m", "sum", gz)
+        else:  # vec_m, scalar (the scalar's per-row sums are added up on the host)
+            reductions[DGRAD + name] = ("n", "sum", gz)
+    return DslEpilogue(f"{epi.name}_bwd", tuple(ops), outputs, reductions)
+
+
+def with_preact(epi: DslEpilogue) -> DslEpilogue:
+    """``epi`` plus an extra output ``_preact`` = the accumulator (saved for the backward)."""
+    outputs = dict(epi.exprs)
+    outputs["_preact"] = ACC
+    return DslEpilogue(epi.name + "_preact", epi.operands, outputs, dict(epi.red_specs))

@@ -1,0 +1,167 @@
+"""``coda.ops.linear``: ``epilogue(x @ weight.T)`` as a torch.autograd op, forward and backward as GEMM + epilogue.
+
+Forward: one fused GEMM (``coda.gemm``). Backward (the epilogue's derivative comes from sympy, see
+``coda.autodiff``): one GEMM of the same x and W recomputes the accumulator and its epilogue forms dacc and every
+operand gradient (VecN by per-column partials, VecM and Scalar by per-row partials, TileMN as an extra output); with
+``save_preact=True`` the forward also writes the pre-activation and the backward evaluates the same derivative
+program on it with torch ops instead of recomputing the GEMM (trading M x N bytes for a GEMM). Then
+dX = dacc W and dW = dacc^T X are plain GEMMs; they run on cuBLAS (``torch.matmul``) because CODA's kernel takes
+K-major operands only and these products would need a transposed copy of W or X.
+
+Device: on a Hopper GPU the fused kernels run; on any other device (CPU included) the same programs run through
+``coda.reference.gemm`` (torch ops, fp32 math) -- the documented reference path, useful for tests and debugging.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+from coda import _device
+from coda.autodiff import DGRAD, backward_epilogue, grad_name, value_name, with_preact
+from coda.dsl import DslEpilogue
+
+__all__ = ["linear"]
+
+_bwd_cache: dict = {}
+_bwd_lock = threading.Lock()
+
+
+def _gemm(device):
+    """coda.gemm on a Hopper GPU, coda.reference.gemm elsewhere (documented in the module docstring)."""
+    if device.type == "cuda" and _device.hopper_available(device):
+        from coda.gemm import gemm
+        return gemm
+    from coda.reference import gemm
+    return gemm
+
+
+def _backward_of(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilogue:
+    key = (epi.key(), grads, needs)
+    with _bwd_lock:
+        if key not in _bwd_cache:
+            _bwd_cache[key] = backward_epilogue(epi, grads, needs)
+        return _bwd_cache[key]
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, epi, save_preact, names, scalars, *tensors):
+        ops = dict(zip(names, tensors), **scalars)
+        gemm = _gemm(x2.device)
+        fwd = with_preact(epi) if save_preact else epi
+        res = gemm(x2, weight, epilogue=fwd, **ops)
+        res = res if isinstance(res, dict) else {"out": res}
+        keys = ["out", *epi.outputs, *(r.name for r in epi.reductions)]
+        outs = [res[k] for k in keys]
+        ctx.epi, ctx.keys, ctx.names, ctx.scalars = epi, keys, names, scalars
+        ctx.save_preact = save_preact
+        saved_vals = [res[r.name] for r in epi.reductions if r.op != "sum"]
+        ctx.value_names = [r.name for r in epi.reductions if r.op != "sum"]
+        extra = [res["_preact"]] if save_preact else []
+        ctx.save_for_backward(x2, weight, *tensors, *saved_vals, *extra)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        epi, names = ctx.epi, ctx.names
+        saved = ctx.saved_tensors
+        x2, weight = saved[0], saved[1]
+        tensors = saved[2:2 + len(names)]
+        vals = dict(zip(ctx.value_names, saved[2 + len(names):2 + len(names) + len(ctx.value_names)]))
+        preact = saved[-1] if ctx.save_preact else None
+        present = tuple(k for k, g in zip(ctx.keys, grads) if g is not None)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        needs = tuple(n for n, need in zip(names, ctx.needs_input_grad[6:]) if need)
+        none = (None,) * (6 + len(names))
+        if not present:
+            return none
+        bwd = _backward_of(epi, present, needs)
+        ops = dict(zip(names, tensors), **ctx.scalars)
+        for k, g in zip(ctx.keys, grads):
+            if g is None:
+                continue
+            ops[grad_name(k)] = g.contiguous()
+            if k in vals:
+                ops[value_name(k)] = vals[k]
+        if preact is None:
+            res = _gemm(x2.device)(x2, weight, epilogue=bwd, out_dtype=x2.dtype, **ops)
+        else:  # the same derivative program on the saved pre-activation (torch ops)
+            if vals:  # max / logsumexp results of the rounded pre-activation, so that ties still match
+                fwd = epi.reference(preact.float(), **dict(zip(names, tensors), **ctx.scalars))
+                ops.update({value_name(k): fwd[k] for k in vals if value_name(k) in ops})
+            res = bwd.reference(preact.float(), **ops)
+            res["out"] = res["out"].to(x2.dtype)
+        res = res if isinstance(res, dict) else {"out": res}
+        dacc = res["out"]
+        dx = torch.matmul(dacc, weight) if need_x else None
+        dw = torch.matmul(dacc.t(), x2) if need_w else None
+        dops = []
+        kinds = {o.name: o.kind for o in epi.operands}
+        for n, t in zip(names, tensors):
+            if n not in needs:
+                dops.append(None)
+                continue
+            d = res[DGRAD + n]
+            if kinds[n] == "scalar":
+                d = d.sum().reshape(t.shape)
+            dops.append(d.to(t.dtype))
+        return (dx, dw, None, None, None, None, *dops)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact: bool = False, **operands):
+    """``epilogue(x @ weight.T)`` with autograd; ``x`` (..., K), ``weight`` (N, K) like ``F.linear``.
+
+    Operands follow the epilogue's declared kinds, with x's leading dims: VecM (...,), TileMN (..., N), VecN (N,),
+    Scalar (a number, or a 1-element tensor that gets a gradient). Returns the main output (..., N), or a dict of
+    the main output, extra outputs (..., N) and reductions ((...,) for reduce_n, (N,) for reduce_m)."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"linear: x and weight must be torch tensors, got {type(x).__name__} and "
+                        f"{type(weight).__name__}")
+    if x.dim() < 1 or weight.dim() != 2:
+        raise ValueError(f"linear: x must be (..., K) and weight (N, K); got x {tuple(x.shape)}, weight "
+                         f"{tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear: x has K={x.shape[-1]} but weight has K={weight.shape[1]} (weight is (N, K))")
+    if epilogue is None:
+        epilogue = _identity()
+    if not isinstance(epilogue, DslEpilogue):
+        raise TypeError("linear: epilogue must be made with @coda.epilogue (its backward is derived from the "
+                        f"traced math), got {type(epilogue).__name__}")
+    lead, K, N = x.shape[:-1], x.shape[-1], weight.shape[0]
+    M = 1
+    for d in lead:
+        M *= d
+    x2 = x.reshape(M, K)
+    kinds = {o.name: o.kind for o in epilogue.operands}
+    flat = {}
+    for n, v in operands.items():
+        kind = kinds.get(n)
+        if isinstance(v, torch.Tensor) and kind == "vec_m" and tuple(v.shape) == tuple(lead):
+            v = v.reshape(M)
+        elif isinstance(v, torch.Tensor) and kind == "tile" and tuple(v.shape) == (*lead, N):
+            v = v.reshape(M, N)
+        elif isinstance(v, torch.Tensor) and kind == "scalar":
+            v = v.reshape(1)
+        flat[n] = v
+    # the same checks as coda.gemm, before anything runs (names, shapes, dtypes, devices)
+    epilogue.check_operands(flat, None, M, N, x.device)
+    names = tuple(n for n, v in flat.items() if isinstance(v, torch.Tensor))
+    scalars = {n: v for n, v in flat.items() if not isinstance(v, torch.Tensor)}
+    outs = _Linear.apply(x2, weight, epilogue, save_preact, names, scalars, *(flat[n] for n in names))
+    keys = ["out", *epilogue.outputs, *(r.name for r in epilogue.reductions)]
+    axes = {r.name: r.axis for r in epilogue.reductions}
+    res = {}
+    for k, t in zip(keys, outs):
+        if k in axes:
+            res[k] = t.reshape(*lead) if axes[k] == "n" else t
+        else:
+            res[k] = t.reshape(*lead, N)
+    return res["out"] if len(keys) == 1 else res
+
+
+@functools.lru_cache(maxsize=None)
+def _identity() -> DslEpilogue:
+    from coda.dsl import trace
+    return trace(lambda acc: acc, "identity")

@@ -1,0 +1,184 @@
+"""@coda.epilogue on the CPU: tracing, errors, the semantic key, reference vs torch, sympy gradients vs autograd,
+and every generated epilogue compiles for sm_90a."""
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+
+import coda
+from coda.autodiff import backward_epilogue, grad_name, value_name
+from gen_epilogues import make_epilogue, random_operands, specs, torch_eval
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+# ------------------------------------------------------------------------------------------------- API
+def test_bias_gelu_reference_matches_torch():
+    @coda.epilogue
+    def bias_gelu(acc, bias: coda.VecN):
+        return coda.gelu(acc + bias)
+
+    x = torch.randn(37, 64, dtype=torch.bfloat16)
+    w = torch.randn(24, 64, dtype=torch.bfloat16)
+    b = torch.randn(24)
+    y = coda.reference.gemm(x, w, epilogue=bias_gelu, bias=b, out_dtype=torch.float32)
+    ref = torch.nn.functional.gelu(x.float() @ w.float().T + b, approximate="tanh")
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert bias_gelu.operands[0].kind == "vec_n"
+
+
+def test_dict_outputs_and_reductions():
+    @coda.epilogue
+    def f(acc, r: coda.VecM, s: coda.Scalar):
+        y = acc * r + s
+        return {"out": y, "pre": acc, "ss": coda.reduce_n(y * y), "mx": coda.reduce_n(y, "max"),
+                "lse": coda.reduce_n(y, "logsumexp"), "cs": coda.reduce_m(y)}
+
+    assert f.outputs == ("pre",)
+    assert [(r.name, r.axis, r.op) for r in f.reductions] == [("ss", "n", "sum"), ("mx", "n", "max"),
+                                                               ("lse", "n", "logsumexp"), ("cs", "m", "sum")]
+    acc = torch.randn(2, 5, 7, dtype=torch.float64)
+    r = torch.randn(2, 5, dtype=torch.float64)
+    got = f.reference(acc, r=r, s=0.25)
+    y = acc * r.unsqueeze(-1) + 0.25
+    torch.testing.assert_close(got["ss"], (y * y).sum(-1))
+    torch.testing.assert_close(got["lse"], torch.logsumexp(y, -1))
+    torch.testing.assert_close(got["cs"], y.sum(-2))
+    torch.testing.assert_close(got["pre"], acc)
+
+
+def test_row_col_and_where():
+    @coda.epilogue
+    def causal(acc):
+        return coda.where(coda.col() <= coda.row(), acc, -1e4)
+
+    acc = torch.randn(6, 6, dtype=torch.float64)
+    got = causal.reference(acc)["out"]
+    torch.testing.assert_close(got, torch.where(torch.ones(6, 6).tril().bool(), acc, torch.tensor(-1e4).double()))
+
+
+def test_semantic_key():
+    def mk(body):
+        ns = {"coda": coda}
+        exec(f"@coda.epilogue\ndef e(acc, bias: coda.VecN):\n{body}", ns)
+        return ns["e"]
+
+    a = mk("    return coda.silu(acc + bias)")
+    b = mk("    t = bias + acc\n    return coda.silu(t)")  # renamed local, commuted sum
+    c = mk("    return coda.silu(acc - bias)")
+    d = mk("    return coda.sigmoid(acc + bias)")
+    assert a.key() == b.key()
+    assert len({a.key(), c.key(), d.key()}) == 3
+    assert hash(a.key()) == hash(b.key())
+
+
+# ------------------------------------------------------------------------------------------------- errors
+def _raises(src, match):
+    ns = {"coda": coda, "math": math, "torch": torch}
+    with pytest.raises(coda.EpilogueError, match=match):
+        exec(src, ns)
+
+
+def test_error_python_if_names_line_and_points_to_where():
+    _raises("@coda.epilogue\ndef relu_if(acc):\n    if acc > 0:\n        return acc\n    return 0.0\n",
+            r"relu_if.*line 3.*coda\.where")
+
+
+def test_error_unannotated_and_bad_annotation():
+    _raises("@coda.epilogue\ndef e(acc, bias):\n    return acc + bias\n", r"'bias' has no annotation")
+    _raises("@coda.epilogue\ndef e(acc, bias: int):\n    return acc + bias\n", r"unsupported annotation")
+
+
+def test_error_unknown_function():
+    _raises("@coda.epilogue\ndef e(acc):\n    return math.exp(acc)\n", r"line 3.*coda math functions")
+    _raises("@coda.epilogue\ndef e(acc):\n    return torch.exp(acc)\n", r"line 3.*torch\.exp")
+
+
+def test_error_output_shape():
+    _raises("@coda.epilogue\ndef e(acc):\n    return coda.reduce_n(acc)\n", r"'out' is a reduction")
+    _raises("@coda.epilogue\ndef e(acc):\n    return {'y': acc}\n", r"'out'")
+    _raises("@coda.epilogue\ndef e(acc):\n    return acc, acc\n", r"tuples are not outputs")
+    _raises("@coda.epilogue\ndef e(acc):\n    return coda.reduce_n(acc) + 1\n", r"can only be returned")
+    _raises("@coda.epilogue\ndef e(acc):\n    return acc ** 0.5\n", r"integer powers")
+
+
+def test_call_time_operand_errors():
+    @coda.epilogue
+    def e(acc, bias: coda.VecN, r: coda.VecM):
+        return acc * r + bias
+
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    w = torch.randn(24, 16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"missing operands \['r'\]"):
+        coda.reference.gemm(x, w, epilogue=e, bias=torch.randn(24))
+    with pytest.raises(ValueError, match=r"operand 'bias' \(VecN\): expected shape \(24,\)"):
+        coda.reference.gemm(x, w, epilogue=e, bias=torch.randn(8), r=torch.randn(8))
+    with pytest.raises(TypeError, match=r"operand 'r'.*dtype"):
+        coda.reference.gemm(x, w, epilogue=e, bias=torch.randn(24), r=torch.ones(8, dtype=torch.int32))
+    with pytest.raises(TypeError, match="unexpected"):
+        coda.reference.gemm(x, w, epilogue=e, bias=torch.randn(24), r=torch.randn(8), z=1.0)
+
+
+# ------------------------------------------------------------------------------------------------- generated
+@settings(max_examples=int(os.environ.get("CODA_DSL_EXAMPLES", 200)), **SETTINGS)
+@given(spec=specs())
+def test_generated_reference_matches_torch(spec):
+    epi = make_epilogue(spec)
+    g = torch.Generator().manual_seed(0)
+    L, M, N = 2, 5, 6
+    acc = torch.randn(L, M, N, generator=g, dtype=torch.float64)
+    ops = random_operands(spec, L, M, N, gen=g)
+    got = epi.reference(acc, **ops)
+    want = torch_eval(spec, acc, ops)
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-9, msg=lambda m: f"{k}: {m}")
+
+
+@settings(max_examples=int(os.environ.get("CODA_DSL_EXAMPLES", 200)), **SETTINGS)
+@given(spec=specs())
+def test_generated_gradients_match_autograd(spec):
+    # max reductions of expressions constant along a row tie; their gradient convention differs from torch's
+    assume(all(op != "max" for (_, op, _) in spec["reds"].values()))
+    epi = make_epilogue(spec)
+    g = torch.Generator().manual_seed(1)
+    M, N = 5, 6
+    acc = torch.randn(M, N, generator=g, dtype=torch.float64, requires_grad=True)
+    ops = random_operands(spec, None, M, N, gen=g)
+    tens = {k: (torch.tensor(v, dtype=torch.float64) if spec["kinds"][k] == "scalar" else v).requires_grad_()
+            for k, v in ops.items()}
+    outs = torch_eval(spec, acc, tens)
+    ups = {k: torch.randn(v.shape, generator=g, dtype=torch.float64) for k, v in outs.items()}
+    loss = sum((outs[k] * ups[k]).sum() for k in outs) + 0 * acc.sum()
+    wrt = [acc, *tens.values()]
+    want = torch.autograd.grad(loss, wrt, allow_unused=True)
+    bwd = backward_epilogue(epi, tuple(outs), tuple(tens))
+    bops = dict(ops)
+    for k, u in ups.items():
+        bops[grad_name(k)] = u
+    fwd = epi.reference(acc.detach(), **ops)
+    for r in epi.reductions:
+        if r.op != "sum":
+            bops[value_name(r.name)] = fwd[r.name]
+    got = bwd.reference(acc.detach(), **bops)
+    torch.testing.assert_close(got["out"], want[0] if want[0] is not None else torch.zeros_like(acc),
+                               rtol=1e-7, atol=1e-9)
+    for (name, kind), w in zip(spec["kinds"].items(), want[1:]):
+        d = got["d_" + name]
+        if kind == "scalar":
+            d = d.sum()
+        w = torch.zeros_like(d) if w is None else w
+        torch.testing.assert_close(d, w.reshape(d.shape), rtol=1e-7, atol=1e-9, msg=lambda m: f"d_{name}: {m}")
+
+
+@settings(max_examples=int(os.environ.get("CODA_DSL_COMPILE_EXAMPLES", 200)), **SETTINGS)
+@given(spec=specs())
+def test_generated_epilogue_compiles_for_sm90(spec):
+    from coda.check import compile_variant
+    from coda.config import GemmConfig
+    epi = make_epilogue(spec)
+    row = compile_variant(GemmConfig(tile_m=128, tile_n=128, cluster_m=1, pingpong=False), epi)
+    # spills are allowed for heavy random epilogues (coda.check reports them); a failed build is not
+    assert row["wgmma"] > 0, row["error"]
