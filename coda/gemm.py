@@ -19,7 +19,7 @@ import torch
 
 from . import _device, _launch
 from ._validate import check_gemm_args
-from .config import GemmConfig, default_config
+from .config import GemmConfig
 from .kernels.epilogue import Epilogue, check_epilogue, finish_reduction
 
 _TORCH_TO_CUTLASS = {}
@@ -61,10 +61,15 @@ def _cute(t: torch.Tensor, leading: int):
     return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=leading)
 
 
-def _max_active_clusters(size: int) -> int:
+def _max_active_clusters(size: int, device=None) -> int:
     if size not in _max_clusters:
-        import cutlass.utils
-        _max_clusters[size] = cutlass.utils.HardwareInfo().get_max_active_clusters(size)
+        from coda.autotune import compile_cache
+        from coda.autotune.keys import device_info
+
+        def compute():
+            import cutlass.utils
+            return cutlass.utils.HardwareInfo().get_max_active_clusters(size)
+        _max_clusters[size] = compile_cache.max_active_clusters(device_info(device), size, compute)
     return _max_clusters[size]
 
 
@@ -125,33 +130,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
     _device.require_hopper(prob.device, "coda.gemm")
     cfg = (config or _auto_config(prob, epi, a, b, operands)).validate()
 
-    L = prob.L or 1
-    a3 = a if a.dim() == 3 else a.unsqueeze(0)
-    b3 = b if b.dim() == 3 else b.unsqueeze(0)
-    if prob.b_broadcast:  # one weight for every batch: fold the batch into M (a view; checked to exist)
-        a3 = a3.reshape(1, L * prob.M, prob.K)
-    res = out if out is not None else torch.empty(prob.out_shape, dtype=prob.out_dtype, device=a.device)
-    out3 = res if res.dim() == 3 else res.unsqueeze(0)
-    if prob.b_broadcast:
-        out3 = out3.reshape(1, L * prob.M, prob.N)
-    if prob.empty_result:
+    res, key, views, leads, outs, partials = _kernel_views(prob, epi, cfg, a, b, out, operands)
+    if key is None:  # empty result: nothing to launch
         return _package(epi, res, {}, {}, prob)
-    if prob.zero_k:
-        # the kernel needs rows of >= 16 bytes: K = 0 becomes one all-zero K-tile of 8 columns
-        a3 = torch.zeros((a3.shape[0], a3.shape[1], 8), dtype=a3.dtype, device=a3.device)
-        b3 = torch.zeros((b3.shape[0], prob.N, 8), dtype=b3.dtype, device=b3.device)
-
-    if prob.b_broadcast and any(r.axis == "m" for r in epi.reductions):
-        raise ValueError("an epilogue with a per-column (axis m) reduction needs b batched like a, got b "
-                         f"{tuple(b.shape)} shared by every batch of a {tuple(a.shape)}")
-    args, outs, partials = epilogue_tensors(epi, prob, operands, out3, cfg)
-    if len(args) > 12:
-        raise ValueError(f"epilogue {epi.name!r} needs {len(args)} tensors (operands + extra outputs + reductions); "
-                         "the kernel takes at most 12")
-    key = (cfg, epi.key(), prob.in_dtype, prob.out_dtype, tuple((t.dtype, t.dim()) for t, _ in args))
-    views = [_canonical(_mnl(a3), 1), _canonical(_mnl(b3), 1), _canonical(_mnl(out3), 1)]
-    views += [_canonical(t, lead) for t, lead in args]
-    leads = [1, 1, 1] + [lead for _, lead in args]
     ts = [_cute(v, lead) for v, lead in zip(views, leads)]
     import cuda.bindings.driver as cuda
     device_index = res.device.index if res.device.index is not None else torch.cuda.current_device()
@@ -172,6 +153,40 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
     return _package(epi, res, outs, reds, prob)
 
 
+def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
+    """The result tensor and the kernel's arguments for a validated call: ``(res, key, views, leads, outs,
+    partials)`` with ``views`` the torch tensors behind the cute tensors (A, B, D, epilogue tensors) and ``leads``
+    their contiguous dims; ``key`` (the compile-cache key) is None for an empty result (nothing to launch)."""
+    L = prob.L or 1
+    a3 = a if a.dim() == 3 else a.unsqueeze(0)
+    b3 = b if b.dim() == 3 else b.unsqueeze(0)
+    if prob.b_broadcast:  # one weight for every batch: fold the batch into M (a view; checked to exist)
+        a3 = a3.reshape(1, L * prob.M, prob.K)
+    res = out if out is not None else torch.empty(prob.out_shape, dtype=prob.out_dtype, device=a.device)
+    out3 = res if res.dim() == 3 else res.unsqueeze(0)
+    if prob.b_broadcast:
+        out3 = out3.reshape(1, L * prob.M, prob.N)
+    if prob.empty_result:
+        return res, None, [], [], {}, {}
+    if prob.zero_k:
+        # the kernel needs rows of >= 16 bytes: K = 0 becomes one all-zero K-tile of 8 columns
+        a3 = torch.zeros((a3.shape[0], a3.shape[1], 8), dtype=a3.dtype, device=a3.device)
+        b3 = torch.zeros((b3.shape[0], prob.N, 8), dtype=b3.dtype, device=b3.device)
+
+    if prob.b_broadcast and any(r.axis == "m" for r in epi.reductions):
+        raise ValueError("an epilogue with a per-column (axis m) reduction needs b batched like a, got b "
+                         f"{tuple(b.shape)} shared by every batch of a {tuple(a.shape)}")
+    args, outs, partials = epilogue_tensors(epi, prob, operands, out3, cfg)
+    if len(args) > 12:
+        raise ValueError(f"epilogue {epi.name!r} needs {len(args)} tensors (operands + extra outputs + reductions); "
+                         "the kernel takes at most 12")
+    key = (cfg, epi.key(), prob.in_dtype, prob.out_dtype, tuple((t.dtype, t.dim()) for t, _ in args))
+    views = [_canonical(_mnl(a3), 1), _canonical(_mnl(b3), 1), _canonical(_mnl(out3), 1)]
+    views += [_canonical(t, lead) for t, lead in args]
+    leads = [1, 1, 1] + [lead for _, lead in args]
+    return res, key, views, leads, outs, partials
+
+
 def _compiled(key, cfg: GemmConfig, epi: Epilogue, prob, cute_args):
     """The compiled host function for ``key``: in memory, else the on-disk compile cache, else compiled."""
     fn = _cache.get(key)
@@ -182,7 +197,8 @@ def _compiled(key, cfg: GemmConfig, epi: Epilogue, prob, cute_args):
                 from coda.autotune import compile_cache
                 from coda.autotune.keys import device_info
                 fn, _ = compile_cache.compile_kernel(cfg, epi, prob.in_dtype, prob.out_dtype, key[-1], cute_args,
-                                                     _max_active_clusters(cfg.cluster_m * cfg.cluster_n),
+                                                     _max_active_clusters(cfg.cluster_m * cfg.cluster_n,
+                                                                          prob.device),
                                                      device_info(prob.device).arch)
                 _cache[key] = fn
     return fn

@@ -1,0 +1,157 @@
+"""The config space of CODA's GEMM per (dtypes, epilogue), and the rules that prune it before anything is compiled.
+
+:func:`enumerate_space` is the product of the knobs of :class:`coda.config.GemmConfig` (tile shape, cooperative /
+ping-pong, cluster shape, raster order, swizzle group, pipeline stages, epilogue sub-tile). :func:`prune` splits it
+into kept configs and ``(config, reason)`` pairs; every rule states its reason:
+
+- ``GemmConfig.problems()``: tile / schedule / cluster / register-budget validity;
+- the tile shape is not one of the variants CODA builds and tests (``coda.config.all_configs``);
+- shared memory: ``derive_stages`` with the epilogue's outputs (main + extra tile outputs, 2 sub-tile buffers each,
+  doubled for ping-pong) must leave >= 2 pipeline stages; an explicit ``stages`` must fit;
+- an explicit ``stages`` equal to what ``stages=None`` derives is a duplicate;
+- the epilogue needs more than 12 kernel tensors (operands + extra outputs + reduction partials).
+
+:func:`shape_reasons` adds the rules that depend on the problem (a cluster dimension of 2 over a single tile, a
+reduction partial buffer too large for int32 indexing). Nothing here imports torch or cutlass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Iterable, Iterator, Optional
+
+from coda.config import GemmConfig, all_configs
+
+from .keys import DTYPE_BYTES, dtype_name
+
+MAX_EPI_TENSORS = 12  # x0..x11 of GemmSm90.__call__
+INT32_MAX = 2**31 - 1
+
+TILE_M = (64, 128, 256)
+TILE_N = (64, 128, 192, 256)
+SCHEDULES = (False, True)  # pingpong
+CLUSTERS = ((1, 1), (2, 1), (1, 2), (2, 2))
+RASTERS = ("m", "n")
+SWIZZLES = (1, 4, 8, 16)
+STAGES = (None, 3, 4, 5, 6)
+EPI_N = (32, 64)
+
+# the first-order knobs: what the quick tuning level varies (the rest stay at GemmConfig's defaults)
+QUICK_DEFAULTS = dict(swizzle=GemmConfig.swizzle, stages=None, epi_n=GemmConfig.epi_n)
+
+VERIFIED_TILES = frozenset((c.tile_m, c.tile_n, c.pingpong) for c in all_configs())
+
+
+def enumerate_space() -> Iterator[GemmConfig]:
+    for tm, tn, pp, (cm, cn), r, sw, st, en in itertools.product(TILE_M, TILE_N, SCHEDULES, CLUSTERS, RASTERS,
+                                                                   SWIZZLES, STAGES, EPI_N):
+        yield GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=pp, raster=r, swizzle=sw,
+                         stages=st, epi_n=en)
+
+
+def epilogue_tensor_count(epi: Any) -> int:
+    return len(epi.operands) + len(epi.outputs) + len(epi.kernel_reductions())
+
+
+def _identity():
+    from coda.kernels.epilogue import IDENTITY
+    return IDENTITY
+
+
+def config_reason(cfg: GemmConfig, epi: Any = None, in_dtype: Any = "bfloat16",
+                  out_dtype: Any = "bfloat16") -> Optional[str]:
+    """Why ``cfg`` cannot (or need not) be built for this epilogue and these dtypes; None if it is kept."""
+    epi = epi if epi is not None else _identity()
+    n = epilogue_tensor_count(epi)
+    if n > MAX_EPI_TENSORS:
+        return (f"epilogue {epi.name!r} needs {n} kernel tensors (operands + extra outputs + reductions); the "
+                f"kernel takes at most {MAX_EPI_TENSORS}")
+    problems = cfg.problems()
+    if problems:
+        return "invalid: " + "; ".join(problems)
+    if (cfg.tile_m, cfg.tile_n, cfg.pingpong) not in VERIFIED_TILES:
+        sched = "ping-pong" if cfg.pingpong else "cooperative"
+        return (f"tile {cfg.tile_m}x{cfg.tile_n} {sched} is not one of the variants CODA builds and tests "
+                "(coda.config.all_configs)")
+    out_b = DTYPE_BYTES[dtype_name(out_dtype)]
+    out_bytes = [out_b] * (1 + len(epi.outputs))
+    in_b = DTYPE_BYTES[dtype_name(in_dtype)]
+    try:
+        stages = cfg.derive_stages(out_bytes, in_bytes=in_b)
+    except ValueError as e:
+        return f"shared memory: {e} (epilogue buffers {cfg.epi_smem_bytes(out_bytes)} B)"
+    if cfg.stages is not None:
+        derived = dataclasses.replace(cfg, stages=None).derive_stages(out_bytes, in_bytes=in_b)
+        if stages == derived:
+            return f"duplicate: stages={stages} is what stages=None derives"
+    return None
+
+
+def prune(epi: Any = None, in_dtype: Any = "bfloat16", out_dtype: Any = "bfloat16",
+          configs: Optional[Iterable[GemmConfig]] = None):
+    """Split ``configs`` (default: the whole space) into ``kept`` and ``pruned`` = [(config, reason)]."""
+    kept, pruned = [], []
+    for cfg in (enumerate_space() if configs is None else configs):
+        reason = config_reason(cfg, epi, in_dtype, out_dtype)
+        if reason is None:
+            kept.append(cfg)
+        else:
+            pruned.append((cfg, reason))
+    return kept, pruned
+
+
+def shape_reasons(cfg: GemmConfig, epi: Any, M: int, N: int, L: int = 1) -> Optional[str]:
+    """Problem-dependent pruning (``M``, ``L`` as the kernel sees them: a broadcast weight folds L into M)."""
+    epi = epi if epi is not None else _identity()
+    tiles_m, tiles_n = -(-M // cfg.tile_m), -(-N // cfg.tile_n)
+    if cfg.cluster_m == 2 and tiles_m == 1:
+        return f"cluster 2x1 but M={M} is one {cfg.tile_m}-row tile: the peer CTA would only compute padding"
+    if cfg.cluster_n == 2 and tiles_n == 1:
+        return f"cluster 1x2 but N={N} is one {cfg.tile_n}-column tile: the peer CTA would only compute padding"
+    for r in epi.kernel_reductions():
+        tiles, length = (tiles_n, M) if r.axis == "n" else (tiles_m * cfg.warps_per_tile, N)
+        if L * tiles * length > INT32_MAX:
+            return (f"reduction {r.name!r}: partial buffer of {L}x{tiles}x{length} fp32 exceeds int32 indexing "
+                    f"(tile_{'n' if r.axis == 'n' else 'm'}={cfg.tile_n if r.axis == 'n' else cfg.tile_m})")
+    return None
+
+
+def _first_order(cfg: GemmConfig) -> tuple:
+    return (cfg.tile_m, cfg.tile_n, cfg.pingpong, cfg.cluster_m, cfg.cluster_n, cfg.raster)
+
+
+def candidates(epi: Any, in_dtype: Any, out_dtype: Any, M: int, N: int, L: int = 1, level: str = "quick",
+               around: Iterable[GemmConfig] = ()):
+    """Configs worth timing for one problem: ``(kept, pruned)``.
+
+    ``level="quick"``: the first-order knobs (tile, schedule, cluster, raster) at the default swizzle, stages and
+    epilogue sub-tile. ``level="refine"``: every kept config (any swizzle, stages, sub-tile) that shares its
+    first-order knobs with one of ``around`` (the tuner's best quick configs), except ``around`` themselves."""
+    if level not in ("quick", "refine"):
+        raise ValueError(f"level must be 'quick' or 'refine', got {level!r}")
+    kept, pruned = prune(epi, in_dtype, out_dtype)
+    around = list(around)
+    firsts = {_first_order(c) for c in around}
+    out = []
+    for cfg in kept:
+        if level == "quick" and any(getattr(cfg, k) != v for k, v in QUICK_DEFAULTS.items()):
+            continue  # not pruned: outside the quick level
+        if level == "refine" and (_first_order(cfg) not in firsts or cfg in around):
+            continue
+        reason = shape_reasons(cfg, epi, M, N, L)
+        if reason is None:
+            out.append(cfg)
+        else:
+            pruned.append((cfg, reason))
+    return out, pruned
+
+
+def config_to_dict(cfg: GemmConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d: dict) -> GemmConfig:
+    names = {f.name for f in dataclasses.fields(GemmConfig)}
+    if not isinstance(d, dict) or set(d) != names:
+        raise ValueError(f"not a GemmConfig: {d!r}")
+    return GemmConfig(**d)

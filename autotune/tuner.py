@@ -1,0 +1,306 @@
+"""Timing candidates on the GPU and picking the best (needs a Hopper GPU; imported lazily).
+
+For one problem (the caller's ``a``, ``b``, epilogue and operands):
+
+- candidates: :func:`coda.autotune.space.candidates` (quick level: tile / schedule / cluster / raster; ``level=
+  "full"`` then refines the best 3 over swizzle, stages and epilogue sub-tile), the heuristic default first;
+- each candidate is run once (compiling it, or loading it from the compile cache), its result checked against
+  ``coda.reference.gemm`` (relative error <= ``CHECK_TOL`` per output, same non-finite pattern: a config that
+  computes garbage is rejected, with the reason), then timed with ``triton.testing.do_bench`` (median; an
+  event-timed equivalent if triton is missing) over rotating copies of ``a``/``b`` so every launch reads them
+  L2-cold (the caller's tensors are only read; copies are added until 4x the L2 size is covered, within 1/4 of
+  the free memory);
+- when tuning has taken more than 1 s, progress is shown: a tqdm bar (configs tried, best so far) if tqdm is
+  importable, else a line per config on stderr.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from coda.config import GemmConfig, default_config
+
+from . import space
+from .keys import device_info, dtype_name
+
+CHECK_TOL = 2e-2
+WARMUP_MS, REP_MS = 25, 100
+
+
+@dataclasses.dataclass
+class Row:
+    config: GemmConfig
+    ms: Optional[float] = None
+    status: str = "ok"
+    first_call_s: float = 0.0
+
+
+@dataclasses.dataclass
+class TuneResult:
+    best: GemmConfig
+    best_ms: Optional[float]
+    default: GemmConfig
+    default_ms: Optional[float]
+    rows: list
+    pruned: list
+    seconds: float
+    flop: int
+    level: str
+
+    def entry(self, prob) -> dict:
+        """What the result cache stores for this problem."""
+        return {"config": space.config_to_dict(self.best), "name": self.best.name, "ms": self.best_ms,
+                "default": self.default.name, "default_ms": self.default_ms, "tried": len(self.rows),
+                "shape": [prob.M, prob.N, prob.K, prob.L], "tuning_s": round(self.seconds, 2),
+                "level": self.level, "time": time.time()}
+
+    def table(self) -> str:
+        lines = [f"{'#':>3} {'config':34s} {'ms':>9s} {'TFLOP/s':>8s} {'vs default':>10s}  status"]
+        ok = sorted((r for r in self.rows if r.ms is not None), key=lambda r: r.ms)
+        bad = [r for r in self.rows if r.ms is None]
+        for i, r in enumerate(ok + bad):
+            ms = f"{r.ms:9.4f}" if r.ms is not None else f"{'-':>9s}"
+            tf = f"{self.flop / r.ms / 1e9:8.1f}" if r.ms else f"{'-':>8s}"
+            rel = f"{self.default_ms / r.ms:9.3f}x" if r.ms and self.default_ms else f"{'-':>10s}"
+            mark = " (default)" if r.config == self.default else ""
+            lines.append(f"{i + 1:3d} {r.config.name + '_e' + str(r.config.epi_n):34s} {ms} {tf} {rel}  "
+                         f"{r.status}{mark}")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------------- timing
+def _event_bench(fn: Callable, warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS) -> float:
+    """do_bench's method without triton: flush L2 (zero a 256 MB buffer) before each rep, CUDA-event time, median."""
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    est = max(s.elapsed_time(e) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / est))):
+        fn()
+    n = max(1, int(rep_ms / est))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        flush.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(x.elapsed_time(y) for x, y in zip(starts, ends))
+    return times[len(times) // 2]
+
+
+def bench(fn: Callable, rep_ms: float = REP_MS) -> float:
+    """Median milliseconds of ``fn`` (``triton.testing.do_bench`` if available)."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return _event_bench(fn, rep_ms=rep_ms)
+    return do_bench(fn, warmup=WARMUP_MS, rep=rep_ms, return_mode="median")
+
+
+def rotating_copies(t: torch.Tensor, n: int) -> list:
+    """``t`` itself plus ``n - 1`` copies with the same shape and strides at other addresses."""
+    out = [t]
+    for _ in range(n - 1):
+        c = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        c.copy_(t)
+        out.append(c)
+    return out
+
+
+def n_buffers(bytes_in: int, l2_bytes: int, free_bytes: int, max_n: int = 8) -> int:
+    """How many input sets make every launch L2-cold: enough to span 4x the L2, within 1/4 of the free memory."""
+    if bytes_in <= 0:
+        return 1
+    want = min(max_n, max(1, math.ceil(4 * l2_bytes / bytes_in)))
+    afford = 1 + int(free_bytes // 4 // bytes_in)
+    return max(1, min(want, afford))
+
+
+# ---------------------------------------------------------------------------------------------------- checking
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    fin = torch.isfinite(ref)
+    if not torch.equal(fin, torch.isfinite(x)):
+        return math.inf
+    x, ref = torch.where(fin, x, 0), torch.where(fin, ref, 0)
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item() if ref.numel() else 0.0
+
+
+def check_result(got: Any, ref: Any) -> Optional[str]:
+    """None if ``got`` matches the reference within CHECK_TOL (every output), else the reason."""
+    gd = got if isinstance(got, dict) else {"out": got}
+    rd = ref if isinstance(ref, dict) else {"out": ref}
+    for k, r in rd.items():
+        if k not in gd:
+            return f"wrong result: output {k!r} missing"
+        e = _rel_err(gd[k], r)
+        if not e <= CHECK_TOL:
+            return f"wrong result: {k} rel err {e:.3g} > {CHECK_TOL}"
+    return None
+
+
+def random_operands(epi: Any, L: Optional[int], M: int, N: int, out_dtype: torch.dtype) -> dict:
+    """Operands of the declared kinds for tuning on random inputs (vec_m / vec_n fp32, tile in the out dtype)."""
+    lead = (L,) if L else ()
+    ops = {}
+    for o in epi.operands:
+        if o.kind == "scalar":
+            ops[o.name] = 0.5
+        elif o.kind == "vec_n":
+            ops[o.name] = torch.randn(N, device="cuda")
+        elif o.kind == "vec_m":
+            ops[o.name] = torch.rand(*lead, M, device="cuda") + 0.5
+        else:
+            ops[o.name] = torch.randn(*lead, M, N, device="cuda", dtype=out_dtype)
+    return ops
+
+
+# ------------------------------------------------------------------------------------------------------ progress
+class Progress:
+    """Silent for the first ``after_s`` seconds; then a tqdm bar if importable, else plain lines on stderr."""
+
+    def __init__(self, total: int, desc: str, after_s: float = 1.0, stream=None):
+        self.total, self.desc, self.after_s = total, desc, after_s
+        self.t0 = time.perf_counter()
+        self.bar = None
+        self.plain = False
+        self.done = 0
+        self.stream = stream if stream is not None else sys.stderr
+
+    def update(self, best: str) -> None:
+        self.done += 1
+        if self.bar is None and not self.plain and time.perf_counter() - self.t0 > self.after_s:
+            try:
+                from tqdm.auto import tqdm
+                self.bar = tqdm(total=self.total, initial=self.done - 1, desc=self.desc, unit="cfg",
+                                file=self.stream, leave=False)
+            except ImportError:
+                self.plain = True
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"best {best}")
+        elif self.plain:
+            print(f"{self.desc}: {self.done}/{self.total} configs, best so far {best}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# --------------------------------------------------------------------------------------------------------- tune
+def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[torch.dtype] = None,
+         operands: Optional[dict] = None, level: str = "quick", rep_ms: float = REP_MS, check: bool = True,
+         progress: bool = True) -> TuneResult:
+    """Time every candidate config for ``epi(a @ b.T)`` and return the best (see the module docstring)."""
+    import coda
+    import coda.reference
+    from coda._device import require_hopper
+    from coda._validate import check_gemm_args
+    from coda.kernels.epilogue import check_epilogue
+    if level not in ("quick", "full"):
+        raise ValueError(f"level must be 'quick' or 'full', got {level!r}")
+    t_start = time.perf_counter()
+    operands = dict(operands or {})
+    epi = check_epilogue(epi)
+    prob = check_gemm_args(a, b, out_dtype=out_dtype)
+    require_hopper(prob.device, "coda.autotune")
+    Lk = prob.L or 1
+    M, L = (Lk * prob.M, 1) if prob.b_broadcast else (prob.M, Lk)
+    default = default_config(prob.M, prob.N, prob.K)
+    cands, pruned = space.candidates(epi, prob.in_dtype, prob.out_dtype, M, prob.N, L, "quick")
+    if default in cands:
+        cands.remove(default)
+        cands.insert(0, default)
+
+    props = torch.cuda.get_device_properties(prob.device)
+    free, _ = torch.cuda.mem_get_info(prob.device)
+    nbuf = n_buffers(a.nbytes + (0 if b.data_ptr() == a.data_ptr() else b.nbytes), props.L2_cache_size, free)
+    As, Bs = rotating_copies(a, nbuf), rotating_copies(b, nbuf)
+    out = torch.empty(prob.out_shape, dtype=prob.out_dtype, device=a.device)
+    ref_bytes = 4 * (a.numel() + b.numel() + out.numel() * (2 + len(epi.outputs)))
+    unchecked = check and ref_bytes > free // 4
+    check = check and not unchecked  # the fp32 reference would not fit comfortably next to the caller's data
+    ref = coda.reference.gemm(a, b, epilogue=None if epi.is_identity else epi, out_dtype=prob.out_dtype,
+                              **operands) if check else None
+    if isinstance(ref, dict) and not (epi.outputs or epi.reductions):
+        ref = ref["out"]
+    it = [0]
+
+    def rot():
+        it[0] = (it[0] + 1) % nbuf
+        return As[it[0]], Bs[it[0]]
+
+    rows: list = []
+    bar = Progress(len(cands), f"coda.autotune {prob.M}x{prob.N}x{prob.K} {device_info(prob.device).name}") \
+        if progress else None
+
+    def run(cfgs):
+        for cfg in cfgs:
+            row = Row(cfg)
+            try:
+                t0 = time.perf_counter()
+                got = coda.gemm(As[0], Bs[0], epilogue=epi, out=out, config=cfg, **operands)
+                torch.cuda.synchronize()
+                row.first_call_s = time.perf_counter() - t0
+                bad = check_result(got, ref) if check else None
+                if bad:
+                    row.status = bad
+                else:
+                    if unchecked:
+                        row.status = "ok (unchecked: the fp32 reference would not fit in memory)"
+                    row.ms = bench(lambda: coda.gemm(*rot(), epilogue=epi, out=out, config=cfg, **operands), rep_ms)
+            except Exception as e:  # reported in the table; a faulting kernel may still poison the context
+                row.status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            rows.append(row)
+            if bar is not None:
+                ok = [r for r in rows if r.ms is not None]
+                best = min(ok, key=lambda r: r.ms) if ok else None
+                bar.update(f"{best.config.name} {best.ms:.3f} ms" if best else "-")
+
+    try:
+        run(cands)
+        if level == "full":
+            top = [r.config for r in sorted((r for r in rows if r.ms is not None), key=lambda r: r.ms)[:3]]
+            more, pruned2 = space.candidates(epi, prob.in_dtype, prob.out_dtype, M, prob.N, L, "refine", top)
+            seen = {c for c, _ in pruned}
+            pruned += [(c, r) for c, r in pruned2 if c not in seen]
+            if bar is not None:
+                bar.total += len(more)
+                if bar.bar is not None:
+                    bar.bar.total = bar.total
+            run(more)
+    finally:
+        if bar is not None:
+            bar.close()
+    ok = [r for r in rows if r.ms is not None]
+    best_row = min(ok, key=lambda r: r.ms) if ok else None
+    default_row = next((r for r in rows if r.config == default), None)
+    return TuneResult(best=best_row.config if best_row else default, best_ms=best_row.ms if best_row else None,
+                      default=default, default_ms=default_row.ms if default_row else None, rows=rows,
+                      pruned=pruned, seconds=time.perf_counter() - t_start,
+                      flop=2 * M * prob.N * prob.K * L, level=level)
+
+
+def describe(result: TuneResult) -> str:
+    d = f"{result.default_ms:.4f} ms" if result.default_ms else "n/a"
+    b = f"{result.best_ms:.4f} ms" if result.best_ms else "n/a"
+    return (f"best {result.best.name} ({b}), default {result.default.name} ({d}); {len(result.rows)} timed, "
+            f"{len(result.pruned)} pruned, {result.seconds:.1f} s")
+
+
+__all__ = ["tune", "bench", "TuneResult", "Row", "check_result", "n_buffers", "rotating_copies", "Progress",
+           "random_operands", "describe", "dtype_name"]
