@@ -2,8 +2,9 @@
 
 One walker (:func:`evaluate`) maps every node kind the epilogue DSL produces -- and every node sympy's derivatives
 produce (Heaviside, sign, Piecewise, relationals) -- onto a small backend interface, so the kernel and the reference
-cannot disagree about what an expression means. Conventions shared by both backends: Heaviside(0) = 0 and
-sign(0) = 0 (the derivative of relu / abs at 0 is 0, as in torch), max/min propagate NaN.
+cannot disagree about what an expression means. Conventions shared by both backends: Heaviside(0) = 1/2
+(the derivative of min/max at a tie is split between the two sides, as torch.minimum/maximum do; relu at exactly 0
+therefore gets 1/2), sign(0) = 0 (abs at 0 has derivative 0, as in torch), max/min propagate NaN.
 """
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ def _node(e, leaves, B, memo):
     if e.is_Symbol:
         raise KeyError(f"no value for symbol {e}")
     if e.is_number and not isinstance(e, (sp.core.relational.Relational, sp.logic.boolalg.Boolean)):
-        return B.const(_num(e))
+        try:
+            return B.const(_num(e))
+        except (TypeError, ValueError):  # e.g. Sigmoid(<number>): no numeric value in sympy; evaluate the node
+            pass
     if isinstance(e, sp.Add):
         terms = [ev(a) for a in e.args]
         r = terms[0]
@@ -96,9 +100,11 @@ def _node(e, leaves, B, memo):
         for v in vals[1:]:
             r = f(r, v)
         return r
-    if isinstance(e, sp.Heaviside):
+    if isinstance(e, sp.Heaviside):  # H(0) = 1/2 (sympy's default): a tie of min/max splits the gradient
         x = ev(e.args[0])
-        return B.select(B.cmp(">", x, B.const(0.0)), B.const(1.0), B.const(0.0))
+        h0 = _num(e.args[1]) if len(e.args) > 1 else 0.5
+        zero = B.const(0.0)
+        return B.select(B.cmp(">", x, zero), B.const(1.0), B.select(B.cmp("==", x, zero), B.const(h0), zero))
     if isinstance(e, sp.sign):
         x = ev(e.args[0])
         zero = B.const(0.0)

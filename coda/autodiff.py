@@ -5,7 +5,7 @@ For a forward epilogue with outputs ``O_k = e_k(acc, p)`` (main and extra M x N 
 the loss with respect to any per-element quantity ``z`` (the accumulator or an operand's value at the element) is
 
     G(z) = sum_k g_k * de_k/dz + sum_r w_r * de_r/dz,      w_r = g_r                      (sum)
-                                                            w_r = g_r * [e_r == R_r]       (max; every tie gets it)
+                                                            w_r = g_r * [e_r >= R_r(1 - 2^-14)] (max; ties share)
                                                             w_r = g_r * exp(e_r - R_r)     (logsumexp)
 
 The backward epilogue runs on the recomputed accumulator (a second GEMM of the same x and W) and produces:
@@ -57,7 +57,10 @@ def backward_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilog
             else:
                 val = operand_symbol(value_name(k))
                 ops.append(Operand(value_name(k), "vec_m"))
-                w = g * (sp.Piecewise((1, sp.Eq(e, val)), (0, True)) if op == "max" else sp.exp(e - val))
+                # max: the recomputed e may differ from the forward's by a few ulps (other evaluation order), so
+                # "e is the max" is e >= R - 2^-14 |R|; elements that close to the max share its gradient
+                near = val - sp.Abs(val) * sp.Float(2.0 ** -14)
+                w = g * (sp.Piecewise((1, sp.Ge(e, near)), (0, True)) if op == "max" else sp.exp(e - val))
             terms.append((w, e))
         else:
             raise ValueError(f"epilogue {epi.name!r} has no output or reduction {k!r}")

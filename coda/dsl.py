@@ -77,14 +77,23 @@ class Sigmoid(sp.Function):
 
     @classmethod
     def eval(cls, x):
-        if x.is_Number:
+        if x.is_number:
             return 1 / (1 + sp.exp(-x))
         return None
+
+
+def _round_const(x, dtype: str):
+    import torch
+    return sp.Float(float(torch.tensor(float(x), dtype=torch.float32).to(getattr(torch, dtype)).float()))
 
 
 class CastBF16(sp.Function):
     """Round to bfloat16 and back (straight-through derivative)."""
     nargs = 1
+
+    @classmethod
+    def eval(cls, x):
+        return _round_const(x, "bfloat16") if x.is_number else None
 
     def fdiff(self, argindex=1):
         return sp.Integer(1)
@@ -93,6 +102,10 @@ class CastBF16(sp.Function):
 class CastF16(sp.Function):
     """Round to float16 and back (straight-through derivative)."""
     nargs = 1
+
+    @classmethod
+    def eval(cls, x):
+        return _round_const(x, "float16") if x.is_number else None
 
     def fdiff(self, argindex=1):
         return sp.Integer(1)

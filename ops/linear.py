@@ -30,7 +30,7 @@ _bwd_lock = threading.Lock()
 
 def _gemm(device):
     """coda.gemm on a Hopper GPU, coda.reference.gemm elsewhere (documented in the module docstring)."""
-    if device.type == "cuda" and _device.hopper_available(device):
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) == _device.HOPPER_CAPABILITY:
         from coda.gemm import gemm
         return gemm
     from coda.reference import gemm

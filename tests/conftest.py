@@ -1,5 +1,11 @@
 """Shared pytest setup: tests marked ``gpu`` run only where a Hopper (sm_90) GPU is present."""
+import os
+
 import pytest
+
+# The GPU suites pin their configs or use the heuristic default: tuning every new shape would take minutes.
+# tests/test_autotune.py turns tuning on where it tests it.
+os.environ.setdefault("CODA_AUTOTUNE", "0")
 
 
 def pytest_configure(config):

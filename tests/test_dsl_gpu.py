@@ -1,0 +1,105 @@
+"""@coda.epilogue and coda.ops.linear fused on the H100 vs float64 (the 2x rule), ragged shapes, fwd and bwd."""
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import coda
+import coda.ops
+from coda.config import GemmConfig
+from gen_epilogues import make_epilogue, random_operands, specs
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+CFGS = [GemmConfig(), GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1)]
+
+
+def rel(x, ref):
+    x, ref = x.double(), ref.double()
+    if not torch.isfinite(ref).all():
+        same = (x == ref) | (torch.isnan(x) & torch.isnan(ref))
+        x, ref = torch.where(same, 0, x), torch.where(same, 0, ref)
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@coda.epilogue
+def bias_gelu(acc, bias: coda.VecN):
+    return coda.gelu(acc + bias)
+
+
+@coda.epilogue
+def everything(acc, s: coda.Scalar, r: coda.VecM, res: coda.TileMN, bias: coda.VecN):
+    y = coda.where(acc > 0, acc * s, coda.silu(acc)) + res + bias
+    return {"out": y * r, "pre": coda.tanh(acc), "ss": coda.reduce_n(y * y), "mx": coda.reduce_n(y, "max"),
+            "cs": coda.reduce_m(y), "lse": coda.reduce_n(y, "logsumexp")}
+
+
+def _check_fused(epi, M, N, K, ops64, cfg=None, L=None, floor=1e-5):
+    lead = (L,) if L else ()
+    a = torch.randn(*lead, M, K, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(*lead, N, K, device=DEV, dtype=torch.bfloat16)
+    ops = {k: (v.to(DEV, torch.float32) if torch.is_tensor(v) else v) for k, v in ops64.items()}
+    out = torch.full((*lead, M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+    got = coda.gemm(a, b, epilogue=epi, out=out, config=cfg, **ops)
+    got = got if isinstance(got, dict) else {"out": got}
+    acc64 = torch.matmul(a.double(), b.double().transpose(-1, -2))
+    ref = epi.reference(acc64, **{k: (v.to(DEV) if torch.is_tensor(v) else v) for k, v in ops64.items()})
+    accbf = torch.matmul(a, b.transpose(-1, -2)).double()  # torch in the same dtype: a bf16 GEMM, then the math
+    theirs = epi.reference(accbf, **{k: (v.to(DEV) if torch.is_tensor(v) else v) for k, v in ops64.items()})
+    for k in ref:
+        if k == "out" or k in epi.outputs:
+            theirs[k] = theirs[k].to(torch.bfloat16)
+            assert not torch.isnan(got[k]).any() or torch.isnan(ref[k]).any(), f"{k}: unwritten (NaN) elements"
+        e_ours, e_theirs = rel(got[k], ref[k]), rel(theirs[k], ref[k])
+        assert e_ours <= 2 * e_theirs + floor, (k, e_ours, e_theirs)
+
+
+@pytest.mark.parametrize("cfg", CFGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("shape", [(333, 520, 264), (1000, 776, 512)])
+def test_library_epilogues_fused(cfg, shape):
+    M, N, K = shape
+    _check_fused(bias_gelu, M, N, K, {"bias": torch.randn(N, dtype=torch.float64)}, cfg)
+    ops = dict(s=0.37, r=torch.rand(M, dtype=torch.float64) + 0.5, res=torch.randn(M, N, dtype=torch.float64),
+               bias=torch.randn(N, dtype=torch.float64))
+    _check_fused(everything, M, N, K, ops, cfg)
+
+
+@settings(max_examples=int(os.environ.get("CODA_DSL_GPU_EXAMPLES", 40)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(spec=specs())
+def test_generated_epilogues_fused(spec):
+    epi = make_epilogue(spec)
+    M, N, K = 201, 136, 72
+    g = torch.Generator().manual_seed(2)
+    _check_fused(epi, M, N, K, random_operands(spec, None, M, N, gen=g), floor=2e-3)
+
+
+@pytest.mark.parametrize("save_preact", [False, True])
+def test_linear_forward_backward(save_preact):
+    M, N, K = 300, 264, 200
+    x = torch.randn(3, M // 3, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.1).requires_grad_()
+    s = torch.tensor(0.7, device=DEV, requires_grad=True)
+    r = (torch.rand(3, M // 3, device=DEV) + 0.5).requires_grad_()
+    res = torch.randn(3, M // 3, N, device=DEV, requires_grad=True)
+    bias = torch.randn(N, device=DEV, requires_grad=True)
+    leaves = [x, w, s, r, res, bias]
+    out = coda.ops.linear(x, w, epilogue=everything, save_preact=save_preact, s=s, r=r, res=res, bias=bias)
+    ups = {k: torch.randn(v.shape, device=DEV, dtype=torch.float64) for k, v in out.items()}
+    ours = torch.autograd.grad(sum((out[k].double() * ups[k]).sum() for k in out), leaves)
+
+    def torch_model(dt):
+        ls = [t.detach().to(dt).requires_grad_() for t in leaves]
+        x_, w_, s_, r_, res_, b_ = ls
+        acc = x_ @ w_.T
+        acc = acc.to(torch.float64) if dt == torch.float64 else acc.float()
+        y = torch.where(acc > 0, acc * s_, torch.nn.functional.silu(acc)) + res_ + b_
+        o = {"out": y * r_.unsqueeze(-1), "pre": torch.tanh(acc), "ss": (y * y).sum(-1), "mx": y.amax(-1),
+             "cs": y.sum((0, 1)), "lse": torch.logsumexp(y, -1)}
+        return torch.autograd.grad(sum((o[k].double() * ups[k]).sum() for k in o), ls)
+
+    ref, theirs = torch_model(torch.float64), torch_model(torch.bfloat16)
+    for name, o, r_, t in zip("x w s r res bias".split(), ours, ref, theirs):
+        e_o, e_t = rel(o, r_), rel(t, r_)
+        assert e_o <= 2 * e_t + 1e-3, (name, e_o, e_t)
