@@ -66,11 +66,8 @@ def host_entry(op: Any, max_clusters: int):
 
             @cute.jit
             def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor, stream: cuda.CUstream,
-                         x0: Opt[cute.Tensor] = None, x1: Opt[cute.Tensor] = None, x2: Opt[cute.Tensor] = None,
-                         x3: Opt[cute.Tensor] = None, x4: Opt[cute.Tensor] = None, x5: Opt[cute.Tensor] = None,
-                         x6: Opt[cute.Tensor] = None, x7: Opt[cute.Tensor] = None, x8: Opt[cute.Tensor] = None,
-                         x9: Opt[cute.Tensor] = None, x10: Opt[cute.Tensor] = None, x11: Opt[cute.Tensor] = None):
-                self.op(mA, mB, mD, self.max_clusters, stream, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11)
+                         x0: Opt[cute.Tensor] = None, x1: Opt[cute.Tensor] = None, x2: Opt[cute.Tensor] = None, x3: Opt[cute.Tensor] = None, x4: Opt[cute.Tensor] = None, x5: Opt[cute.Tensor] = None, x6: Opt[cute.Tensor] = None, x7: Opt[cute.Tensor] = None, x8: Opt[cute.Tensor] = None, x9: Opt[cute.Tensor] = None, x10: Opt[cute.Tensor] = None, x11: Opt[cute.Tensor] = None, x12: Opt[cute.Tensor] = None, x13: Opt[cute.Tensor] = None, x14: Opt[cute.Tensor] = None, x15: Opt[cute.Tensor] = None, x16: Opt[cute.Tensor] = None, x17: Opt[cute.Tensor] = None, x18: Opt[cute.Tensor] = None, x19: Opt[cute.Tensor] = None):
+                self.op(mA, mB, mD, self.max_clusters, stream, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, x16, x17, x18, x19)
 
         _Entry = HostEntry
     return _Entry(op, max_clusters)

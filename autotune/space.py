@@ -24,7 +24,7 @@ from coda.config import GemmConfig, all_configs
 
 from .keys import DTYPE_BYTES, dtype_name
 
-MAX_EPI_TENSORS = 12  # x0..x11 of GemmSm90.__call__
+from coda.kernels.epilogue import MAX_EPI_TENSORS  # noqa: E402 (the x-slots of GemmSm90.__call__)
 INT32_MAX = 2**31 - 1
 
 TILE_M = (64, 128, 256)

@@ -20,7 +20,7 @@ import torch
 from . import _device, _launch
 from ._validate import check_gemm_args
 from .config import GemmConfig
-from .kernels.epilogue import Epilogue, check_epilogue, finish_reduction
+from .kernels.epilogue import MAX_EPI_TENSORS, Epilogue, check_epilogue, finish_reduction
 
 _TORCH_TO_CUTLASS = {}
 _cache: dict = {}
@@ -177,9 +177,9 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
         raise ValueError("an epilogue with a per-column (axis m) reduction needs b batched like a, got b "
                          f"{tuple(b.shape)} shared by every batch of a {tuple(a.shape)}")
     args, outs, partials = epilogue_tensors(epi, prob, operands, out3, cfg)
-    if len(args) > 12:
+    if len(args) > MAX_EPI_TENSORS:
         raise ValueError(f"epilogue {epi.name!r} needs {len(args)} tensors (operands + extra outputs + reductions); "
-                         "the kernel takes at most 12")
+                         f"the kernel takes at most {MAX_EPI_TENSORS}")
     key = (cfg, epi.key(), prob.in_dtype, prob.out_dtype, tuple((t.dtype, t.dim()) for t, _ in args))
     views = [_canonical(_mnl(a3), 1), _canonical(_mnl(b3), 1), _canonical(_mnl(out3), 1)]
     views += [_canonical(t, lead) for t, lead in args]

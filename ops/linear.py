@@ -48,10 +48,10 @@ def _backward_of(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilogue:
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, epi, save_preact, names, scalars, *tensors):
-        ops = dict(zip(names, tensors), **scalars)
+        ops = dict(zip(names, (t.detach() for t in tensors)), **scalars)
         gemm = _gemm(x2.device)
         fwd = with_preact(epi) if save_preact else epi
-        res = gemm(x2, weight, epilogue=fwd, **ops)
+        res = gemm(x2.detach(), weight.detach(), epilogue=fwd, **ops)
         res = res if isinstance(res, dict) else {"out": res}
         keys = ["out", *epi.outputs, *(r.name for r in epi.reductions)]
         outs = [res[k] for k in keys]
@@ -66,7 +66,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         epi, names = ctx.epi, ctx.names
-        saved = ctx.saved_tensors
+        saved = [t.detach() for t in ctx.saved_tensors]  # the kernels take plain tensors (no autograd export)
         x2, weight = saved[0], saved[1]
         tensors = saved[2:2 + len(names)]
         vals = dict(zip(ctx.value_names, saved[2 + len(names):2 + len(names) + len(ctx.value_names)]))
@@ -82,7 +82,7 @@ class _Linear(torch.autograd.Function):
         for k, g in zip(ctx.keys, grads):
             if g is None:
                 continue
-            ops[grad_name(k)] = g.contiguous()
+            ops[grad_name(k)] = g.detach().contiguous()
             if k in vals:
                 ops[value_name(k)] = vals[k]
         if preact is None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
+MAX_EPI_TENSORS = 20  # operands + extra outputs + reduction partials: the x0..x19 slots of GemmSm90.__call__
 KINDS = ("vec_m", "vec_n", "scalar", "tile")
 _KIND_NAMES = {"vec_m": "VecM", "vec_n": "VecN", "scalar": "Scalar", "tile": "TileMN"}
 REDUCE_OPS = ("sum", "max", "logsumexp")  # logsumexp: per-row (axis n) only

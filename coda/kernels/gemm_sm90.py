@@ -39,7 +39,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ..config import GemmConfig
-from .epilogue import Epilogue, EpiEnv
+from .epilogue import MAX_EPI_TENSORS, Epilogue, EpiEnv  # noqa: F401 (MAX_EPI_TENSORS: the x-slots)
 
 WG_THREADS = 128
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -67,10 +67,10 @@ class GemmSm90:
     # ------------------------------------------------------------------------------------------------ phase 0: host
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor, max_active_clusters: cutlass.Constexpr,
-                 stream, x0=None, x1=None, x2=None, x3=None, x4=None, x5=None, x6=None, x7=None, x8=None,
-                 x9=None, x10=None, x11=None):
-        """x0..x11: the epilogue's tensors in order: operands, extra outputs, reduction partial buffers."""
-        epi_args = [x for x in (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11) if x is not None]
+                 stream, x0=None, x1=None, x2=None, x3=None, x4=None, x5=None, x6=None, x7=None, x8=None, x9=None, x10=None, x11=None, x12=None, x13=None, x14=None, x15=None, x16=None, x17=None, x18=None, x19=None):
+        """x0..x19 (MAX_EPI_TENSORS): the epilogue's tensors in order: operands, extra outputs, reduction partial
+        buffers (the DSL takes no *args at the top level)."""
+        epi_args = [x for x in (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, x16, x17, x18, x19) if x is not None]
         cfg = self.cfg
         self.ab_dtype = mA.element_type
         if cutlass.const_expr(mB.element_type != self.ab_dtype):
