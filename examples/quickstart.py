@@ -5,7 +5,13 @@ Elsewhere: says so, compiles the same kernels for sm_90a on the CPU, and checks 
 """
 import time
 
+import os
+
 import torch
+
+# the demo uses the heuristic config; `python -m coda.autotune --gemm M,N,K` tunes a shape once (~1 min) and
+# every later process reuses the result
+os.environ.setdefault("CODA_AUTOTUNE", "0")
 
 import coda
 from coda._device import hopper_available
