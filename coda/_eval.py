@@ -8,6 +8,7 @@ therefore gets 1/2), sign(0) = 0 (abs at 0 has derivative 0, as in torch), max/m
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import sympy as sp
@@ -38,11 +39,7 @@ def _node(e, leaves, B, memo):
         except (TypeError, ValueError):  # e.g. Sigmoid(<number>): no numeric value in sympy; evaluate the node
             pass
     if isinstance(e, sp.Add):
-        terms = [ev(a) for a in e.args]
-        r = terms[0]
-        for t in terms[1:]:
-            r = B.add(r, t)
-        return r
+        return _fold(B.add, e.args, ev)
     if isinstance(e, sp.Mul):
         num, den = [], []
         for a in e.args:
@@ -50,13 +47,9 @@ def _node(e, leaves, B, memo):
                 den.append(a.base ** -a.exp)
             else:
                 num.append(a)
-        r = None
-        for a in num:
-            r = ev(a) if r is None else B.mul(r, ev(a))
+        r = _fold(B.mul, num, ev) if num else None
         if den:
-            d = ev(den[0])
-            for a in den[1:]:
-                d = B.mul(d, ev(a))
+            d = _fold(B.mul, den, ev)
             r = B.div(B.const(1.0), d) if r is None else B.div(r, d)
         return r
     if isinstance(e, sp.Pow):
@@ -94,12 +87,7 @@ def _node(e, leaves, B, memo):
     if isinstance(e, sp.Abs):
         return B.abs(ev(e.args[0]))
     if isinstance(e, (sp.Max, sp.Min)):
-        f = B.max if isinstance(e, sp.Max) else B.min
-        vals = [ev(a) for a in e.args]
-        r = vals[0]
-        for v in vals[1:]:
-            r = f(r, v)
-        return r
+        return _fold(B.max if isinstance(e, sp.Max) else B.min, e.args, ev)
     if isinstance(e, sp.Heaviside):  # H(0) = 1/2 (sympy's default): a tie of min/max splits the gradient
         x = ev(e.args[0])
         h0 = _num(e.args[1]) if len(e.args) > 1 else 0.5
@@ -123,23 +111,18 @@ def _node(e, leaves, B, memo):
         op = {sp.StrictLessThan: "<", sp.LessThan: "<=", sp.StrictGreaterThan: ">", sp.GreaterThan: ">=",
               sp.Equality: "==", sp.Unequality: "!="}[type(e)]
         return B.cmp(op, ev(e.lhs), ev(e.rhs))
-    if isinstance(e, sp.And):
-        vals = [ev(a) for a in e.args]
-        r = vals[0]
-        for v in vals[1:]:
-            r = B.and_(r, v)
-        return r
-    if isinstance(e, sp.Or):
-        vals = [ev(a) for a in e.args]
-        r = vals[0]
-        for v in vals[1:]:
-            r = B.or_(r, v)
-        return r
+    if isinstance(e, (sp.And, sp.Or)):
+        return _fold(B.and_ if isinstance(e, sp.And) else B.or_, e.args, ev)
     if isinstance(e, sp.ITE):
         return B.select(ev(e.args[0]), ev(e.args[1]), ev(e.args[2]))
     if isinstance(e, sp.Not):
         return B.not_(ev(e.args[0]))
     raise NotImplementedError(f"CODA cannot evaluate {type(e).__name__}: {e}")
+
+
+def _fold(f, args, ev):
+    """f(...f(f(a0, a1), a2)..., an) over the evaluated args, left to right."""
+    return functools.reduce(f, (ev(a) for a in args))
 
 
 def _num(e) -> float:

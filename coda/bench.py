@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from . import bench_report as R
-from .kernels.epilogue import Epilogue, Operand, Reduction
+from coda.epilogues.scale_bias import ScaleBias, ScaleBiasSumsq
 
 IMPLS = R.IMPLS
 GEMM_SHAPES = ((8192, 8192, 8192), (8192, 4096, 4096), (8192, 28672, 4096), (8192, 4096, 14336),
@@ -57,33 +57,6 @@ DEFAULT_L2 = 50 * 2**20
 
 
 # -- epilogues of the fused-GEMM ops ----------------------------------------------------------------------------
-class ScaleBias(Epilogue):
-    """y = acc * scale[row] + bias[col]."""
-    name = "bench_scale_bias"
-    operands = (Operand("scale", "vec_m"), Operand("bias", "vec_n"))
-
-    def visit(self, acc, env):
-        return {"out": acc * env["scale"] + env["bias"]}
-
-    def reference(self, acc, scale, bias):
-        return {"out": acc * scale[..., None] + bias}
-
-
-class ScaleBiasSumsq(Epilogue):
-    """y = acc * scale[row] + bias[col] and the per-row sum of y^2 (what an RMSNorm consumer needs)."""
-    name = "bench_scale_bias_sumsq"
-    operands = ScaleBias.operands
-    reductions = (Reduction("sumsq", "n", "sum"),)
-
-    def visit(self, acc, env):
-        y = acc * env["scale"] + env["bias"]
-        return {"out": y, "sumsq": y * y}
-
-    def reference(self, acc, scale, bias):
-        y = acc * scale[..., None] + bias
-        return {"out": y, "sumsq": (y * y).sum(-1)}
-
-
 SCALE_BIAS, SCALE_BIAS_SUMSQ = ScaleBias(), ScaleBiasSumsq()
 
 

@@ -20,7 +20,9 @@ import torch
 from . import _launch
 from ._validate import check_gemm_args
 from .config import GemmConfig
-from .kernels.epilogue import IDENTITY, Epilogue, Operand, Reduction
+from coda.epilogues.scale_bias import ScaleBiasSumsq
+
+from .kernels.epilogue import IDENTITY
 
 gemm_mod = importlib.import_module("coda.gemm")  # the module (``coda.gemm`` the attribute is the function)
 FAKE_STREAM = 0x5EED
@@ -57,20 +59,6 @@ class NullRun:
         self.last = exe_args
 
 
-class ScaleBiasRowsum(Epilogue):
-    name = "bench_scale_bias_rowsum"
-    operands = (Operand("scale", "vec_m"), Operand("bias", "vec_n"))
-    reductions = (Reduction("rs", "n", "sum"),)
-
-    def visit(self, acc, env):
-        y = acc * env["scale"] + env["bias"]
-        return {"out": y, "rs": y}
-
-    def reference(self, acc, scale, bias):
-        y = acc * scale[..., None] + bias
-        return {"out": y, "rs": y.sum(-1)}
-
-
 def per_call_us(fn, n: int) -> float:
     for _ in range(min(200, n)):
         fn()
@@ -93,7 +81,7 @@ def main(argv=None) -> int:
     _launch.stream_handle = lambda index: FAKE_STREAM
     try:
         rows = []
-        for epi, kw in ((None, {}), (ScaleBiasRowsum(), ops)):
+        for epi, kw in ((None, {}), (ScaleBiasSumsq(), ops)):
             t0 = time.perf_counter()
             pkey, plan, cute_args, views, leads = cpu_plan(a, b, out, epi, operands=kw)
             t_build = time.perf_counter() - t0

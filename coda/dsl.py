@@ -358,6 +358,7 @@ class DslEpilogue(Epilogue):
         exprs = [self.exprs[k] for k in self.exprs] + [e for (_, _, e) in self.red_specs.values()]
         self._cse_repl, reduced = sp.cse(exprs, symbols=sp.numbered_symbols("_t", real=True), optimizations=None)
         self._cse_out = dict(zip(keys, reduced))
+        self.symbols = set().union(*(e.free_symbols for e in exprs))  # the leaves visit/reference must provide
         self._key = ("coda.dsl", tuple((o.name, o.kind) for o in self.operands),
                      tuple((k, sp.srepr(v)) for k, v in self.exprs.items()),
                      tuple((k, a, op, sp.srepr(e)) for k, (a, op, e) in self.red_specs.items()))
@@ -373,16 +374,14 @@ class DslEpilogue(Epilogue):
         return self._key
 
     @property
-    def symbols(self) -> set:
-        s = set()
-        for e in list(self.exprs.values()) + [e for (_, _, e) in self.red_specs.values()]:
-            s |= e.free_symbols
-        return s
+    def result_keys(self) -> list:
+        """The results in order: main output, extra outputs, reductions."""
+        return ["out", *self.outputs, *(r.name for r in self.reductions)]
 
     # -- kernel (CuTeDSL, trace time) -------------------------------------------------------------------------
     def visit(self, acc, env):
         import cutlass
-        from ._eval import CuteOps, evaluate
+        from ._eval import CuteOps
         leaves = {ACC: acc}
         used = self.symbols
         if ROW in used:

@@ -157,6 +157,14 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
     """The result tensor and the kernel's arguments for a validated call: ``(res, key, views, leads, outs,
     partials)`` with ``views`` the torch tensors behind the cute tensors (A, B, D, epilogue tensors) and ``leads``
     their contiguous dims; ``key`` (the compile-cache key) is None for an empty result (nothing to launch)."""
+    # checks first: nothing is allocated for a call that fails
+    if prob.b_broadcast and any(r.axis == "m" for r in epi.reductions):
+        raise ValueError("an epilogue with a per-column (axis m) reduction needs b batched like a, got b "
+                         f"{tuple(b.shape)} shared by every batch of a {tuple(a.shape)}")
+    n_tensors = len(epi.operands) + len(epi.outputs) + len(epi.reductions)
+    if n_tensors > MAX_EPI_TENSORS:
+        raise ValueError(f"epilogue {epi.name!r} needs {n_tensors} tensors (operands + extra outputs + reductions); "
+                         f"the kernel takes at most {MAX_EPI_TENSORS}")
     L = prob.L or 1
     a3 = a if a.dim() == 3 else a.unsqueeze(0)
     b3 = b if b.dim() == 3 else b.unsqueeze(0)
@@ -173,13 +181,7 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
         a3 = torch.zeros((a3.shape[0], a3.shape[1], 8), dtype=a3.dtype, device=a3.device)
         b3 = torch.zeros((b3.shape[0], prob.N, 8), dtype=b3.dtype, device=b3.device)
 
-    if prob.b_broadcast and any(r.axis == "m" for r in epi.reductions):
-        raise ValueError("an epilogue with a per-column (axis m) reduction needs b batched like a, got b "
-                         f"{tuple(b.shape)} shared by every batch of a {tuple(a.shape)}")
     args, outs, partials = epilogue_tensors(epi, prob, operands, out3, cfg)
-    if len(args) > MAX_EPI_TENSORS:
-        raise ValueError(f"epilogue {epi.name!r} needs {len(args)} tensors (operands + extra outputs + reductions); "
-                         f"the kernel takes at most {MAX_EPI_TENSORS}")
     key = (cfg, epi.key(), prob.in_dtype, prob.out_dtype, tuple((t.dtype, t.dim()) for t, _ in args))
     views = [_canonical(_mnl(a3), 1), _canonical(_mnl(b3), 1), _canonical(_mnl(out3), 1)]
     views += [_canonical(t, lead) for t, lead in args]

@@ -15,22 +15,8 @@ os.environ.setdefault("CODA_AUTOTUNE", "0")
 
 import coda
 from coda._device import hopper_available
-from coda.kernels.epilogue import IDENTITY, Epilogue, Operand, Reduction
-
-
-class ScaleBiasSumsq(Epilogue):
-    """y = acc * scale[row] + bias[col], and the per-row sum of y^2 (what an RMSNorm producer needs)."""
-    name = "scale_bias_sumsq"
-    operands = (Operand("scale", "vec_m"), Operand("bias", "vec_n"))
-    reductions = (Reduction("sumsq", "n", "sum"),)
-
-    def visit(self, acc, env):
-        y = acc * env["scale"] + env["bias"]
-        return {"out": y, "sumsq": y * y}
-
-    def reference(self, acc, scale, bias):
-        y = acc * scale.unsqueeze(-1) + bias
-        return {"out": y, "sumsq": (y * y).sum(-1)}
+from coda.epilogues.scale_bias import ScaleBiasSumsq
+from coda.kernels.epilogue import IDENTITY
 
 
 def rel(x, ref):

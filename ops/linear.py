@@ -53,7 +53,7 @@ class _Linear(torch.autograd.Function):
         fwd = with_preact(epi) if save_preact else epi
         res = gemm(x2.detach(), weight.detach(), epilogue=fwd, **ops)
         res = res if isinstance(res, dict) else {"out": res}
-        keys = ["out", *epi.outputs, *(r.name for r in epi.reductions)]
+        keys = epi.result_keys
         outs = [res[k] for k in keys]
         ctx.epi, ctx.keys, ctx.names, ctx.scalars = epi, keys, names, scalars
         ctx.save_preact = save_preact
@@ -150,7 +150,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
     names = tuple(n for n, v in flat.items() if isinstance(v, torch.Tensor))
     scalars = {n: v for n, v in flat.items() if not isinstance(v, torch.Tensor)}
     outs = _Linear.apply(x2, weight, epilogue, save_preact, names, scalars, *(flat[n] for n in names))
-    keys = ["out", *epilogue.outputs, *(r.name for r in epilogue.reductions)]
+    keys = epilogue.result_keys
     axes = {r.name: r.axis for r in epilogue.reductions}
     res = {}
     for k, t in zip(keys, outs):

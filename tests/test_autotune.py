@@ -24,7 +24,8 @@ from coda.autotune import compile_cache, keys, space
 from coda.autotune.__main__ import main as cli_main
 from coda.autotune.store import CacheFileWarning, ResultStore, cache_dir
 from coda.config import GemmConfig, all_configs, default_config
-from coda.kernels.epilogue import IDENTITY, Epilogue, Operand, Reduction
+from coda.kernels.epilogue import IDENTITY, Epilogue
+from hook_epilogues import Everything
 
 gemm_mod = importlib.import_module("coda.gemm")
 BF16 = torch.bfloat16
@@ -56,19 +57,6 @@ def kernel_cache(tmp_path_factory):
         os.environ.pop("CODA_CACHE_DIR", None)
     else:
         os.environ["CODA_CACHE_DIR"] = old
-
-
-class Many(Epilogue):
-    """An epilogue of every feature: 4 operands, 1 extra output, 3 reductions (8 kernel tensors)."""
-    name = "test_many"
-    operands = (Operand("bias", "vec_n"), Operand("rs", "vec_m"), Operand("res", "tile"), Operand("s", "scalar"))
-    outputs = ("pre",)
-    reductions = (Reduction("ss", "n", "sum"), Reduction("cs", "m", "sum"), Reduction("mx", "n", "max"))
-
-    def visit(self, acc, env):
-        pre = acc * env["s"] + env["bias"]
-        y = pre * env["rs"] + env["res"]
-        return {"out": y, "pre": pre, "ss": y * y, "cs": y, "mx": y}
 
 
 def outputs_epilogue(n_out):
@@ -114,7 +102,7 @@ def test_shape_rules():
     assert "peer CTA" in space.shape_reasons(GemmConfig(cluster_m=2, cluster_n=1), IDENTITY, M=100, N=4096)
     assert "peer CTA" in space.shape_reasons(GemmConfig(cluster_m=1, cluster_n=2), IDENTITY, M=4096, N=200)
     assert space.shape_reasons(GemmConfig(cluster_m=2, cluster_n=1), IDENTITY, M=4096, N=4096) is None
-    big = space.shape_reasons(GemmConfig(cluster_m=1, tile_n=128), Many(), M=2**20, N=2**20)
+    big = space.shape_reasons(GemmConfig(cluster_m=1, tile_n=128), Everything(), M=2**20, N=2**20)
     assert "int32" in big and "'ss'" in big
     quick, pruned = space.candidates(IDENTITY, "bfloat16", "bfloat16", M=64, N=8192)
     assert quick and all(c.cluster_m == 1 for c in quick)
@@ -216,7 +204,7 @@ def test_tune_key_buckets_and_sensitivity():
               keys.tune_key(dev, BF16, torch.float32, 8192, 28672, 4096, 1, IDENTITY),
               keys.tune_key(dev, torch.float16, torch.float16, 8192, 28672, 4096, 1, IDENTITY),
               keys.tune_key(dev, BF16, BF16, 8192, 28672, 4096, 2, IDENTITY),
-              keys.tune_key(dev, BF16, BF16, 8192, 28672, 4096, 1, Many()),
+              keys.tune_key(dev, BF16, BF16, 8192, 28672, 4096, 1, Everything()),
               keys.tune_key(keys.DeviceInfo("NVIDIA H100 PCIe", 114, "sm_90a"), BF16, BF16, 8192, 28672, 4096, 1,
                             IDENTITY)]
     assert len({k, *others}) == len(others) + 1
@@ -241,7 +229,7 @@ def test_kernel_key_and_source_hash(tmp_path):
     assert k == keys.kernel_key("sm_90a", 66, GemmConfig(), IDENTITY, "bf16", "bf16", (), source_hash="s")
     assert len({k, keys.kernel_key("sm_90a", 33, GemmConfig(), IDENTITY, BF16, BF16, (), source_hash="s"),
                 keys.kernel_key("sm_90a", 66, GemmConfig(raster="n"), IDENTITY, BF16, BF16, (), source_hash="s"),
-                keys.kernel_key("sm_90a", 66, GemmConfig(), Many(), BF16, BF16, (), source_hash="s"),
+                keys.kernel_key("sm_90a", 66, GemmConfig(), Everything(), BF16, BF16, (), source_hash="s"),
                 keys.kernel_key("sm_90a", 66, GemmConfig(), IDENTITY, BF16, BF16, (), source_hash="t")}) == 5
 
 
@@ -460,7 +448,7 @@ def _epi_tensors(M, N, L=None):
 @pytest.mark.parametrize("epi_name", ["identity", "many"])
 def test_gemm_repeated_call_takes_the_plan_and_writes_the_right_pointers(kernel_cache, monkeypatch, epi_name):
     from coda.bench_launch import NullRun, cpu_plan
-    epi = None if epi_name == "identity" else Many()
+    epi = None if epi_name == "identity" else Everything()
     L, M, N, K = 2, 200, 136, 64
     a, b, out = torch.randn(L, M, K, dtype=BF16), torch.randn(L, N, K, dtype=BF16), torch.empty(L, M, N, dtype=BF16)
     ops = {} if epi is None else _epi_tensors(M, N, L)

@@ -1,0 +1,20 @@
+"""Hook epilogues shared by the test files."""
+from coda.kernels.epilogue import Epilogue, Operand, Reduction
+
+
+class Everything(Epilogue):
+    """pre = s*acc + bias[col]; y = pre*rs[row] + res; outputs y, pre; reductions over y."""
+    name = "test_everything"
+    operands = (Operand("bias", "vec_n"), Operand("rs", "vec_m"), Operand("res", "tile"), Operand("s", "scalar"))
+    outputs = ("pre",)
+    reductions = (Reduction("ss", "n", "sum"), Reduction("cs", "m", "sum"), Reduction("mx", "n", "max"))
+
+    def visit(self, acc, env):
+        pre = acc * env["s"] + env["bias"]
+        y = pre * env["rs"] + env["res"]
+        return {"out": y, "pre": pre, "ss": y * y, "cs": y, "mx": y}
+
+    def reference(self, acc, bias, rs, res, s):
+        pre = acc * s + bias
+        y = pre * rs.unsqueeze(-1) + res
+        return {"out": y, "pre": pre, "ss": (y * y).sum(-1), "cs": y.sum(-2), "mx": y.amax(-1)}
