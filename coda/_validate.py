@@ -41,6 +41,8 @@ class GemmProblem:
     batched: bool
     device: torch.device
     b_broadcast: bool = False
+    a_major: str = "k"  # "k": K contiguous (nn.Linear layout); "mn": M (of a) / N (of b) contiguous
+    b_major: str = "k"
     empty_result: bool = False
     zero_k: bool = False
 
@@ -54,24 +56,32 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _check_layout(name: str, t: torch.Tensor, what: str) -> None:
-    """Last dim contiguous; other strides and the base address multiples of 16 bytes.
+def _check_layout(name: str, t: torch.Tensor, what: str, other: Optional[str] = None) -> str:
+    """One of the two matrix dims contiguous; other strides and the base address multiples of 16 bytes.
 
+    The last dim (``what``) contiguous is the default ("k" for a/b: K-major). When ``other`` names the row dim
+    (M of ``a``, N of ``b``), a tensor whose rows dim is contiguous instead is accepted too ("mn": MN-major, e.g.
+    ``w.t()``; the kernel reads it with transposed shared-memory tiles). Returns "k" or "mn".
     Strides of size-1 dims are ignored (they address nothing, and torch gives them arbitrary values even for
     tensors it calls contiguous); a tensor with no elements has no layout to check.
     """
     if t.numel() == 0:
-        return
+        return "k"
     esize = t.element_size()
     shape, strides = tuple(t.shape), tuple(t.stride())
+    major, lead = "k", t.dim() - 1
     if shape[-1] != 1 and strides[-1] != 1:
-        raise ValueError(
-            f"{name}: the last dim ({what}) must be contiguous (stride 1); got shape {shape} with strides "
-            f"{strides}. {_NO_COPY}"
-        )
-    labels = {2: ("row",), 3: ("batch", "row")}[t.dim()]
-    for label, size, stride in zip(labels, shape[:-1], strides[:-1]):
-        if size != 1 and (stride * esize) % ALIGN_BYTES:
+        if other is not None and (shape[-2] == 1 or strides[-2] == 1):
+            major, lead = "mn", t.dim() - 2
+        else:
+            also = f" or the {other} dim (dim -2)" if other else ""
+            raise ValueError(
+                f"{name}: the last dim ({what}){also} must be contiguous (stride 1); got shape {shape} with strides "
+                f"{strides}. {_NO_COPY}"
+            )
+    labels = {2: ("row", "column"), 3: ("batch", "row", "column")}[t.dim()]
+    for i, (label, size, stride) in enumerate(zip(labels, shape, strides)):
+        if i != lead and size != 1 and (stride * esize) % ALIGN_BYTES:
             raise ValueError(
                 f"{name}: the {label} stride must be a multiple of {ALIGN_BYTES} bytes; got shape {shape} with "
                 f"strides {strides} ({label} stride {stride} x {esize} bytes = {stride * esize} bytes). {_NO_COPY}"
@@ -81,6 +91,7 @@ def _check_layout(name: str, t: torch.Tensor, what: str) -> None:
             f"{name}: the data pointer must be {ALIGN_BYTES}-byte aligned; got address {t.data_ptr():#x} "
             f"(offset {t.data_ptr() % ALIGN_BYTES} bytes; e.g. a slice that starts mid-row). {_NO_COPY}"
         )
+    return major
 
 
 def _has_internal_overlap(t: torch.Tensor) -> bool:
@@ -191,8 +202,13 @@ def check_gemm_args(
         )
 
     # --- layouts
-    _check_layout("a", a, "K")
-    _check_layout("b", b, "K")
+    a_major = _check_layout("a", a, "K", other="M")
+    b_major = _check_layout("b", b, "K", other="N")
+    if b_broadcast and a_major == "mn" and L > 1 and M > 1:
+        raise ValueError(
+            f"a: an M-contiguous (MN-major) batched a {tuple(a.shape)} with a 2-D b shared by every batch is not "
+            f"supported (the batch is folded into M, which needs K-contiguous rows). {_NO_COPY}"
+        )
 
     # --- out
     out_shape = (L, M, N) if batched else (M, N)
@@ -220,6 +236,8 @@ def check_gemm_args(
         batched=batched,
         device=a.device,
         b_broadcast=b_broadcast,
+        a_major=a_major,
+        b_major=b_major,
         empty_result=empty,
         zero_k=(K == 0 and not empty),
     )

@@ -18,8 +18,9 @@ from .config import GemmConfig, all_configs
 from .kernels.epilogue import IDENTITY, Epilogue
 
 
-def fake_args(epi: Epilogue, in_dtype: str = "bf16", out_dtype: str = "bf16"):
-    """Fake (shape-symbolic) tensors in the kernel's argument order: A, B, D, then the epilogue's tensors."""
+def fake_args(epi: Epilogue, in_dtype: str = "bf16", out_dtype: str = "bf16", majors=("k", "k")):
+    """Fake (shape-symbolic) tensors in the kernel's argument order: A, B, D, then the epilogue's tensors.
+    ``majors``: the contiguous dim of A and B, "k" (K-major, the default) or "mn" (M / N contiguous)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor
@@ -27,8 +28,9 @@ def fake_args(epi: Epilogue, in_dtype: str = "bf16", out_dtype: str = "bf16"):
     M, L = cute.sym_int32(), cute.sym_int32()
     N, K = cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8)
 
-    def mat(d, r, c):
-        return make_fake_compact_tensor(dt[d], (r, c, L), stride_order=(1, 0, 2), assumed_align=16)
+    def mat(d, r, c, major="k"):
+        order = (1, 0, 2) if major == "k" else (0, 1, 2)
+        return make_fake_compact_tensor(dt[d], (r, c, L), stride_order=order, assumed_align=16)
 
     def f32(*shape, order=None):
         return make_fake_compact_tensor(cutlass.Float32, shape, stride_order=order, assumed_align=16)
@@ -40,21 +42,22 @@ def fake_args(epi: Epilogue, in_dtype: str = "bf16", out_dtype: str = "bf16"):
     xs += [mat(out_dtype, M, N) for _ in epi.outputs]
     for r in epi.kernel_reductions():
         xs.append(f32(M if r.axis == "n" else N, cute.sym_int32(), L, order=(0, 1, 2)))
-    return [mat(in_dtype, M, K), mat(in_dtype, N, K), mat(out_dtype, M, N)], xs
+    return [mat(in_dtype, M, K, majors[0]), mat(in_dtype, N, K, majors[1]), mat(out_dtype, M, N)], xs
 
 
 def compile_variant(cfg: GemmConfig, epi: Epilogue = IDENTITY, in_dtype="bf16", out_dtype="bf16",
-                    arch="sm_90a") -> dict:
+                    arch="sm_90a", majors=("k", "k")) -> dict:
     """Compile one variant for ``arch``; returns {'ok', 'seconds', 'wgmma', 'registers', 'spill_bytes', 'error'}."""
     import cutlass.cute as cute
     import cutlass.runtime as crt
     from .kernels.gemm_sm90 import GemmSm90
-    row = dict(config=cfg.name, epilogue=epi.name, dtypes=f"{in_dtype}->{out_dtype}", ok=False, seconds=0.0,
+    row = dict(config=cfg.name, epilogue=epi.name, dtypes=f"{in_dtype}->{out_dtype}", majors="".join(majors)
+               if majors != ("k", "k") else "", ok=False, seconds=0.0,
                wgmma=0, registers=None, spill_bytes=None, error="")
     with tempfile.TemporaryDirectory() as d:
         try:
             t = time.time()
-            (a, b, c), xs = fake_args(epi, in_dtype, out_dtype)
+            (a, b, c), xs = fake_args(epi, in_dtype, out_dtype, majors)
             cute.compile(GemmSm90(cfg, epi), a, b, c, 132 // (cfg.cluster_m * cfg.cluster_n),
                          crt.make_fake_stream(), *xs, options=f"--gpu-arch={arch} --keep-ptx --dump-dir={d}")
             row["seconds"] = time.time() - t

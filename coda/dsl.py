@@ -75,6 +75,9 @@ class Sigmoid(sp.Function):
         s = Sigmoid(self.args[0])
         return s * (1 - s)
 
+    def _eval_is_extended_real(self):
+        return self.args[0].is_extended_real
+
     @classmethod
     def eval(cls, x):
         if x.is_number:
@@ -98,6 +101,9 @@ class CastBF16(sp.Function):
     def fdiff(self, argindex=1):
         return sp.Integer(1)
 
+    def _eval_is_extended_real(self):
+        return self.args[0].is_extended_real
+
 
 class CastF16(sp.Function):
     """Round to float16 and back (straight-through derivative)."""
@@ -109,6 +115,9 @@ class CastF16(sp.Function):
 
     def fdiff(self, argindex=1):
         return sp.Integer(1)
+
+    def _eval_is_extended_real(self):
+        return self.args[0].is_extended_real
 
 
 ACC = sp.Symbol("acc", real=True)
@@ -340,6 +349,25 @@ def reduce_m(x, op: str = "sum") -> Reduced:
 
 
 # ----------------------------------------------------------------------------------------------- the epilogue
+def _dag_key(exprs):
+    """A canonical serialisation of the expressions as a DAG: each distinct subexpression once, in post-order,
+    arguments by index (sympy keeps Add/Mul arguments in canonical order). ``srepr`` prints the tree, which grows
+    exponentially with nesting when values are reused (``gelu(gelu(...))``). Also returns the set of symbols."""
+    ids: dict = {}
+    nodes: list = []
+
+    def visit(e):
+        i = ids.get(e)
+        if i is None:
+            node = sp.srepr(e) if not e.args else (type(e).__name__, tuple(visit(a) for a in e.args))
+            i = ids[e] = len(nodes)
+            nodes.append(node)
+        return i
+
+    roots = tuple(visit(e) for e in exprs)
+    return (roots, tuple(nodes)), {e for e in ids if isinstance(e, sp.Symbol)}
+
+
 class DslEpilogue(Epilogue):
     """An epilogue traced from a Python function (see the module docstring). Also usable as a plain object:
     ``DslEpilogue(name, operands, outputs={"out": expr, ...}, reductions={name: (axis, op, expr)})``."""
@@ -358,10 +386,9 @@ class DslEpilogue(Epilogue):
         exprs = [self.exprs[k] for k in self.exprs] + [e for (_, _, e) in self.red_specs.values()]
         self._cse_repl, reduced = sp.cse(exprs, symbols=sp.numbered_symbols("_t", real=True), optimizations=None)
         self._cse_out = dict(zip(keys, reduced))
-        self.symbols = set().union(*(e.free_symbols for e in exprs))  # the leaves visit/reference must provide
+        dag, self.symbols = _dag_key(exprs)  # symbols: the leaves visit/reference must provide
         self._key = ("coda.dsl", tuple((o.name, o.kind) for o in self.operands),
-                     tuple((k, sp.srepr(v)) for k, v in self.exprs.items()),
-                     tuple((k, a, op, sp.srepr(e)) for k, (a, op, e) in self.red_specs.items()))
+                     tuple(self.exprs), tuple((k, a, op) for k, (a, op, _) in self.red_specs.items()), dag)
 
     def __repr__(self):
         return f"<coda epilogue {self.name!r}: {self.exprs.get('out')}>"

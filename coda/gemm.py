@@ -169,7 +169,7 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
     a3 = a if a.dim() == 3 else a.unsqueeze(0)
     b3 = b if b.dim() == 3 else b.unsqueeze(0)
     if prob.b_broadcast:  # one weight for every batch: fold the batch into M (a view; checked to exist)
-        a3 = a3.reshape(1, L * prob.M, prob.K)
+        a3 = a3.view(1, L * prob.M, prob.K)
     res = out if out is not None else torch.empty(prob.out_shape, dtype=prob.out_dtype, device=a.device)
     out3 = res if res.dim() == 3 else res.unsqueeze(0)
     if prob.b_broadcast:
@@ -182,10 +182,16 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
         b3 = torch.zeros((b3.shape[0], prob.N, 8), dtype=b3.dtype, device=b3.device)
 
     args, outs, partials = epilogue_tensors(epi, prob, operands, out3, cfg)
-    key = (cfg, epi.key(), prob.in_dtype, prob.out_dtype, tuple((t.dtype, t.dim()) for t, _ in args))
-    views = [_canonical(_mnl(a3), 1), _canonical(_mnl(b3), 1), _canonical(_mnl(out3), 1)]
+    # the contiguous dim of A / B in the kernel's (rows, K, L) order: 1 = K-major, 0 = MN-major
+    la = 0 if prob.a_major == "mn" and not prob.zero_k else 1
+    lb = 0 if prob.b_major == "mn" and not prob.zero_k else 1
+    sig = tuple((t.dtype, t.dim()) for t, _ in args)
+    if la == 0 or lb == 0:  # MN-major operands compile their own kernel (K-major keys stay as they were)
+        sig += (("major", la, lb),)
+    key = (cfg, epi.key(), prob.in_dtype, prob.out_dtype, sig)
+    views = [_canonical(_mnl(a3), la), _canonical(_mnl(b3), lb), _canonical(_mnl(out3), 1)]
     views += [_canonical(t, lead) for t, lead in args]
-    leads = [1, 1, 1] + [lead for _, lead in args]
+    leads = [la, lb, 1] + [lead for _, lead in args]
     return res, key, views, leads, outs, partials
 
 

@@ -5,11 +5,13 @@ Forward: one fused GEMM (``coda.gemm``). Backward (the epilogue's derivative com
 operand gradient (VecN by per-column partials, VecM and Scalar by per-row partials, TileMN as an extra output); with
 ``save_preact=True`` the forward also writes the pre-activation and the backward evaluates the same derivative
 program on it with torch ops instead of recomputing the GEMM (trading M x N bytes for a GEMM). Then
-dX = dacc W and dW = dacc^T X are plain GEMMs; they run on cuBLAS (``torch.matmul``) because CODA's kernel takes
-K-major operands only and these products would need a transposed copy of W or X.
+dX = dacc W and dW = dacc^T X are plain GEMMs of CODA's kernel on transposed views (``weight.t()``, ``dacc.t()``,
+``x.t()``: MN-major operands, read by TMA without copies); shapes the kernel cannot align (N or M not a multiple
+of 8) use ``torch.matmul`` for these two products (``ops/_common.backward_gemm``).
 
-Device: on a Hopper GPU the fused kernels run; on any other device (CPU included) the same programs run through
-``coda.reference.gemm`` (torch ops, fp32 math) -- the documented reference path, useful for tests and debugging.
+Device: on a Hopper GPU the fused kernels run; on CPU tensors the same programs run through ``coda.reference.gemm``
+(torch ops, fp32 math) -- the documented reference path, useful for tests and debugging; other GPUs raise
+(``ops/_common.py``).
 """
 from __future__ import annotations
 
@@ -18,23 +20,15 @@ import threading
 
 import torch
 
-from coda import _device
 from coda.autodiff import DGRAD, backward_epilogue, grad_name, value_name, with_preact
 from coda.dsl import DslEpilogue
+
+from ._common import backward_gemm, gemm_for
 
 __all__ = ["linear"]
 
 _bwd_cache: dict = {}
 _bwd_lock = threading.Lock()
-
-
-def _gemm(device):
-    """coda.gemm on a Hopper GPU, coda.reference.gemm elsewhere (documented in the module docstring)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) == _device.HOPPER_CAPABILITY:
-        from coda.gemm import gemm
-        return gemm
-    from coda.reference import gemm
-    return gemm
 
 
 def _backward_of(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilogue:
@@ -49,7 +43,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, epi, save_preact, names, scalars, *tensors):
         ops = dict(zip(names, (t.detach() for t in tensors)), **scalars)
-        gemm = _gemm(x2.device)
+        gemm = gemm_for(x2.device, "coda.ops.linear")
         fwd = with_preact(epi) if save_preact else epi
         res = gemm(x2.detach(), weight.detach(), epilogue=fwd, **ops)
         res = res if isinstance(res, dict) else {"out": res}
@@ -86,7 +80,7 @@ class _Linear(torch.autograd.Function):
             if k in vals:
                 ops[value_name(k)] = vals[k]
         if preact is None:
-            res = _gemm(x2.device)(x2, weight, epilogue=bwd, out_dtype=x2.dtype, **ops)
+            res = gemm_for(x2.device, "coda.ops.linear")(x2, weight, epilogue=bwd, out_dtype=x2.dtype, **ops)
         else:  # the same derivative program on the saved pre-activation (torch ops)
             if vals:  # max / logsumexp results of the rounded pre-activation, so that ties still match
                 fwd = epi.reference(preact.float(), **dict(zip(names, tensors), **ctx.scalars))
@@ -95,8 +89,9 @@ class _Linear(torch.autograd.Function):
             res["out"] = res["out"].to(x2.dtype)
         res = res if isinstance(res, dict) else {"out": res}
         dacc = res["out"]
-        dx = torch.matmul(dacc, weight) if need_x else None
-        dw = torch.matmul(dacc.t(), x2) if need_w else None
+        # dX = dacc W: b = W^T viewed (K, N), N-contiguous; dW = dacc^T X: both operands transposed views
+        dx = backward_gemm(dacc, weight.t(), "coda.ops.linear") if need_x else None
+        dw = backward_gemm(dacc.t(), x2.t(), "coda.ops.linear") if need_w else None
         dops = []
         kinds = {o.name: o.kind for o in epi.operands}
         for n, t in zip(names, tensors):

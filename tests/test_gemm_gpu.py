@@ -16,11 +16,18 @@ def rel_err(x, ref):
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def run_check(M, N, K, dtype=torch.bfloat16, out_dtype=None, L=None, config=None, seed=None):
+def _operand(lead, rows, K, major, **kw):
+    """(…, rows, K) with K contiguous ("k") or rows contiguous ("mn", a transposed view)."""
+    if major == "k":
+        return torch.randn(*lead, rows, K, **kw)
+    return torch.randn(*lead, K, rows, **kw).transpose(-1, -2)
+
+
+def run_check(M, N, K, dtype=torch.bfloat16, out_dtype=None, L=None, config=None, seed=None, majors=("k", "k")):
     g = torch.Generator(device="cuda").manual_seed(seed if seed is not None else torch.seed() % 2**31)
     lead = (L,) if L else ()
-    a = torch.randn(*lead, M, K, device="cuda", dtype=dtype, generator=g)
-    b = torch.randn(*lead, N, K, device="cuda", dtype=dtype, generator=g)
+    a = _operand(lead, M, K, majors[0], device="cuda", dtype=dtype, generator=g)
+    b = _operand(lead, N, K, majors[1], device="cuda", dtype=dtype, generator=g)
     od = out_dtype or dtype
     out = torch.full((*lead, M, N), float("nan"), device="cuda", dtype=od)
     res = coda.gemm(a, b, out=out, config=config)
@@ -45,6 +52,21 @@ def test_shapes_default_config(M, N, K, dtype):
 def test_every_variant(cfg, dtype):
     run_check(1000, 904, 456, dtype, config=cfg)  # ragged in every dim, several tiles and k-tiles
     run_check(300, 136, 200, dtype, L=3, config=cfg)
+
+
+MN_CONFIGS = [GemmConfig(tile_m=128, tile_n=256, cluster_m=2), GemmConfig(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2),
+              GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2),
+              GemmConfig(tile_m=64, tile_n=256, pingpong=True, cluster_m=2)]
+
+
+@pytest.mark.parametrize("majors", [("mn", "k"), ("k", "mn"), ("mn", "mn")], ids="".join)
+@pytest.mark.parametrize("cfg", MN_CONFIGS, ids=lambda c: c.name)
+def test_mn_major_operands(cfg, majors):
+    """Transposed views (x.t(), w.t()): the backward GEMMs dX = dY W and dW = dY^T X read them without copies."""
+    for dtype in (torch.bfloat16, torch.float16):
+        run_check(1000, 904, 456, dtype, config=cfg, majors=majors)
+    run_check(304, 136, 200, torch.bfloat16, L=3, config=cfg, majors=majors)
+    run_check(8, 8, 4104, torch.bfloat16, config=cfg, majors=majors)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])

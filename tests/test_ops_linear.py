@@ -55,3 +55,20 @@ def test_linear_plain_and_errors():
         coda.ops.linear(x, w, epilogue=object())
     with pytest.raises(TypeError, match="missing operands"):
         coda.ops.linear(x, w, epilogue=scaled_silu, s=1.0)
+
+
+def test_backward_gemm_kernel_path_and_unaligned_fallback(monkeypatch):
+    """Aligned backward products go through gemm_for (the kernel on Hopper, the reference on CPU); shapes the
+    kernel cannot align fall back to torch.matmul (documented in ops/_common.py)."""
+    from coda.ops import _common
+    calls = []
+    real = _common.gemm_for
+    monkeypatch.setattr(_common, "gemm_for", lambda *a, **k: calls.append(a) or real(*a, **k))
+    dy, w = torch.randn(24, 16, dtype=torch.bfloat16), torch.randn(16, 40, dtype=torch.bfloat16)
+    got = _common.backward_gemm(dy, w.t())  # K = 16: aligned
+    torch.testing.assert_close(got.float(), (dy.float() @ w.float()), rtol=2e-2, atol=2e-2)
+    assert len(calls) == 1
+    dy, w = torch.randn(24, 14, dtype=torch.bfloat16), torch.randn(14, 40, dtype=torch.bfloat16)
+    got = _common.backward_gemm(dy, w.t())  # K = 14: 28-byte rows, unaligned -> torch.matmul
+    torch.testing.assert_close(got.float(), (dy @ w).float())
+    assert len(calls) == 1

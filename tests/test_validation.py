@@ -215,7 +215,7 @@ def test_device_mismatch(entry):
 
 def _bad_layouts():
     # every bad view has 8 rows, so as b it also gives a valid N
-    yield "transposed", rand(16, 8).T  # (8, 16) with strides (1, 8)
+    yield "transposed, column stride 24 bytes", rand(16, 12)[:, :8].T  # (8, 16), strides (1, 12): MN-major, bad
     yield "row stride 40 bytes", rand(8, 20)[:, :16]
     yield "data pointer 2 bytes off", rand(8, 32)[:, 1:17]
     yield "batch stride 136 bytes", rand(140).as_strided((2, 8, 8), (68, 8, 1))
@@ -235,6 +235,24 @@ def test_bad_layout(entry, which, label, bad):
     assert ".contiguous()" in msg and "never copies" in msg
     if "pointer" not in label:
         assert str(tuple(bad.stride())) in msg
+
+
+def test_mn_major_views_accepted():
+    """Transposed views (M / N contiguous, 16-byte aligned columns) are MN-major operands, read without a copy."""
+    a, b = rand(24, 16), rand(40, 16)
+    want = coda.reference.gemm(a, b).float()
+    for aa, bb in ((a.T.contiguous().T, b), (a, b.T.contiguous().T), (a.T.contiguous().T, b.T.contiguous().T)):
+        assert aa.stride() != a.stride() or bb.stride() != b.stride()
+        torch.testing.assert_close(coda.reference.gemm(aa, bb).float(), want)
+    prob = check_gemm_args(a.T.contiguous().T, b)
+    assert (prob.a_major, prob.b_major) == ("mn", "k")
+
+
+def test_mn_major_batched_a_with_shared_weight_rejected():
+    a = rand(2, 16, 24).transpose(-1, -2)  # (2, 24, 16), M contiguous
+    with raises(ValueError, "a") as info:
+        check_gemm_args(a, rand(8, 16))
+    assert "MN-major" in str(info.value)
 
 
 # ---------------------------------------------------------------- out

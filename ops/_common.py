@@ -1,0 +1,37 @@
+"""What every op in ``coda.ops`` shares: which GEMM runs the work on a given device.
+
+- a Hopper (sm_90) GPU: ``coda.gemm`` (the fused CuTeDSL kernels);
+- CPU tensors: ``coda.reference.gemm`` (the same epilogue programs as torch ops, fp32 math) -- the documented
+  reference path, so models built with CODA run and test anywhere;
+- any other GPU: a clear error (``coda.reference.gemm`` can be called explicitly; it is never substituted silently).
+"""
+from __future__ import annotations
+
+import torch
+
+from coda import _device
+
+
+def gemm_for(device: torch.device, entry: str = "coda.ops"):
+    """The GEMM function for tensors on ``device`` (see the module docstring)."""
+    if device.type == "cpu":
+        from coda.reference import gemm
+        return gemm
+    _device.require_hopper(device, entry)
+    from coda.gemm import gemm
+    return gemm
+
+
+def backward_gemm(a: torch.Tensor, b: torch.Tensor, entry: str = "coda.ops") -> torch.Tensor:
+    """``a @ b.T`` for a backward product (dX = dY W, dW = dY^T X) whose operands are transposed views.
+
+    Runs on CODA's kernel (``gemm_for``: MN-major operands are read without copies) when the shapes meet its
+    16-byte row alignment; when they do not (e.g. a forward output width N that is not a multiple of 8 makes dX's
+    contraction rows unaligned), on ``torch.matmul`` -- the documented fallback for unaligned shapes, tested in
+    tests/test_ops_linear.py."""
+    from coda._validate import check_gemm_args
+    try:
+        check_gemm_args(a, b)
+    except ValueError:
+        return torch.matmul(a, b.transpose(-1, -2))
+    return gemm_for(a.device, entry)(a, b)
