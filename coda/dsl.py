@@ -373,14 +373,15 @@ class DslEpilogue(Epilogue):
     ``DslEpilogue(name, operands, outputs={"out": expr, ...}, reductions={name: (axis, op, expr)})``."""
 
     def __init__(self, name: str, operands: tuple, outputs: dict, reductions: dict, fn: Optional[Callable] = None):
-        if "out" not in outputs:
-            raise EpilogueError(f"epilogue {name!r}: no main output ('out')")
+        if not outputs and not reductions:
+            raise EpilogueError(f"epilogue {name!r}: no outputs and no reductions")
         self.name = name
         self.fn = fn
         self.operands = tuple(operands)
         self.exprs = dict(outputs)
         self.red_specs = dict(reductions)
         self.outputs = tuple(k for k in outputs if k != "out")
+        self.stores_out = "out" in outputs  # no "out": nothing M x N stored but the extra outputs
         self.reductions = tuple(Reduction(k, axis, op) for k, (axis, op, _) in reductions.items())
         keys = list(self.exprs) + list(self.red_specs)
         exprs = [self.exprs[k] for k in self.exprs] + [e for (_, _, e) in self.red_specs.values()]
@@ -391,7 +392,7 @@ class DslEpilogue(Epilogue):
                      tuple(self.exprs), tuple((k, a, op) for k, (a, op, _) in self.red_specs.items()), dag)
 
     def __repr__(self):
-        return f"<coda epilogue {self.name!r}: {self.exprs.get('out')}>"
+        return f"<coda epilogue {self.name!r}: {self.exprs.get('out', sorted(self.exprs) + sorted(self.red_specs))}>"
 
     def __call__(self, *a, **k):
         raise TypeError(f"epilogue {self.name!r} is not called directly; pass it to coda.gemm(a, b, epilogue=...) "
@@ -402,8 +403,8 @@ class DslEpilogue(Epilogue):
 
     @property
     def result_keys(self) -> list:
-        """The results in order: main output, extra outputs, reductions."""
-        return ["out", *self.outputs, *(r.name for r in self.reductions)]
+        """The results in order: main output (when stored), extra outputs, reductions."""
+        return ["out"] * self.stores_out + [*self.outputs, *(r.name for r in self.reductions)]
 
     # -- kernel (CuTeDSL, trace time) -------------------------------------------------------------------------
     def visit(self, acc, env):
@@ -528,8 +529,9 @@ def _outputs(res, name):
         return v.e
 
     if isinstance(res, dict):
-        if "out" not in res:
-            raise _err("a returned dict needs the main output under 'out'")
+        if not res:
+            raise _err("the returned dict is empty; return the main output under 'out', extra outputs or "
+                       "reductions")
         outputs, reductions = {}, {}
         for k, v in res.items():
             if not isinstance(k, str) or not k.isidentifier():

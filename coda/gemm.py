@@ -20,7 +20,7 @@ import torch
 from . import _device, _launch
 from ._validate import check_gemm_args
 from .config import GemmConfig
-from .kernels.epilogue import MAX_EPI_TENSORS, Epilogue, check_epilogue, finish_reduction
+from .kernels.epilogue import MAX_EPI_TENSORS, Epilogue, check_epilogue, check_no_out, finish_reduction
 
 _TORCH_TO_CUTLASS = {}
 _cache: dict = {}
@@ -126,6 +126,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
                 return res
     epi = check_epilogue(epilogue)
     prob = check_gemm_args(a, b, out=out, out_dtype=out_dtype)
+    check_no_out(epi, out)
     epi.check_operands(operands, prob.L, prob.M, prob.N, prob.device)
     _device.require_hopper(prob.device, "coda.gemm")
     cfg = (config or _auto_config(prob, epi, a, b, operands)).validate()
@@ -170,7 +171,7 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
     b3 = b if b.dim() == 3 else b.unsqueeze(0)
     if prob.b_broadcast:  # one weight for every batch: fold the batch into M (a view; checked to exist)
         a3 = a3.view(1, L * prob.M, prob.K)
-    res = out if out is not None else torch.empty(prob.out_shape, dtype=prob.out_dtype, device=a.device)
+    res = out if out is not None else _new_result(prob, epi, a.device)
     out3 = res if res.dim() == 3 else res.unsqueeze(0)
     if prob.b_broadcast:
         out3 = out3.reshape(1, L * prob.M, prob.N)
@@ -249,7 +250,7 @@ def _run_plan(plan, a, b, out, operands):
         return None
     prob = plan.prob
     if out is None:
-        res = torch.empty(prob.out_shape, dtype=prob.out_dtype, device=a.device)
+        res = _new_result(prob, plan.epi, a.device)
         po = res.data_ptr()
     else:
         po = out.data_ptr()
@@ -270,11 +271,21 @@ def _run_plan(plan, a, b, out, operands):
     return _package(epi, res, {}, {}, prob)
 
 
+def _new_result(prob, epi: Epilogue, device) -> torch.Tensor:
+    """The main output D, or for an epilogue that stores none a stand-in that only carries the shape (M, N, L)
+    to the kernel: one row of N elements broadcast (stride 0) over M and L; nothing is written to it."""
+    if epi.stores_out:
+        return torch.empty(prob.out_shape, dtype=prob.out_dtype, device=device)
+    shape = prob.out_shape
+    return torch.empty(shape[-1], dtype=prob.out_dtype, device=device).as_strided(
+        shape, (0,) * (len(shape) - 1) + (1,))
+
+
 def _package(epi: Epilogue, res, outs, reds, prob):
-    if not epi.outputs and not epi.reductions:
+    if epi.stores_out and not epi.outputs and not epi.reductions:
         return res
     shape = prob.out_shape
-    result = {"out": res}
+    result = {"out": res} if epi.stores_out else {}
     result.update({k: v.reshape(shape) for k, v in outs.items()})
     for k, v in reds.items():
         if prob.b_broadcast:  # the batch was folded into M: (1, L*M) -> (L, M)

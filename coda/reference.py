@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from coda._validate import check_gemm_args
+from coda.kernels.epilogue import check_no_out
 
 __all__ = ["gemm"]
 
@@ -50,11 +51,13 @@ def gemm(
     """``epilogue(a @ b.T)`` in fp32, cast to ``out_dtype``; ``F.linear`` semantics, optionally batched.
 
     ``a``: (M, K) or (L, M, K); ``b``: (N, K) or (L, N, K). ``epilogue``: None (identity) or an object whose
-    ``reference(acc_fp32, **operands)`` returns the fp32 result tensor. Raises the same errors as
+    ``reference(acc_fp32, **operands)`` returns the fp32 result tensor (or a dict; an epilogue with
+    ``stores_out = False`` returns only its extra outputs and reductions, and takes no ``out``). Raises the same errors as
     :func:`coda.gemm`. With ``out``, the result is written into it (only after every check passed and the
     result was computed) and ``out`` is returned.
     """
     problem = check_gemm_args(a, b, out=out, out_dtype=out_dtype)
+    check_no_out(epilogue, out)
     if epilogue is None and operands:
         raise TypeError(f"operands {sorted(operands)} were given without an epilogue")
     if epilogue is not None and hasattr(epilogue, "check_operands"):
@@ -65,12 +68,15 @@ def gemm(
     if epilogue is not None:
         res = epilogue.reference(acc, **operands)
         if isinstance(res, dict):  # CODA epilogues: {"out": ..., extra outputs..., finished reductions...}
-            if "out" not in res:
-                raise TypeError("epilogue.reference returned a dict without an 'out' entry")
             res = dict(res)
-            acc = res.pop("out")
+            stores_out = getattr(epilogue, "stores_out", True)
+            if stores_out and "out" not in res:
+                raise TypeError("epilogue.reference returned a dict without an 'out' entry")
+            acc = res.pop("out", None)
             extras = {k: (v.to(problem.out_dtype) if k in getattr(epilogue, "outputs", ()) else v)
                       for k, v in res.items()}
+            if not stores_out:  # no main output: only the extra outputs and reductions
+                return extras
         else:
             acc = res
         if not isinstance(acc, torch.Tensor):

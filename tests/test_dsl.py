@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 
 import coda
+import coda.ops
 from coda.autodiff import backward_epilogue, grad_name, value_name
 from gen_epilogues import make_epilogue, random_operands, specs, torch_eval
 
@@ -47,6 +48,39 @@ def test_dict_outputs_and_reductions():
     torch.testing.assert_close(got["lse"], torch.logsumexp(y, -1))
     torch.testing.assert_close(got["cs"], y.sum(-2))
     torch.testing.assert_close(got["pre"], acc)
+
+
+def test_no_main_output():
+    """A dict without "out": nothing M x N is stored (the LM-head forward keeps only per-row reductions)."""
+    @coda.epilogue
+    def lse_tgt(acc, t: coda.VecM):
+        return {"lse": coda.reduce_n(acc, "logsumexp"), "tgt": coda.reduce_n(coda.where(coda.col() == t, acc, 0.0))}
+
+    assert not lse_tgt.stores_out and lse_tgt.result_keys == ["lse", "tgt"]
+    x, w = torch.randn(37, 64, dtype=torch.bfloat16), torch.randn(24, 64, dtype=torch.bfloat16)
+    t = torch.randint(0, 24, (37,))
+    got = coda.reference.gemm(x, w, epilogue=lse_tgt, t=t.float())
+    logits = x.double() @ w.double().T
+    assert sorted(got) == ["lse", "tgt"]
+    torch.testing.assert_close(got["lse"].double(), logits.logsumexp(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["tgt"].double(), logits.gather(1, t[:, None])[:, 0], rtol=1e-5, atol=1e-5)
+    out = torch.full((37, 24), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out: epilogue 'lse_tgt' stores no main output"):
+        coda.reference.gemm(x, w, epilogue=lse_tgt, t=t.float(), out=out)
+    assert (out == 7).all()
+    # the backward of reductions only: d(sum lse - tgt)/dx through coda.ops.linear
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    (torch.logsumexp(xr @ wr.T, -1) - (xr @ wr.T).gather(1, t[:, None])[:, 0]).sum().backward()
+    xc, wc = x.float().bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    res = coda.ops.linear(xc, wc, epilogue=lse_tgt, t=t.float())
+    (res["lse"] - res["tgt"]).sum().backward()
+    for mine, ref in ((xc.grad, xr.grad), (wc.grad, wr.grad)):
+        assert ((mine.double() - ref).norm() / ref.norm()).item() < 2e-2
+
+    def empty(acc):
+        return {}
+    with pytest.raises(coda.EpilogueError, match="empty"):
+        coda.epilogue(empty)
 
 
 def test_row_col_and_where():

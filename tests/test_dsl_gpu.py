@@ -40,7 +40,7 @@ def _check_fused(epi, M, N, K, ops64, cfg=None, L=None, floor=1e-5):
     a = torch.randn(*lead, M, K, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(*lead, N, K, device=DEV, dtype=torch.bfloat16)
     ops = {k: (v.to(DEV, torch.float32) if torch.is_tensor(v) else v) for k, v in ops64.items()}
-    out = torch.full((*lead, M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+    out = torch.full((*lead, M, N), float("nan"), device=DEV, dtype=torch.bfloat16) if epi.stores_out else None
     got = coda.gemm(a, b, epilogue=epi, out=out, config=cfg, **ops)
     got = got if isinstance(got, dict) else {"out": got}
     acc64 = torch.matmul(a.double(), b.double().transpose(-1, -2))
@@ -53,6 +53,25 @@ def _check_fused(epi, M, N, K, ops64, cfg=None, L=None, floor=1e-5):
             assert not torch.isnan(got[k]).any() or torch.isnan(ref[k]).any(), f"{k}: unwritten (NaN) elements"
         e_ours, e_theirs = rel(got[k], ref[k]), rel(theirs[k], ref[k])
         assert e_ours <= 2 * e_theirs + floor, (k, e_ours, e_theirs)
+
+
+@coda.epilogue
+def lse_and_target(acc, t: coda.VecM):
+    """No main output: the logits are reduced in the epilogue and never stored (the LM-head forward)."""
+    return {"lse": coda.reduce_n(acc, "logsumexp"), "tgt": coda.reduce_n(coda.where(coda.col() == t, acc, 0.0))}
+
+
+@pytest.mark.parametrize("cfg", CFGS + [GemmConfig(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2)],
+                         ids=lambda c: c.name)
+def test_no_main_output(cfg):
+    for (M, N, K), L in (((333, 1000, 264), None), ((1000, 2056, 512), None), ((200, 520, 128), 3)):
+        lead = (L,) if L else ()
+        t = torch.randint(0, N, (*lead, M), dtype=torch.float64)
+        _check_fused(lse_and_target, M, N, K, {"t": t}, cfg=cfg, L=L)
+    got = coda.gemm(torch.randn(64, 64, device=DEV, dtype=torch.bfloat16),
+                    torch.randn(128, 64, device=DEV, dtype=torch.bfloat16), epilogue=lse_and_target,
+                    t=torch.zeros(64, device=DEV))
+    assert sorted(got) == ["lse", "tgt"]
 
 
 @pytest.mark.parametrize("cfg", CFGS, ids=lambda c: c.name)

@@ -77,11 +77,12 @@ class Epilogue:
     operands: tuple[Operand, ...] = ()
     outputs: tuple[str, ...] = ()
     reductions: tuple[Reduction, ...] = ()
+    stores_out: bool = True  # False: no main output D (e.g. only reductions: logits reduced, never stored)
 
     def key(self) -> tuple:
         """Identifies the generated code in compile caches: must change whenever ``visit`` emits other code."""
         return (type(self).__module__, type(self).__qualname__, self.name, self.operands, self.outputs,
-                self.reductions)
+                self.reductions, self.stores_out)
 
     # -- device (trace time) --------------------------------------------------------------------------------------
     def visit(self, acc, env: EpiEnv) -> dict:
@@ -157,3 +158,10 @@ def check_epilogue(epilogue: Optional[Epilogue]) -> Epilogue:
     if not isinstance(epilogue, Epilogue):
         raise TypeError(f"epilogue must be a coda Epilogue (e.g. made with @coda.epilogue), got {type(epilogue)}")
     return epilogue
+
+
+def check_no_out(epilogue, out) -> None:
+    """An epilogue that stores no main output (``stores_out = False``) takes no ``out=`` tensor."""
+    if out is not None and not getattr(epilogue, "stores_out", True):
+        raise ValueError(f"out: epilogue {epilogue.name!r} stores no main output (it returns only "
+                         f"{list(epilogue.outputs) + [r.name for r in epilogue.reductions]}); pass out=None")

@@ -81,7 +81,11 @@ class GemmSm90:
         op_tensors = epi_args[:n_ops]
         out_tensors = epi_args[n_ops:n_ops + n_out]
         red_tensors = epi_args[n_ops + n_out:]
-        out_dtypes = [self.d_dtype] + [t.element_type for t in out_tensors]
+        # tile outputs stored by TMA: D (unless the epilogue stores no main output) and the extra outputs;
+        # mD always gives the problem shape (M, N, L)
+        store_ts = ([mD] if self.epi.stores_out else []) + list(out_tensors)
+        self.store_names = (["out"] if self.epi.stores_out else []) + list(self.epi.outputs)
+        out_dtypes = [t.element_type for t in store_ts]
         self.out_dtypes = out_dtypes
 
         a_layout = LayoutEnum.from_tensor(mA)
@@ -105,7 +109,7 @@ class GemmSm90:
         tma_b, tB = self._tma_load(mB, b_smem, (cfg.tile_n, cfg.tile_k), self.mcast_b)
         stores = [cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), t,
                                               cute.slice_(sl, (None, None, 0)), self.epi_tile)
-                  for t, sl in zip([mD, *out_tensors], epi_smems)]
+                  for t, sl in zip(store_ts, epi_smems)]
         self.tx_bytes = (cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0)))
                          + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0))))
 
@@ -127,7 +131,7 @@ class GemmSm90:
 
         self.shared_storage = SharedStorage  # the epilogue buffers (one per tile output) follow the struct
 
-        self.kernel(tma_a, tA, tma_b, tB, [s[0] for s in stores], [s[1] for s in stores], op_tensors,
+        self.kernel(tma_a, tA, tma_b, tB, mD, [s[0] for s in stores], [s[1] for s in stores], op_tensors,
                     red_tensors, self.tiled_mma, a_smem, b_smem, epi_smems, sched).launch(
             grid=grid, block=[3 * WG_THREADS, 1, 1], cluster=(cfg.cluster_m, cfg.cluster_n, 1),
             min_blocks_per_mp=1, stream=stream)
@@ -141,7 +145,7 @@ class GemmSm90:
     # ---------------------------------------------------------------------------------------------- device kernel
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               store_atoms: list, store_tensors: list, op_tensors: list, red_tensors: list,
+               mD: cute.Tensor, store_atoms: list, store_tensors: list, op_tensors: list, red_tensors: list,
                tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
                epi_smems: list, sched_params: utils.PersistentTileSchedulerParams):
         cfg = self.cfg
@@ -211,15 +215,14 @@ class GemmSm90:
         else:
             # ---- phase 3: consumers
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consumer(tidx, wg_idx - 1, mainloop, k_tiles, sA, sB, sOuts, tiled_mma, store_atoms,
+            self.consumer(tidx, wg_idx - 1, mainloop, k_tiles, sA, sB, sOuts, tiled_mma, mD, store_atoms,
                           store_tensors, op_tensors, red_tensors, sched_params)
 
     @cute.jit
-    def consumer(self, tidx, cwg, mainloop, k_tiles, sA, sB, sOuts, tiled_mma, store_atoms,
+    def consumer(self, tidx, cwg, mainloop, k_tiles, sA, sB, sOuts, tiled_mma, mD, store_atoms,
                  store_tensors, op_tensors, red_tensors, sched_params):
         cfg = self.cfg
         pp = cfg.pingpong
-        mD = store_tensors[0]
         # thread index inside the group that shares a tile: the warpgroup (ping-pong) or both warpgroups
         etidx = tidx % WG_THREADS if pp else tidx - WG_THREADS
         thr_mma = tiled_mma.get_slice(0 if pp else cwg * WG_THREADS)
@@ -286,8 +289,8 @@ class GemmSm90:
                 release.advance(k_tiles)
 
             # ---- 3b epilogue
-            self._epilogue(epi, acc, m, n, l, tiles_done, store_pipe, store_atoms, store_tensors, op_tensors,
-                           red_tensors, cwg)
+            self._epilogue(epi, acc, m, n, l, tiles_done, store_pipe, mD, store_atoms, store_tensors,
+                           op_tensors, red_tensors, cwg)
             tiles_done += 1
             sched.advance_to_next_work(advance_count=tile_step)
             work = sched.get_current_work()
@@ -296,7 +299,8 @@ class GemmSm90:
     # ------------------------------------------------------------------------------------------------- epilogue
     @cute.jit
     def _epi_setup(self, tiled_mma, etidx, cwg, sOuts, mD):
-        """Register->shared-memory copy partitions of the epilogue sub-tile, one per tile output."""
+        """Register->shared-memory copy partitions of the epilogue sub-tile, one per tile output. With no tile
+        output (an epilogue of reductions only) the D-typed partition still gives the register/coordinate map."""
         d_layout = self.d_layout
         atom_c = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(d_layout.is_m_major_c(), 4), self.d_dtype)
         tiled_copy_c = cute.make_tiled_copy_C_atom(atom_c, tiled_mma)
@@ -305,17 +309,22 @@ class GemmSm90:
             r2s = sm90_utils.get_smem_store_op(d_layout, elem_ty_d=s.element_type, elem_ty_acc=self.acc_dtype)
             tiled = cute.make_tiled_copy_S(r2s, tiled_copy_c)
             parts.append((tiled, tiled.get_slice(etidx).partition_D(s)))
-        tiled0 = parts[0][0]
-        thr0 = tiled0.get_slice(etidx)
-        return dict(parts=parts, tiled=tiled0, thr=thr0, souts=sOuts, tiled_mma=tiled_mma,
-                    rshape=cute.shape(thr0.partition_S(sOuts[0]))[:3])
+        if cutlass.const_expr(len(parts) > 0):
+            tiled0 = parts[0][0]
+            thr0 = tiled0.get_slice(etidx)
+            rshape = cute.shape(thr0.partition_S(sOuts[0]))[:3]
+        else:
+            r2s = sm90_utils.get_smem_store_op(d_layout, elem_ty_d=self.d_dtype, elem_ty_acc=self.acc_dtype)
+            tiled0 = cute.make_tiled_copy_S(r2s, tiled_copy_c)
+            thr0 = tiled0.get_slice(etidx)
+            rshape = cute.shape(thr0.partition_S(cute.make_identity_tensor(self.epi_tile)))[:3]
+        return dict(parts=parts, tiled=tiled0, thr=thr0, souts=sOuts, tiled_mma=tiled_mma, rshape=rshape)
 
     @cute.jit
-    def _epilogue(self, epi, acc, m, n, l, tiles_done, store_pipe, store_atoms, store_tensors, op_tensors,
+    def _epilogue(self, epi, acc, m, n, l, tiles_done, store_pipe, mD, store_atoms, store_tensors, op_tensors,
                   red_tensors, cwg):
         cfg = self.cfg
         pp = cfg.pingpong
-        mD = store_tensors[0]
         M, N = mD.shape[0], mD.shape[1]
         rD = cute.make_rmem_tensor(epi["rshape"], self.acc_dtype)
         n_v = cute.size(rD)
@@ -331,7 +340,7 @@ class GemmSm90:
         buf_base = cwg * self.epi_stages if pp else 0
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         store_warp = warp == (4 + 4 * cwg if pp else 4)
-        names = ["out", *self.epi.outputs]
+        names = self.store_names
         row_acc = [[None] * len(rows_of) for _ in self.red_n]
         cSub0 = None
 
