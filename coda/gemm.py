@@ -116,7 +116,10 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
     """``epilogue(a @ b.T)`` with fp32 accumulation; a (M, K) or (L, M, K), b (N, K) or (L, N, K).
 
     Returns the main output (or a dict with ``"out"``, extra outputs and finished reductions when the epilogue
-    declares them)."""
+    declares them). Not differentiable: tensors that require grad are read through detached views (use
+    ``coda.ops.linear`` for autograd)."""
+    if _grad_tracked(a, b, out, operands):  # not differentiable (coda.ops.linear is): plain views of the data
+        a, b, out, operands = _detach(a, b, out, operands)
     pkey = _plan_key(a, b, epilogue, out, out_dtype, config, operands)
     if pkey is not None:
         plan = _plans.get(pkey)
@@ -217,6 +220,18 @@ def _auto_config(prob, epi: Epilogue, a, b, operands) -> GemmConfig:
     """``config=None``: the tuned config (``coda.autotune``), or ``default_config`` with ``CODA_AUTOTUNE=0``."""
     from coda import autotune
     return autotune.select_config(prob, epi, a, b, operands)
+
+
+def _grad_tracked(a, b, out, operands) -> bool:
+    return any(getattr(t, "requires_grad", False) for t in (a, b, out, *operands.values()))
+
+
+def _detach(a, b, out, operands):
+    """Tensors that autograd tracks cannot be handed to the kernel (DLPack refuses them); coda.gemm computes no
+    gradient, so it reads their data through detached views (same memory, nothing copied)."""
+    def d(t):
+        return t.detach() if isinstance(t, torch.Tensor) else t
+    return d(a), d(b), d(out), {k: d(v) for k, v in operands.items()}
 
 
 def _plan_key(a, b, epilogue, out, out_dtype, config, operands):

@@ -1,4 +1,5 @@
 """Transformer ops built on coda.gemm with fused epilogues (installed as ``coda.ops``)."""
+from .cross_entropy import linear_cross_entropy
 from .linear import linear
 
-__all__ = ["linear"]
+__all__ = ["linear_cross_entropy", "linear"]

@@ -86,3 +86,11 @@ def test_batched_broadcast_weight():
 
 def test_large_square():
     run_check(8192, 8192, 8192, torch.bfloat16)
+
+
+def test_tensors_that_require_grad_are_read_not_tracked():
+    a = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = coda.gemm(a, b)
+    assert not out.requires_grad
+    torch.testing.assert_close(out.float(), (a.detach().float() @ b.detach().float().T), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,59 @@
+"""Cross entropy on the LM head as GEMM epilogues (``coda.ops.linear_cross_entropy`` uses them).
+
+Notation: logits z = x W^T (one row per token, V columns), target t (a column index; -1 on ignored rows, which
+matches no column), lse = log sum_v exp(z_v), p_v = exp(z_v - lse) (softmax), eps = label smoothing, zl = z-loss
+coefficient. The per-row loss (torch's ``F.cross_entropy`` with ``label_smoothing``, plus z-loss) is
+
+    loss = (1 - eps) (lse - z_t) + eps (lse - sum_v z_v / V) + zl lse^2
+         = lse - (1 - eps) z_t - (eps / V) sum_v z_v + zl lse^2
+
+and its derivative with respect to one logit (d lse / d z_v = p_v) is
+
+    d loss / d z_v = p_v (1 + 2 zl lse) - (1 - eps) [v == t] - eps / V.
+
+The forward epilogues store no M x V output (the logits are never written): they return only per-row reductions,
+finished to vectors by ``coda.gemm``. The backward epilogues recompute a logit tile and form d loss / d z times
+the row's upstream gradient g. ``t`` is a float32 VecM (exact for column indices below 2**24) and is compared with
+``coda.col()``, the column index *within this GEMM*: a GEMM over the vocabulary chunk [v0, v1) takes ``t - v0``.
+"""
+import coda
+
+__all__ = ["ce_forward", "ce_forward_smooth", "ce_backward", "ce_backward_general", "accumulate"]
+
+
+@coda.epilogue
+def ce_forward(acc, t: coda.VecM):
+    """lse = log sum_v exp(z_v) and the target logit z_t = sum_v [v == t] z_v (0 when t matches no column)."""
+    return {"lse": coda.reduce_n(acc, "logsumexp"),
+            "zt": coda.reduce_n(coda.where(coda.col() == t, acc, 0.0), "sum")}
+
+
+@coda.epilogue
+def ce_forward_smooth(acc, t: coda.VecM):
+    """:func:`ce_forward` plus sum_v z_v, the extra statistic label smoothing needs."""
+    return {"lse": coda.reduce_n(acc, "logsumexp"),
+            "zt": coda.reduce_n(coda.where(coda.col() == t, acc, 0.0), "sum"),
+            "zsum": coda.reduce_n(acc, "sum")}
+
+
+@coda.epilogue
+def ce_backward(acc, t: coda.VecM, lse: coda.VecM, g: coda.VecM):
+    """dz_v = (p_v - [v == t]) g with p_v = exp(z_v - lse): the derivative without smoothing or z-loss."""
+    return (coda.exp(acc - lse) - coda.where(coda.col() == t, 1.0, 0.0)) * g
+
+
+@coda.epilogue
+def ce_backward_general(acc, t: coda.VecM, lse: coda.VecM, g: coda.VecM, smoothing: coda.Scalar,
+                        z_loss: coda.Scalar, inv_v: coda.Scalar):
+    """dz_v = (p_v (1 + 2 zl lse) - (1 - eps) [v == t] - eps / V) g, with eps = ``smoothing``, zl = ``z_loss``
+    and ``inv_v`` = 1 / V (V of the whole vocabulary, not of the chunk)."""
+    p = coda.exp(acc - lse)
+    onehot = coda.where(coda.col() == t, 1.0, 0.0)
+    return (p * (1 + 2 * z_loss * lse) - (1 - smoothing) * onehot - smoothing * inv_v) * g
+
+
+@coda.epilogue
+def accumulate(acc, prev: coda.TileMN):
+    """acc + prev: add a GEMM's product to a running sum (``out=`` may be ``prev`` itself: each element is read
+    by the thread that then stores it)."""
+    return acc + prev

@@ -1,0 +1,289 @@
+"""``coda.ops.linear_cross_entropy``: the LM head and cross entropy in GEMM epilogues; logits are never stored.
+
+``loss = cross_entropy(x @ weight.T, target)`` with torch's ``F.cross_entropy`` semantics (``ignore_index``,
+``reduction``, ``label_smoothing``) plus an optional z-loss ``z_loss * lse**2`` per (non-ignored) row, where
+lse = logsumexp of the row's logits (PaLM's auxiliary loss; averaged like the rest under ``reduction="mean"``).
+The algebra is in ``coda/epilogues/cross_entropy.py``.
+
+Forward: one GEMM x W^T whose epilogue stores no logits, only per-row reductions: lse (logsumexp) and the target
+logit z_t (and sum_v z_v when ``label_smoothing > 0``); the loss is finished from these M-vectors.
+
+Backward: the vocabulary is processed in chunks [v0, v1) of ``chunk_size`` columns (default: a chunk of the
+logits gradient is at most ``CHUNK_BYTES`` = 64 MiB). Per chunk, one GEMM x W[v0:v1]^T recomputes the logits and
+its epilogue writes dz = d loss / d z (M x (v1 - v0), in x's dtype) into one reused buffer; then
+dW[v0:v1] = dz^T x is written straight into dW's rows, and dX += dz W[v0:v1] accumulates in fp32 through the
+``accumulate`` epilogue (``acc + prev``, ``out=prev``). Extra memory besides the gradients themselves: the chunk
+buffer (<= 64 MiB by default), the fp32 dX accumulator (M x H x 4 bytes), a few M-vectors and the reductions'
+per-tile partials (M x ceil(V / tile_n) x 4 bytes each). No M x V tensor is ever allocated.
+
+Shapes the kernel cannot align: H (the contraction of x W^T) must be a multiple of 8 (16-byte rows; else
+ValueError). A vocabulary V that is not a multiple of 8 runs on the kernel for its first V - V % 8 columns; the
+last V % 8 columns (the "tail") come from one GEMM against an 8-row zero-padded copy of those weight rows (fp32
+logits, M x 8) and the same epilogue programs evaluated with torch ops (``Epilogue.reference``). dW = dz^T x for a
+token count M that is not a multiple of 8 runs on ``torch.matmul`` (the ``backward_gemm`` rule).
+
+Semantics to note: the loss is float32 (torch returns x's dtype); ``reduction="mean"`` divides by the number of
+non-ignored rows, so with every row ignored the loss is NaN, as in torch, and the gradients are zero (as in torch);
+targets are checked to lie in [0, V) or equal ``ignore_index`` (one device sync, before any GEMM); the dz chunks
+are in x's dtype, like torch's logits gradient (fp16 underflows tiny probabilities exactly as torch's fp16 does).
+
+Registered as ``torch.ops.coda.linear_cross_entropy`` (a ``torch.library.custom_op`` with a fake implementation
+and autograd, so ``torch.compile(fullgraph=True)`` traces through it); its backward is the custom op
+``torch.ops.coda.linear_cross_entropy_backward``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from coda._validate import check_gemm_args
+from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_general, ce_forward,
+                                          ce_forward_smooth)
+
+from ._common import gemm_for
+
+__all__ = ["linear_cross_entropy", "CHUNK_BYTES"]
+
+CHUNK_BYTES = 64 << 20  # default bound on one backward chunk of the logits gradient (M x chunk, x's dtype)
+ENTRY = "coda.ops.linear_cross_entropy"
+REDUCTIONS = ("mean", "sum", "none")
+ALIGN = 8  # 16-byte rows of 16-bit elements
+
+
+# ------------------------------------------------------------------------------------------------ argument checks
+def _check(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size) -> None:
+    """Everything that can be checked without reading tensor data (the target range is checked in the op)."""
+    for name, t in (("x", x), ("weight", weight), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"linear_cross_entropy: {name} must be a torch tensor, got {type(t).__name__}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"linear_cross_entropy: x must be bfloat16 or float16, got {x.dtype}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"linear_cross_entropy: weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if target.dtype != torch.int64:
+        raise TypeError(f"linear_cross_entropy: target must be int64 (class indices), got {target.dtype}")
+    if x.dim() < 1 or weight.dim() != 2:
+        raise ValueError(f"linear_cross_entropy: x must be (..., H) and weight (V, H); got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    H, V = x.shape[-1], weight.shape[0]
+    if weight.shape[1] != H:
+        raise ValueError(f"linear_cross_entropy: x has H={H} but weight has H={weight.shape[1]} (weight is (V, H))")
+    if tuple(target.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"linear_cross_entropy: target must have shape x.shape[:-1] = {tuple(x.shape[:-1])}, "
+                         f"got {tuple(target.shape)}")
+    if weight.device != x.device or target.device != x.device:
+        raise ValueError(f"linear_cross_entropy: x, weight and target must be on one device; got {x.device}, "
+                         f"{weight.device}, {target.device}")
+    if H % ALIGN:
+        raise ValueError(f"linear_cross_entropy: x: the hidden size H={H} must be a multiple of {ALIGN} "
+                         "(16-byte rows for the GEMM)")
+    if not 1 <= V < 2 ** 24:
+        raise ValueError(f"linear_cross_entropy: weight: the vocabulary size V={V} must be in [1, 2**24) (targets "
+                         "are compared as float32 in the epilogue)")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"linear_cross_entropy: ignore_index must be an int, got {type(ignore_index).__name__}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"linear_cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    for name, v, hi in (("label_smoothing", label_smoothing, 1.0), ("z_loss", z_loss, math.inf)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"linear_cross_entropy: {name} must be a number, got {type(v).__name__}")
+        if not (0.0 <= v <= hi) or math.isnan(v) or math.isinf(v):
+            raise ValueError(f"linear_cross_entropy: {name} must be in [0, {hi}], got {v}")
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+            raise TypeError(f"linear_cross_entropy: chunk_size must be an int or None, got "
+                            f"{type(chunk_size).__name__}")
+        if chunk_size <= 0 or chunk_size % ALIGN:
+            raise ValueError(f"linear_cross_entropy: chunk_size must be a positive multiple of {ALIGN} "
+                             f"(vocabulary columns per backward chunk), got {chunk_size}")
+
+
+def _check_target_range(target: Tensor, V: int, ignore_index: int) -> None:
+    bad = (target != ignore_index) & ((target < 0) | (target >= V))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"linear_cross_entropy: target values must be in [0, {V}) or equal ignore_index="
+                         f"{ignore_index}; found {int(target[i])} at (flattened) position {i}")
+
+
+# ------------------------------------------------------------------------------------------------ shared pieces
+def _target_columns(target: Tensor, ignore_index: int) -> Tuple[Tensor, Tensor]:
+    """(valid rows, target column as float32 with -1 on ignored rows: it matches no column)."""
+    valid = target != ignore_index
+    return valid, torch.where(valid, target, -1).to(torch.float32)
+
+
+def _tail_logits(x: Tensor, weight: Tensor, v0: int) -> Tensor:
+    """fp32 logits of the last V - v0 (< 8) vocabulary columns: one GEMM against those weight rows padded with
+    zero rows to 8 (the kernel's 16-byte alignment), M x 8 fp32 out; the padded columns are dropped."""
+    pad = weight.new_zeros((ALIGN, weight.shape[1]))
+    pad[:weight.shape[0] - v0] = weight[v0:]
+    return gemm_for(x.device, ENTRY)(x, pad, out_dtype=torch.float32)[:, :weight.shape[0] - v0]
+
+
+def _gemm_into(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """out = a @ b.T on CODA's GEMM, or ``torch.matmul`` where the kernel cannot align the shapes (the rule of
+    ``ops._common.backward_gemm``, writing into ``out``: e.g. dW rows, no temporary)."""
+    try:
+        check_gemm_args(a, b, out=out)
+    except ValueError:
+        torch.matmul(a, b.transpose(-1, -2), out=out)
+        return
+    gemm_for(a.device, ENTRY)(a, b, out=out)
+
+
+def _chunk_columns(M: int, esize: int, chunk_size: Optional[int]) -> int:
+    if chunk_size is not None:
+        return chunk_size
+    vc = CHUNK_BYTES // max(1, M * esize)
+    return vc // 256 * 256 if vc >= 256 else max(ALIGN, vc // ALIGN * ALIGN)  # whole tiles when they fit
+
+
+# ------------------------------------------------------------------------------------------------ forward
+def _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss):
+    M, V = x.shape[0], weight.shape[0]
+    _check_target_range(target, V, ignore_index)
+    valid, tcol = _target_columns(target, ignore_index)
+    smooth = label_smoothing > 0
+    epi = ce_forward_smooth if smooth else ce_forward
+    v8 = V // ALIGN * ALIGN
+    parts = []
+    if M and v8:  # the logits are reduced in the epilogue and never stored
+        parts.append(gemm_for(x.device, ENTRY)(x, weight[:v8], epilogue=epi, t=tcol))
+    if M and v8 < V:
+        parts.append(epi.reference(_tail_logits(x, weight, v8), t=tcol - v8))
+    if parts:
+        lse = parts[0]["lse"] if len(parts) == 1 else torch.logaddexp(parts[0]["lse"], parts[1]["lse"])
+        stats = {k: sum(p[k] for p in parts) for k in parts[0] if k != "lse"}
+    else:  # no rows
+        lse = x.new_empty((0,), dtype=torch.float32)
+        stats = {"zt": lse, "zsum": lse}
+    row = lse - (1 - label_smoothing) * stats["zt"]
+    if smooth:
+        row = row - (label_smoothing / V) * stats["zsum"]
+    if z_loss > 0:
+        row = row + z_loss * lse * lse
+    row = torch.where(valid, row, 0.0)
+    if reduction == "none":
+        loss = row
+    elif reduction == "sum":
+        loss = row.sum()
+    else:  # mean over the non-ignored rows: NaN when there are none, as in torch
+        loss = row.sum() / valid.sum()
+    return loss, lse.contiguous()
+
+
+@torch.library.custom_op("coda::linear_cross_entropy", mutates_args=())
+def _op(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
+        z_loss: float, chunk_size: Optional[int]) -> Tuple[Tensor, Tensor]:
+    """(loss, lse) for x (M, H), weight (V, H), target (M,); lse (M,) fp32 is saved for the backward."""
+    return _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss)
+
+
+@_op.register_fake
+def _op_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size):
+    M = x.shape[0]
+    loss = x.new_empty((M,) if reduction == "none" else (), dtype=torch.float32)
+    return loss, x.new_empty((M,), dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------ backward
+def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoothing, z_loss, chunk_size,
+              need_x, need_w):
+    M, H = x.shape
+    V = weight.shape[0]
+    if M == 0:
+        return (torch.zeros_like(x) if need_x else None), (torch.zeros((V, H), dtype=weight.dtype,
+                                                                       device=weight.device) if need_w else None)
+    # every element of both is written below (the chunks and the tail cover all V columns)
+    dx32 = torch.empty((M, H), dtype=torch.float32, device=x.device) if need_x else None
+    dw = torch.empty((V, H), dtype=weight.dtype, device=weight.device) if need_w else None
+    valid, tcol = _target_columns(target, ignore_index)
+    g = grad.to(torch.float32)
+    if reduction == "mean":  # no valid rows: every g is 0 below (the loss is NaN, the gradients zero)
+        g = g / valid.sum().clamp_min(1)
+    g = torch.where(valid, g.expand(M), 0.0).contiguous()
+    general = label_smoothing > 0 or z_loss > 0
+    epi = ce_backward_general if general else ce_backward
+    ops = dict(lse=lse, g=g, **(dict(smoothing=label_smoothing, z_loss=z_loss, inv_v=1.0 / V) if general else {}))
+    gemm = gemm_for(x.device, ENTRY)
+    v8 = V // ALIGN * ALIGN
+    vc = min(_chunk_columns(M, x.element_size(), chunk_size), max(v8, ALIGN))
+    buf = torch.empty((M, vc), dtype=x.dtype, device=x.device) if v8 else None  # the only M x chunk tensor
+    first = True
+    for v0 in range(0, v8, vc):
+        v1 = min(v0 + vc, v8)
+        w_c = weight[v0:v1]  # a row slice: a view
+        dz = buf[:, :v1 - v0]
+        gemm(x, w_c, epilogue=epi, out=dz, t=tcol - v0, **ops)  # recomputed logits -> dz, never the logits
+        if need_w:
+            _gemm_into(dz.t(), x.t(), dw[v0:v1])  # dW rows [v0, v1) = dz^T x, written in place
+        if need_x:  # dX (+)= dz W_c: W_c.t() and dz are read by TMA as they are
+            if first:
+                gemm(dz, w_c.t(), out=dx32)
+            else:
+                gemm(dz, w_c.t(), epilogue=accumulate, out=dx32, prev=dx32)
+        first = False
+    if v8 < V:  # the last V % 8 columns: torch ops on M x (V - v8) fp32 logits
+        dz = epi.reference(_tail_logits(x, weight, v8), t=tcol - v8, **ops)["out"]
+        if need_x:
+            w_t = weight[v8:].float()
+            dx32.addmm_(dz, w_t) if not first else torch.mm(dz, w_t, out=dx32)
+        if need_w:
+            dw[v8:] = torch.matmul(dz.t().to(x.dtype), x)
+    return (dx32.to(x.dtype) if need_x else None), dw
+
+
+@torch.library.custom_op("coda::linear_cross_entropy_backward", mutates_args=())
+def _op_backward(grad: Tensor, x: Tensor, weight: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
+                 reduction: str, label_smoothing: float, z_loss: float, chunk_size: Optional[int], need_x: bool,
+                 need_w: bool) -> Tuple[Tensor, Tensor]:
+    """(dx, dweight); an input gradient that is not needed comes back as an empty tensor."""
+    dx, dw = _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoothing, z_loss, chunk_size,
+                       need_x, need_w)
+    return (dx if dx is not None else x.new_empty((0,))), (dw if dw is not None else weight.new_empty((0,)))
+
+
+@_op_backward.register_fake
+def _op_backward_fake(grad, x, weight, target, lse, ignore_index, reduction, label_smoothing, z_loss, chunk_size,
+                      need_x, need_w):
+    dw = weight.new_empty(weight.shape) if need_w else weight.new_empty((0,))
+    return (torch.empty_like(x) if need_x else x.new_empty((0,))), dw
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, target, *args = inputs
+    ctx.save_for_backward(x, weight, target, output[1])
+    ctx.args = tuple(args)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _autograd_backward(ctx, grad_loss, grad_lse):
+    x, weight, target, lse = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = torch.ops.coda.linear_cross_entropy_backward(grad_loss, x, weight, target, lse, *ctx.args, need_x,
+                                                          need_w)
+    return (dx if need_x else None), (dw if need_w else None), None, None, None, None, None, None
+
+
+_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------ public entry
+def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int = -100,
+                         reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0, *,
+                         chunk_size: Optional[int] = None) -> Tensor:
+    """``F.cross_entropy(x @ weight.T, target, ...)`` (+ ``z_loss * logsumexp**2`` per row) without storing logits.
+
+    x (..., H) bfloat16/float16, weight (V, H) of x's dtype, target (...) int64 in [0, V) or ``ignore_index``.
+    ``reduction``: "mean" (over non-ignored rows), "sum" or "none" (shape of ``target``). ``label_smoothing`` in
+    [0, 1] (torch semantics); ``z_loss`` >= 0. ``chunk_size``: vocabulary columns per backward chunk (a multiple of
+    8; default: chunks of at most ``CHUNK_BYTES``). Returns a float32 loss. See the module docstring."""
+    _check(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size)
+    H = x.shape[-1]
+    loss, _ = torch.ops.coda.linear_cross_entropy(x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
+                                                  reduction, float(label_smoothing), float(z_loss), chunk_size)
+    return loss.reshape(target.shape) if reduction == "none" else loss

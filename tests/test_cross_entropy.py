@@ -1,0 +1,256 @@
+"""coda.ops.linear_cross_entropy on the CPU (the reference path: the same epilogue programs as torch ops) vs torch
+F.cross_entropy(x @ W.T) in float64; the backward algebra checked with sympy."""
+import math
+
+import pytest
+import sympy as sp
+import torch
+
+import coda.ops
+from coda.dsl import ACC, COL, operand_symbol
+from coda.epilogues import cross_entropy as ce
+from coda.ops import cross_entropy as ce_op
+from cross_entropy_ref import rel, run, torch_loss
+
+lce = coda.ops.linear_cross_entropy
+
+
+# ------------------------------------------------------------------------------------------------ algebra (sympy)
+def _epilogue_grad(epi, v, t, lse, **ops):
+    """The backward epilogue's expression at column v of a row with target t (g = 1)."""
+    e = epi.exprs["out"]
+    subs = {COL: v, operand_symbol("t"): t, operand_symbol("lse"): lse, operand_symbol("g"): 1}
+    subs.update({operand_symbol(k): val for k, val in ops.items()})
+    return e.subs(subs)
+
+
+@pytest.mark.parametrize("t", [0, 2])
+def test_backward_algebra_sympy(t):
+    """d/dz_v of lse - (1-eps) z_t - eps/V sum z + zl lse^2 (torch's smoothed loss + z-loss) is what the backward
+    epilogues compute; without smoothing and z-loss it is softmax - onehot."""
+    V = 4
+    z = sp.symbols(f"z0:{V}", real=True)
+    eps, zl = sp.symbols("eps zl", positive=True)
+    lse = sp.log(sum(sp.exp(zi) for zi in z))
+    logp = [zi - lse for zi in z]
+    torch_loss = (1 - eps) * (-logp[t]) + eps * sum(-lp for lp in logp) / V  # F.cross_entropy, label_smoothing
+    loss = torch_loss + zl * lse ** 2
+    for v in range(V):
+        want = sp.diff(loss, z[v])
+        got = _epilogue_grad(ce.ce_backward_general, v, t, lse, smoothing=eps, z_loss=zl, inv_v=sp.Rational(1, V))
+        assert sp.simplify((got - want).subs(ACC, z[v])) == 0, v
+        plain = _epilogue_grad(ce.ce_backward, v, t, lse).subs(ACC, z[v])
+        assert sp.simplify(plain - sp.diff(-logp[t], z[v])) == 0, v
+        softmax = sp.exp(z[v]) / sum(sp.exp(zi) for zi in z)
+        assert sp.simplify(plain - (softmax - (1 if v == t else 0))) == 0, v
+
+
+def test_forward_epilogues_reference():
+    """The forward epilogues' reductions on a small fp32 logit matrix; t = -1 matches no column."""
+    acc = torch.randn(5, 12, dtype=torch.float64)
+    t = torch.tensor([0, 3, 11, -1, 7], dtype=torch.float64)
+    r = ce.ce_forward_smooth.reference(acc, t=t)
+    torch.testing.assert_close(r["lse"], torch.logsumexp(acc, -1))
+    zt = torch.where(t >= 0, acc.gather(1, t.clamp_min(0).long()[:, None])[:, 0], 0.0)
+    torch.testing.assert_close(r["zt"], zt)
+    torch.testing.assert_close(r["zsum"], acc.sum(-1))
+    assert set(ce.ce_forward.result_keys) == {"lse", "zt"}  # no main output: logits are never stored
+    assert not ce.ce_forward.stores_out and not ce.ce_forward_smooth.stores_out
+
+
+# ------------------------------------------------------------------------------------------------ vs torch
+
+
+def _problem(M, V, H, dtype=torch.bfloat16, seed=0, ignored=(1,)):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) / math.sqrt(H) * 3).to(dtype)
+    t = torch.randint(0, V, (M,), generator=g)
+    for i in ignored:
+        if i < M:
+            t[i] = -100
+    return x, w, t
+
+
+CASES = [  # (M, V, H): V % 8 != 0 (padded tail), V < 8 (tail only), M % 8 != 0 (dW on torch.matmul)
+    (16, 64, 32), (13, 40, 16), (16, 37, 24), (9, 5, 16), (24, 203, 40)]
+
+
+@pytest.mark.parametrize("M,V,H", CASES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smooth,zl", [(0.0, 0.0), (0.1, 0.0), (0.0, 1e-2), (0.2, 1e-3)])
+def test_matches_torch_2x_rule(M, V, H, reduction, smooth, zl):
+    """Loss, dx and dw vs float64 torch; error <= 2 x torch-in-bf16's error + a floor."""
+    x, w, t = _problem(M, V, H)
+    kw = dict(reduction=reduction, label_smoothing=smooth, z_loss=zl)
+    up = torch.randn(M, dtype=torch.float64) if reduction == "none" else torch.tensor(1.5, dtype=torch.float64)
+    ours = run(lce, x, w, t, up, chunk_size=16, **kw)
+    want = run(torch_loss, x.double(), w.double(), t, up, **kw)
+    theirs = run(torch_loss, x, w, t, up, **kw)
+    assert ours[0].dtype == torch.float32 and ours[0].shape == want[0].shape
+    for name, a, b, c in zip(("loss", "dx", "dw"), ours, want, theirs):
+        assert a.shape == b.shape, name
+        assert rel(a, b) <= 2 * rel(c, b) + 1e-4, (name, rel(a, b), rel(c, b))
+
+
+def test_fp16_and_batched_shape():
+    x, w, t = _problem(24, 48, 32, dtype=torch.float16)
+    x3, t3 = x.reshape(2, 12, 32), t.reshape(2, 12)
+    up = torch.randn(2, 12, dtype=torch.float64)
+    ours = run(lce, x3, w, t3, up, reduction="none")
+    want = run(torch_loss, x.double(), w.double(), t, up.reshape(-1), reduction="none")
+    theirs = run(torch_loss, x, w, t, up.reshape(-1), reduction="none")
+    assert ours[0].shape == (2, 12) and ours[1].shape == (2, 12, 32)
+    for a, b, c in zip(ours, want, theirs):
+        assert rel(a.reshape(b.shape), b) <= 2 * rel(c, b) + 1e-4
+
+
+def test_ignore_index_rows_and_all_ignored():
+    x, w, t = _problem(16, 40, 16, ignored=(0, 5, 6))
+    loss, dx, dw = run(lce, x, w, t, torch.ones(16, dtype=torch.float64), reduction="none")
+    assert (loss[[0, 5, 6]] == 0).all() and (dx[[0, 5, 6]] == 0).all()
+    # a custom ignore_index that is a valid class: those rows are ignored, others use the class normally
+    t2 = t.clone()
+    t2[t2 == -100] = 3
+    a = run(lce, x, w, t2, torch.tensor(1.0, dtype=torch.float64), ignore_index=3)
+    b = run(torch_loss, x.double(), w.double(), t2, torch.tensor(1.0, dtype=torch.float64), ignore_index=3)
+    assert rel(a[0], b[0]) < 1e-3 and rel(a[1], b[1]) < 2e-2 and rel(a[2], b[2]) < 2e-2
+    # every row ignored: mean is NaN (0 / 0, as torch), sum is 0, gradients are zero (as torch)
+    t_all = torch.full((16,), -100)
+    for reduction in ("mean", "sum"):
+        ours = run(lce, x, w, t_all, torch.tensor(1.0, dtype=torch.float64), reduction=reduction)
+        want = run(torch_loss, x.double(), w.double(), t_all, torch.tensor(1.0, dtype=torch.float64),
+                    reduction=reduction)
+        assert math.isnan(ours[0]) == math.isnan(want[0]) == (reduction == "mean")
+        assert (ours[1] == 0).all() and (ours[2] == 0).all() and (want[1] == 0).all()
+
+
+def test_no_rows():
+    x, w = torch.zeros(0, 16, dtype=torch.bfloat16), torch.randn(40, 16, dtype=torch.bfloat16)
+    t = torch.zeros(0, dtype=torch.long)
+    for reduction in ("mean", "sum", "none"):
+        ours = run(lce, x, w, t, torch.tensor(1.0, dtype=torch.float64), reduction=reduction)
+        want = run(torch_loss, x.double(), w.double(), t, torch.tensor(1.0, dtype=torch.float64),
+                    reduction=reduction)
+        assert ours[0].shape == want[0].shape
+        assert torch.equal(ours[0].isnan(), want[0].isnan()) and (ours[2] == 0).all()
+
+
+def test_large_logits_stable():
+    """|logit| ~ 1e4: logsumexp is max-shifted in the epilogue; loss and grads stay finite and right."""
+    x, w, t = _problem(16, 64, 32)
+    w = (w.float() * 4000).to(torch.bfloat16)
+    ours = run(lce, x, w, t, torch.tensor(1.0, dtype=torch.float64))
+    want = run(torch_loss, x.double(), w.double(), t, torch.tensor(1.0, dtype=torch.float64))
+    theirs = run(torch_loss, x, w, t, torch.tensor(1.0, dtype=torch.float64))
+    assert (x.double() @ w.double().T).abs().max() > 5e3
+    for a, b, c in zip(ours, want, theirs):
+        assert torch.isfinite(a).all()
+        assert rel(a, b) <= 2 * rel(c, b) + 1e-4
+
+
+def test_non_finite_rows():
+    """A NaN / inf input row gives a non-finite loss on that row (torch: NaN), an ignored one gives 0; the
+    other rows are unaffected."""
+    x, w, t = _problem(16, 40, 16, ignored=(1,))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        xb = x.clone()
+        xb[0, 3] = xb[1, 0] = bad
+        ours = lce(xb, w, t, reduction="none", label_smoothing=0.1)
+        want = torch_loss(xb.double(), w.double(), t, reduction="none", label_smoothing=0.1)
+        assert not torch.isfinite(ours[0]) and not torch.isfinite(want[0])
+        assert ours[1] == 0 and want[1] == 0
+        assert rel(ours[2:], want[2:]) < 1e-4
+
+
+# ------------------------------------------------------------------------------------------------ chunking
+def test_chunking_identical_and_bounded(monkeypatch):
+    """Tiny chunks give the same loss and dW bit for bit (dX sums the chunks in fp32: equal to rounding), and
+    no GEMM of the backward produces more than chunk_size columns."""
+    x, w, t = _problem(16, 203, 32)
+    up = torch.tensor(1.0, dtype=torch.float64)
+    kw = dict(label_smoothing=0.1, z_loss=1e-3)
+    ref = run(lce, x, w, t, up, chunk_size=1024, **kw)
+    calls = []
+    real = ce_op.gemm_for
+
+    def recording(device, entry="coda.ops"):
+        fn = real(device, entry)
+
+        def gemm(a, b, **k):
+            res = fn(a, b, **k)
+            calls.append((tuple(a.shape), tuple(b.shape), k.get("epilogue")))
+            return res
+        return gemm
+    monkeypatch.setattr(ce_op, "gemm_for", recording)
+    tiny = run(lce, x, w, t, up, chunk_size=8, **kw)
+    assert torch.equal(tiny[0], ref[0]) and torch.equal(tiny[2], ref[2])
+    torch.testing.assert_close(tiny[1], ref[1], rtol=1e-2, atol=1e-4)
+    assert rel(tiny[1], ref[1]) < 1e-3
+    # every GEMM that stores a result is one chunk (8 columns; the tail's padded GEMM too) or H wide (dX, dW)
+    stored = [b[0] for _, b, e in calls if getattr(e, "stores_out", True)]
+    assert len(stored) > 3 * 203 // 8 and set(stored) == {8, 32}
+    fwd = [e for _, _, e in calls if e is ce.ce_forward_smooth]
+    assert len(fwd) == 1  # the forward: one GEMM over the whole (aligned) vocabulary, nothing stored
+    assert any(e is ce.accumulate for _, _, e in calls)  # dX accumulated by the add-to-output epilogue
+
+
+def test_default_chunk_size():
+    assert ce_op._chunk_columns(4096, 2, None) * 4096 * 2 <= ce_op.CHUNK_BYTES
+    assert ce_op._chunk_columns(4096, 2, None) % 256 == 0
+    assert ce_op._chunk_columns(10 ** 7, 2, None) == 8  # never below one aligned group of columns
+    assert ce_op._chunk_columns(4096, 2, 24) == 24
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def test_bad_inputs(monkeypatch):
+    """Each bad argument is named, and nothing is computed (no GEMM is called) before the error."""
+    x, w, t = _problem(8, 40, 16)
+    monkeypatch.setattr(ce_op, "gemm_for", lambda *a, **k: pytest.fail("a GEMM ran before the error"))
+    bad = [
+        (TypeError, "x must be bfloat16", dict(x=x.float())),
+        (TypeError, "weight must have x's dtype", dict(w=w.half())),
+        (TypeError, "target must be int64", dict(t=t.int())),
+        (TypeError, "x must be a torch tensor", dict(x=[1.0])),
+        (ValueError, "weight has H=8", dict(w=w[:, :8])),
+        (ValueError, r"target must have shape x.shape\[:-1\]", dict(t=t[:4])),
+        (ValueError, "hidden size H=12", dict(x=x[:, :12], w=w[:, :12])),
+        (ValueError, "reduction must be one of", dict(reduction="avg")),
+        (ValueError, "label_smoothing must be in", dict(label_smoothing=1.5)),
+        (ValueError, "z_loss must be in", dict(z_loss=-1.0)),
+        (ValueError, "z_loss must be in", dict(z_loss=float("nan"))),
+        (TypeError, "ignore_index must be an int", dict(ignore_index=1.0)),
+        (ValueError, "chunk_size must be a positive multiple of 8", dict(chunk_size=12)),
+        (ValueError, r"target values must be in \[0, 40\)", dict(t=t.index_fill(0, torch.tensor([2]), 40))),
+        (ValueError, "one device", dict(w=w.to("meta"))),
+        (ValueError, r"x must be \(\.\.\., H\)", dict(x=x[0, 0])),
+        (ValueError, r"found -5 at \(flattened\) position 1", dict(t=t.index_fill(0, torch.tensor([1]), -5))),
+    ]
+    for exc, msg, change in bad:
+        args = dict(x=x, w=w, t=t)
+        kw = {k: v for k, v in change.items() if k not in args}
+        args.update({k: v for k, v in change.items() if k in args})
+        with pytest.raises(exc, match=msg):
+            lce(args["x"], args["w"], args["t"], **kw)
+
+
+# ------------------------------------------------------------------------------------------------ torch.library
+@pytest.mark.parametrize("reduction,smooth,zl", [("mean", 0.0, 0.0), ("none", 0.1, 1e-2), ("sum", 0.0, 1e-3)])
+def test_opcheck(reduction, smooth, zl):
+    x, w, t = _problem(13, 37, 16)
+    x.requires_grad_()
+    w.requires_grad_()
+    torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default, (x, w, t, -100, reduction, smooth, zl, 8))
+
+
+def test_compile_fullgraph():
+    x, w, t = _problem(16, 40, 16)
+    up = torch.tensor(1.0, dtype=torch.float64)
+
+    def f(x, w, t):
+        return lce(x, w, t, label_smoothing=0.1, z_loss=1e-3, chunk_size=16) * 2
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    a, b = run(f, x, w, t, up), run(compiled, x, w, t, up)
+    for u, v in zip(a, b):
+        torch.testing.assert_close(u, v, rtol=0, atol=0)
