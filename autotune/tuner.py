@@ -230,8 +230,9 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
     free, _ = torch.cuda.mem_get_info(prob.device)
     nbuf = n_buffers(a.nbytes + (0 if b.data_ptr() == a.data_ptr() else b.nbytes), props.L2_cache_size, free)
     As, Bs = rotating_copies(a, nbuf), rotating_copies(b, nbuf)
-    out = torch.empty(prob.out_shape, dtype=prob.out_dtype, device=a.device)
-    ref_bytes = 4 * (a.numel() + b.numel() + out.numel() * (2 + len(epi.outputs)))
+    out = torch.empty(prob.out_shape, dtype=prob.out_dtype, device=a.device) if epi.stores_out else None
+    out_numel = math.prod(prob.out_shape)
+    ref_bytes = 4 * (a.numel() + b.numel() + out_numel * (2 + len(epi.outputs)))
     unchecked = check and ref_bytes > free // 4
     check = check and not unchecked  # the fp32 reference would not fit comfortably next to the caller's data
     ref = coda.reference.gemm(a, b, epilogue=None if epi.is_identity else epi, out_dtype=prob.out_dtype,

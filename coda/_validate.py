@@ -42,14 +42,16 @@ class GemmProblem:
     device: torch.device
     b_broadcast: bool = False
     a_major: str = "k"  # "k": K contiguous (nn.Linear layout); "mn": M (of a) / N (of b) contiguous
+    out_n: Optional[int] = None  # columns of the output: N, or N/2 for an epilogue over column pairs
     b_major: str = "k"
     empty_result: bool = False
     zero_k: bool = False
 
     @property
     def out_shape(self) -> Tuple[int, ...]:
-        """Shape of the result: (M, N), or (L, M, N) when batched."""
-        return (self.L, self.M, self.N) if self.batched else (self.M, self.N)
+        """Shape of the result: (M, N), or (L, M, N) when batched (N/2 columns for a pairs epilogue)."""
+        n = self.N if self.out_n is None else self.out_n
+        return (self.L, self.M, n) if self.batched else (self.M, n)
 
 
 def _dtype_name(dtype) -> str:
@@ -124,13 +126,16 @@ def check_gemm_args(
     b: torch.Tensor,
     out: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    half_out: bool = False,
 ) -> GemmProblem:
     """Validate the operands of ``a @ b.T`` and return the problem they describe.
 
     ``a``: (M, K) or (L, M, K); ``b``: (N, K), or (L, N, K) when ``a`` is batched (a 2-D ``b`` with a 3-D ``a`` is
     one weight broadcast over L). Both bf16 or both fp16. ``out_dtype`` in {bf16, fp16, fp32}, default ``out.dtype``
     if ``out`` is given, else ``a.dtype``. ``out``, if given: shape (M, N) / (L, M, N), dtype ``out_dtype``, same
-    device, no memory shared with ``a`` or ``b``. Raises TypeError / ValueError (see the module docstring).
+    device, no memory shared with ``a`` or ``b``. ``half_out``: the epilogue writes one value per column pair
+    (``coda.pairs``), so the output has N/2 columns (N must be even). Raises TypeError / ValueError (see the
+    module docstring).
     """
     # --- types and ranks
     for name, t in (("a", a), ("b", b)):
@@ -194,11 +199,16 @@ def check_gemm_args(
             f"a/b: rows must be {ALIGN_BYTES}-byte aligned: K={K} (need K % {ALIGN_BYTES // esize} == 0 for "
             f"bf16/fp16)"
         )
+    if half_out and N % 2:
+        raise ValueError(f"b: N={N} (b.shape[-2]) must be even for an epilogue over column pairs (coda.pairs)")
+    out_n = N // 2 if half_out else N
     out_esize = torch.empty((), dtype=out_dtype).element_size()
-    if (N * out_esize) % ALIGN_BYTES:
+    if (out_n * out_esize) % ALIGN_BYTES:
+        what = f"N/2={out_n} (pairs: half of b.shape[-2])" if half_out else f"N={N} (b.shape[-2])"
         raise ValueError(
-            f"b: N={N} (b.shape[-2]) gives output rows of {N * out_esize} bytes, which must be {ALIGN_BYTES}-byte "
-            f"aligned: need N % {ALIGN_BYTES // out_esize} == 0 for {_dtype_name(out_dtype)} output"
+            f"b: {what} gives output rows of {out_n * out_esize} bytes, which must be {ALIGN_BYTES}-byte "
+            f"aligned: need {'N/2' if half_out else 'N'} % {ALIGN_BYTES // out_esize} == 0 for "
+            f"{_dtype_name(out_dtype)} output"
         )
 
     # --- layouts
@@ -211,7 +221,7 @@ def check_gemm_args(
         )
 
     # --- out
-    out_shape = (L, M, N) if batched else (M, N)
+    out_shape = (L, M, out_n) if batched else (M, out_n)
     if out is not None:
         if tuple(out.shape) != out_shape:
             raise ValueError(f"out: expected shape {out_shape}; got {tuple(out.shape)}")
@@ -238,6 +248,7 @@ def check_gemm_args(
         b_broadcast=b_broadcast,
         a_major=a_major,
         b_major=b_major,
+        out_n=out_n,
         empty_result=empty,
         zero_k=(K == 0 and not empty),
     )

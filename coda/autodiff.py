@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sympy as sp
 
-from .dsl import ACC, DslEpilogue, Operand, operand_symbol
+from .dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, Operand, operand_symbol
 
 GRAD, VALUE, DGRAD = "grad_", "value_", "d_"
 
@@ -108,6 +108,13 @@ def backward_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilog
     def G(z):
         return sp.Add(*[w * derivative(e, z) for w, e in terms])
 
+    if epi.pair_mode:
+        # one value per pair j (g(acc_2j, acc_2j+1)): dacc is a 2 -> 2 pairs epilogue over the recomputed pairs,
+        # its upstream gradient a TileMN of one value per pair
+        if epi.pair_mode == "full" or needs:
+            raise NotImplementedError(f"epilogue {epi.name!r}: the backward of 2 -> 2 pairs epilogues and of "
+                                      "operands of pairs epilogues is not supported yet")
+        return DslEpilogue(f"{epi.name}_bwd", tuple(ops), {"out": G(ACC_EVEN), ODD_OUT: G(ACC_ODD)}, {})
     outputs = {"out": G(ACC)}
     reductions = {}
     kinds = {o.name: o.kind for o in epi.operands}

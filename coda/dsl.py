@@ -125,6 +125,12 @@ ROW = sp.Symbol("_row", real=True)
 COL = sp.Symbol("_col", real=True)
 
 
+# coda.pairs(acc): the accumulator columns 2j and 2j+1 (one output column j per pair)
+ACC_EVEN = sp.Symbol("acc_even", real=True)
+ACC_ODD = sp.Symbol("acc_odd", real=True)
+ODD_OUT = "out_odd_"  # internal key of a 2 -> 2 pair epilogue's second value (column 2j+1)
+
+
 def operand_symbol(name: str) -> sp.Symbol:
     return sp.Symbol(f"op_{name}", real=True)
 
@@ -278,9 +284,22 @@ def row() -> Value:
 
 
 def col() -> Value:
-    """The global column index of the element (as fp32; exact below 2**24)."""
+    """The global column index of the element (as fp32; exact below 2**24); in a pairs epilogue, the pair's
+    index j (columns 2j, 2j+1)."""
     _tracing()
     return Value(COL)
+
+
+def pairs(acc):
+    """``g, u = coda.pairs(acc)``: the accumulator's adjacent columns (2j, 2j+1), which the kernel holds in one
+    thread. An epilogue over pairs is indexed by the pair j: its VecN operands have N/2 values, TileMN operands
+    are M x N/2, ``coda.col()`` is j. Returning one expression gives an M x N/2 output (gated activations:
+    ``silu(g) * u``); returning a tuple of two gives an M x N output with the two values at 2j, 2j+1 (a 2 -> 2
+    transform such as a rotation)."""
+    _tracing()
+    if not isinstance(acc, Value) or acc.e != ACC:
+        raise _err("coda.pairs takes the accumulator (the epilogue's first argument) itself")
+    return Value(ACC_EVEN), Value(ACC_ODD)
 
 
 def exp(x): return Value(sp.exp(_v(x)))
@@ -380,7 +399,7 @@ class DslEpilogue(Epilogue):
         self.operands = tuple(operands)
         self.exprs = dict(outputs)
         self.red_specs = dict(reductions)
-        self.outputs = tuple(k for k in outputs if k != "out")
+        self.outputs = tuple(k for k in outputs if k not in ("out", ODD_OUT))
         self.stores_out = "out" in outputs  # no "out": nothing M x N stored but the extra outputs
         self.reductions = tuple(Reduction(k, axis, op) for k, (axis, op, _) in reductions.items())
         keys = list(self.exprs) + list(self.red_specs)
@@ -388,6 +407,19 @@ class DslEpilogue(Epilogue):
         self._cse_repl, reduced = sp.cse(exprs, symbols=sp.numbered_symbols("_t", real=True), optimizations=None)
         self._cse_out = dict(zip(keys, reduced))
         dag, self.symbols = _dag_key(exprs)  # symbols: the leaves visit/reference must provide
+        # pairs: None, "half" (one value per pair: M x N/2 outputs) or "full" (two values per pair: M x N)
+        self.pair_mode = None
+        if self.symbols & {ACC_EVEN, ACC_ODD}:
+            self.pair_mode = "full" if ODD_OUT in outputs else "half"
+            where = f"epilogue {name!r}"
+            if ACC in self.symbols:
+                raise EpilogueError(f"{where}: uses both coda.pairs(acc) and acc itself; use the pair values")
+            if reductions:
+                raise EpilogueError(f"{where}: reductions in a pairs epilogue are not supported yet")
+            if self.pair_mode == "full" and (self.outputs or not self.stores_out):
+                raise EpilogueError(f"{where}: a 2 -> 2 pairs epilogue returns exactly two values")
+        elif ODD_OUT in outputs:
+            raise EpilogueError(f"epilogue {name!r}: a tuple of two outputs needs coda.pairs(acc)")
         self._key = ("coda.dsl", tuple((o.name, o.kind) for o in self.operands),
                      tuple(self.exprs), tuple((k, a, op) for k, (a, op, _) in self.red_specs.items()), dag)
 
@@ -401,6 +433,19 @@ class DslEpilogue(Epilogue):
     def key(self) -> tuple:
         return self._key
 
+    def out_cols(self, N: int) -> int:
+        """Columns of the main / extra outputs for an accumulator of N columns (N/2 for a pairs epilogue with one
+        value per pair)."""
+        return N // 2 if self.pair_mode == "half" else N
+
+    def check_operands(self, operands, L, M, N, device) -> None:
+        if self.pair_mode:
+            if N % 2:
+                raise ValueError(f"epilogue {self.name!r} works on column pairs (coda.pairs): N must be even, "
+                                 f"got N={N}")
+            N //= 2  # VecN / TileMN operands are per pair
+        super().check_operands(operands, L, M, N, device)
+
     @property
     def result_keys(self) -> list:
         """The results in order: main output (when stored), extra outputs, reductions."""
@@ -408,9 +453,11 @@ class DslEpilogue(Epilogue):
 
     # -- kernel (CuTeDSL, trace time) -------------------------------------------------------------------------
     def visit(self, acc, env):
+        """``acc``: the element's fp32 accumulator, or in a pairs epilogue the pair (even, odd); ``env.col`` is
+        then the pair index j."""
         import cutlass
         from ._eval import CuteOps
-        leaves = {ACC: acc}
+        leaves = {ACC_EVEN: acc[0], ACC_ODD: acc[1]} if self.pair_mode else {ACC: acc}
         used = self.symbols
         if ROW in used:
             leaves[ROW] = env.row.to(cutlass.Float32)
@@ -434,8 +481,13 @@ class DslEpilogue(Epilogue):
         """fp32 torch evaluation; returns {"out", extra outputs..., finished reductions...}."""
         import torch
         from ._eval import TorchOps
+        full = acc
+        if self.pair_mode:  # one element per pair j: the even / odd accumulator columns
+            acc = full[..., 0::2]
+            leaves = {ACC_EVEN: acc, ACC_ODD: full[..., 1::2]}
+        else:
+            leaves = {ACC: acc}
         M, N = acc.shape[-2:]
-        leaves = {ACC: acc}
         used = self.symbols
         if ROW in used:
             leaves[ROW] = torch.arange(M, device=acc.device, dtype=acc.dtype).unsqueeze(-1)
@@ -447,6 +499,8 @@ class DslEpilogue(Epilogue):
         out = {}
         for k in self.exprs:
             out[k] = torch.broadcast_to(vals[k], acc.shape)
+        if self.pair_mode == "full":  # the two values of pair j at columns 2j, 2j+1
+            out["out"] = torch.stack((out["out"], out.pop(ODD_OUT)), -1).reshape(full.shape)
         for k, (axis, op, _) in self.red_specs.items():
             v = torch.broadcast_to(vals[k], acc.shape)
             dim = -1 if axis == "n" else -2
@@ -542,7 +596,10 @@ def _outputs(res, name):
                 outputs[k] = value_expr(k, v)
         return outputs, reductions
     if isinstance(res, tuple):
-        raise _err("return one expression (the main output) or a dict; tuples are not outputs")
+        if len(res) != 2:
+            raise _err("return one expression (the main output) or a dict; a tuple of two is a 2 -> 2 pairs "
+                       "output (coda.pairs)")
+        return {"out": value_expr("out", res[0]), ODD_OUT: value_expr("out", res[1])}, {}
     return {"out": value_expr("out", res)}, {}
 
 

@@ -20,7 +20,8 @@ import torch
 from . import _device, _launch
 from ._validate import check_gemm_args
 from .config import GemmConfig
-from .kernels.epilogue import MAX_EPI_TENSORS, Epilogue, check_epilogue, check_no_out, finish_reduction
+from .kernels.epilogue import (MAX_EPI_TENSORS, Epilogue, check_epilogue, check_no_out, finish_reduction,
+                               half_out)
 
 _TORCH_TO_CUTLASS = {}
 _cache: dict = {}
@@ -128,7 +129,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
             if res is not None:
                 return res
     epi = check_epilogue(epilogue)
-    prob = check_gemm_args(a, b, out=out, out_dtype=out_dtype)
+    prob = check_gemm_args(a, b, out=out, out_dtype=out_dtype, half_out=half_out(epi))
     check_no_out(epi, out)
     epi.check_operands(operands, prob.L, prob.M, prob.N, prob.device)
     _device.require_hopper(prob.device, "coda.gemm")
@@ -177,7 +178,7 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
     res = out if out is not None else _new_result(prob, epi, a.device)
     out3 = res if res.dim() == 3 else res.unsqueeze(0)
     if prob.b_broadcast:
-        out3 = out3.reshape(1, L * prob.M, prob.N)
+        out3 = out3.reshape(1, L * prob.M, prob.out_shape[-1])
     if prob.empty_result:
         return res, None, [], [], {}, {}
     if prob.zero_k:
@@ -277,7 +278,7 @@ def _run_plan(plan, a, b, out, operands):
     if plan.has_epi_args:
         out3 = res if res.dim() == 3 else res.unsqueeze(0)
         if prob.b_broadcast:
-            out3 = out3.reshape(1, prob.L * prob.M, prob.N)
+            out3 = out3.reshape(1, prob.L * prob.M, prob.out_shape[-1])
         args, outs, partials = epilogue_tensors(epi, prob, operands, out3, plan.cfg)
         plan.launch([pa, pb, po, *(t.data_ptr() for t, _ in args)], _launch.stream_handle(plan.device_index))
         reds = {name: finish_reduction(p, op) for name, (p, op) in partials.items()}

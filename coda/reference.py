@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from coda._validate import check_gemm_args
-from coda.kernels.epilogue import check_no_out
+from coda.kernels.epilogue import check_no_out, half_out
 
 __all__ = ["gemm"]
 
@@ -56,7 +56,7 @@ def gemm(
     :func:`coda.gemm`. With ``out``, the result is written into it (only after every check passed and the
     result was computed) and ``out`` is returned.
     """
-    problem = check_gemm_args(a, b, out=out, out_dtype=out_dtype)
+    problem = check_gemm_args(a, b, out=out, out_dtype=out_dtype, half_out=half_out(epilogue))
     check_no_out(epilogue, out)
     if epilogue is None and operands:
         raise TypeError(f"operands {sorted(operands)} were given without an epilogue")

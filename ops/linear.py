@@ -135,8 +135,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
         kind = kinds.get(n)
         if isinstance(v, torch.Tensor) and kind == "vec_m" and tuple(v.shape) == tuple(lead):
             v = v.reshape(M)
-        elif isinstance(v, torch.Tensor) and kind == "tile" and tuple(v.shape) == (*lead, N):
-            v = v.reshape(M, N)
+        elif isinstance(v, torch.Tensor) and kind == "tile" and tuple(v.shape) == (*lead, epilogue.out_cols(N)):
+            v = v.reshape(M, epilogue.out_cols(N))
         elif isinstance(v, torch.Tensor) and kind == "scalar":
             v = v.reshape(1)
         flat[n] = v
@@ -152,7 +152,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
         if k in axes:
             res[k] = t.reshape(*lead) if axes[k] == "n" else t
         else:
-            res[k] = t.reshape(*lead, N)
+            res[k] = t.reshape(*lead, epilogue.out_cols(N))  # N/2 columns for a pairs epilogue
     return res["out"] if len(keys) == 1 else res
 
 

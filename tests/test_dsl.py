@@ -83,6 +83,57 @@ def test_no_main_output():
         coda.epilogue(empty)
 
 
+def test_pairs_half_and_full():
+    """coda.pairs: one value per column pair (N/2 output; SwiGLU) and a 2 -> 2 transform (rotation); backward."""
+    from coda.check import compile_variant
+    from coda.config import GemmConfig
+
+    @coda.epilogue
+    def swiglu(acc):
+        g, u = coda.pairs(acc)
+        return coda.silu(g) * u
+
+    @coda.epilogue
+    def rot(acc, c: coda.TileMN, s: coda.TileMN):
+        x, y = coda.pairs(acc)
+        return x * c - y * s, x * s + y * c
+
+    assert (swiglu.pair_mode, rot.pair_mode) == ("half", "full")
+    x, w = torch.randn(2, 24, 32, dtype=torch.bfloat16), torch.randn(64, 32, dtype=torch.bfloat16)
+    y = coda.reference.gemm(x, w, epilogue=swiglu, out_dtype=torch.float32)
+    h = x.float() @ w.float().T
+    assert y.shape == (2, 24, 32)
+    torch.testing.assert_close(y, torch.nn.functional.silu(h[..., 0::2]) * h[..., 1::2])
+    th = torch.rand(2, 24, 32) * 6
+    z = coda.reference.gemm(x, w, epilogue=rot, c=th.cos(), s=th.sin(), out_dtype=torch.float32)
+    torch.testing.assert_close(z[..., 0::2], h[..., 0::2] * th.cos() - h[..., 1::2] * th.sin())
+    torch.testing.assert_close(z[..., 1::2], h[..., 0::2] * th.sin() + h[..., 1::2] * th.cos())
+    with pytest.raises(ValueError, match="must be even"):
+        coda.reference.gemm(x, w[:63], epilogue=swiglu)
+    with pytest.raises(ValueError, match="expected shape"):
+        coda.reference.gemm(x, w, epilogue=rot, c=th.cos()[..., :16], s=th.sin())
+    bwd = backward_epilogue(swiglu, ("out",), ())
+    acc = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, 4, dtype=torch.float64)
+    (torch.nn.functional.silu(acc[:, 0::2]) * acc[:, 1::2] * g).sum().backward()
+    torch.testing.assert_close(bwd.reference(acc.detach(), grad_out=g)["out"], acc.grad)
+    for epi in (swiglu, rot, bwd):
+        r = compile_variant(GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1), epi)
+        assert r["ok"], r
+
+    def mixed(acc):
+        g, u = coda.pairs(acc)
+        return g * u + acc
+    with pytest.raises(coda.EpilogueError, match="both coda.pairs"):
+        coda.epilogue(mixed)
+
+    def three(acc):
+        g, u = coda.pairs(acc)
+        return g, u, g
+    with pytest.raises(coda.EpilogueError, match="tuple of two"):
+        coda.epilogue(three)
+
+
 def test_row_col_and_where():
     @coda.epilogue
     def causal(acc):

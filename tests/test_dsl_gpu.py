@@ -40,7 +40,8 @@ def _check_fused(epi, M, N, K, ops64, cfg=None, L=None, floor=1e-5):
     a = torch.randn(*lead, M, K, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(*lead, N, K, device=DEV, dtype=torch.bfloat16)
     ops = {k: (v.to(DEV, torch.float32) if torch.is_tensor(v) else v) for k, v in ops64.items()}
-    out = torch.full((*lead, M, N), float("nan"), device=DEV, dtype=torch.bfloat16) if epi.stores_out else None
+    n_out = epi.out_cols(N)
+    out = torch.full((*lead, M, n_out), float("nan"), device=DEV, dtype=torch.bfloat16) if epi.stores_out else None
     got = coda.gemm(a, b, epilogue=epi, out=out, config=cfg, **ops)
     got = got if isinstance(got, dict) else {"out": got}
     acc64 = torch.matmul(a.double(), b.double().transpose(-1, -2))
@@ -122,3 +123,52 @@ def test_linear_forward_backward(save_preact):
     for name, o, r_, t in zip("x w s r res bias".split(), ours, ref, theirs):
         e_o, e_t = rel(o, r_), rel(t, r_)
         assert e_o <= 2 * e_t + 1e-3, (name, e_o, e_t)
+
+
+@coda.epilogue
+def swiglu(acc):
+    g, u = coda.pairs(acc)
+    return coda.silu(g) * u
+
+
+@coda.epilogue
+def rotate(acc, c: coda.TileMN, s: coda.TileMN):
+    x, y = coda.pairs(acc)
+    return x * c - y * s, x * s + y * c
+
+
+PAIR_CFGS = CFGS + [GemmConfig(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2),
+                    GemmConfig(tile_m=64, tile_n=256, pingpong=True, cluster_m=2)]
+
+
+@pytest.mark.parametrize("cfg", PAIR_CFGS, ids=lambda c: c.name)
+def test_pairs_fused(cfg):
+    """coda.pairs: one value per column pair (M x N/2 output) and a 2 -> 2 rotation (M x N), vs float64."""
+    from coda.autodiff import backward_epilogue
+    bwd = backward_epilogue(swiglu, ("out",), ())
+    for (M, N, K), L in (((333, 528, 264), None), ((1000, 1040, 512), None), ((200, 272, 128), 2)):
+        lead = (L,) if L else ()
+        _check_fused(swiglu, M, N, K, {}, cfg=cfg, L=L)
+        th = torch.rand(*lead, M, N // 2, dtype=torch.float64) * 6.3
+        _check_fused(rotate, M, N, K, {"c": th.cos(), "s": th.sin()}, cfg=cfg, L=L)
+        _check_fused(bwd, M, N, K, {"grad_out": torch.randn(*lead, M, N // 2, dtype=torch.float64)}, cfg=cfg, L=L)
+
+
+def test_linear_swiglu_forward_backward():
+    M, N, K = 384, 1040, 256
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.1).requires_grad_()
+    up = torch.randn(M, N // 2, device=DEV, dtype=torch.float64)
+    out = coda.ops.linear(x, w, epilogue=swiglu)
+    assert out.shape == (M, N // 2)
+    ours = torch.autograd.grad((out.double() * up).sum(), [x, w])
+
+    def torch_model(dt):
+        x_, w_ = (t.detach().to(dt).requires_grad_() for t in (x, w))
+        h = (x_ @ w_.T).double()
+        o = torch.nn.functional.silu(h[:, 0::2]) * h[:, 1::2]
+        return torch.autograd.grad((o * up).sum(), [x_, w_])
+
+    ref, theirs = torch_model(torch.float64), torch_model(torch.bfloat16)
+    for name, o, r_, t in zip("xw", ours, ref, theirs):
+        assert rel(o, r_) <= 2 * rel(t, r_) + 1e-3, (name, rel(o, r_), rel(t, r_))

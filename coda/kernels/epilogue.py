@@ -165,3 +165,8 @@ def check_no_out(epilogue, out) -> None:
     if out is not None and not getattr(epilogue, "stores_out", True):
         raise ValueError(f"out: epilogue {epilogue.name!r} stores no main output (it returns only "
                          f"{list(epilogue.outputs) + [r.name for r in epilogue.reductions]}); pass out=None")
+
+
+def half_out(epilogue) -> bool:
+    """Whether the epilogue writes one value per column pair (``coda.pairs``): outputs of N/2 columns."""
+    return getattr(epilogue, "pair_mode", None) == "half"

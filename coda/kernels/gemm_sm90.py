@@ -84,6 +84,12 @@ class GemmSm90:
         # tile outputs stored by TMA: D (unless the epilogue stores no main output) and the extra outputs;
         # mD always gives the problem shape (M, N, L)
         store_ts = ([mD] if self.epi.stores_out else []) + list(out_tensors)
+        # pairs epilogues (coda.pairs): "half" stores one value per column pair, so D and the extra outputs have
+        # N/2 columns and each sub-tile stores tile_m x epi_n/2; "full" stores two values per pair (width N)
+        self.pair_mode = getattr(self.epi, "pair_mode", None)
+        self.half = self.pair_mode == "half"
+        self.store_tile = (cfg.tile_m, cfg.epi_n // 2) if self.half else self.epi_tile
+        self.out_tile = (cfg.tile_m, cfg.tile_n // 2) if self.half else (cfg.tile_m, cfg.tile_n)
         self.store_names = (["out"] if self.epi.stores_out else []) + list(self.epi.outputs)
         out_dtypes = [t.element_type for t in store_ts]
         self.out_dtypes = out_dtypes
@@ -101,20 +107,20 @@ class GemmSm90:
         a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
         epi_bufs = self.epi_stages * self.num_tiles_in_flight
-        epi_smems = [sm90_utils.make_smem_layout_epi(dt, d_layout, self.epi_tile, epi_bufs) for dt in out_dtypes]
+        epi_smems = [sm90_utils.make_smem_layout_epi(dt, d_layout, self.store_tile, epi_bufs) for dt in out_dtypes]
 
         # TMA: A is shared by the CTAs of a cluster row (same m): multicast over cluster_n, B over cluster_m
         self.mcast_a, self.mcast_b = cfg.cluster_n, cfg.cluster_m
         tma_a, tA = self._tma_load(mA, a_smem, (cfg.tile_m, cfg.tile_k), self.mcast_a)
         tma_b, tB = self._tma_load(mB, b_smem, (cfg.tile_n, cfg.tile_k), self.mcast_b)
         stores = [cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), t,
-                                              cute.slice_(sl, (None, None, 0)), self.epi_tile)
+                                              cute.slice_(sl, (None, None, 0)), self.store_tile)
                   for t, sl in zip(store_ts, epi_smems)]
         self.tx_bytes = (cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0)))
                          + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0))))
 
         # persistent scheduler over (M-tiles, N-tiles, L)
-        gD = cute.zipped_divide(mD, tiler=(cfg.tile_m, cfg.tile_n))
+        gD = cute.zipped_divide(mD, tiler=self.out_tile)
         n_tiles_mnl = gD[(0, (None, None, None))].shape
         sched = utils.PersistentTileSchedulerParams(n_tiles_mnl, (cfg.cluster_m, cfg.cluster_n, 1), cfg.swizzle,
                                                     cfg.raster == "m")
@@ -306,9 +312,11 @@ class GemmSm90:
         tiled_copy_c = cute.make_tiled_copy_C_atom(atom_c, tiled_mma)
         parts = []
         for s in sOuts:
-            r2s = sm90_utils.get_smem_store_op(d_layout, elem_ty_d=s.element_type, elem_ty_acc=self.acc_dtype)
-            tiled = cute.make_tiled_copy_S(r2s, tiled_copy_c)
-            parts.append((tiled, tiled.get_slice(etidx).partition_D(s)))
+            if cutlass.const_expr(not self.half):  # half-width outputs are stored element by element instead
+                r2s = sm90_utils.get_smem_store_op(d_layout, elem_ty_d=s.element_type,
+                                                   elem_ty_acc=self.acc_dtype)
+                tiled = cute.make_tiled_copy_S(r2s, tiled_copy_c)
+                parts.append((tiled, tiled.get_slice(etidx).partition_D(s)))
         if cutlass.const_expr(len(parts) > 0):
             tiled0 = parts[0][0]
             thr0 = tiled0.get_slice(etidx)
@@ -318,19 +326,22 @@ class GemmSm90:
             tiled0 = cute.make_tiled_copy_S(r2s, tiled_copy_c)
             thr0 = tiled0.get_slice(etidx)
             rshape = cute.shape(thr0.partition_S(cute.make_identity_tensor(self.epi_tile)))[:3]
-        return dict(parts=parts, tiled=tiled0, thr=thr0, souts=sOuts, tiled_mma=tiled_mma, rshape=rshape)
+        # this thread's (row, column) in the sub-tile for each register (the half-width stores address smem by it)
+        cloc = thr0.partition_S(cute.make_identity_tensor(self.epi_tile))
+        return dict(parts=parts, tiled=tiled0, thr=thr0, souts=sOuts, tiled_mma=tiled_mma, rshape=rshape,
+                    cloc=cloc)
 
     @cute.jit
     def _epilogue(self, epi, acc, m, n, l, tiles_done, store_pipe, mD, store_atoms, store_tensors, op_tensors,
                   red_tensors, cwg):
         cfg = self.cfg
         pp = cfg.pingpong
-        M, N = mD.shape[0], mD.shape[1]
+        M, N = mD.shape[0], mD.shape[1] * (2 if self.half else 1)  # N: the accumulator's columns
         rD = cute.make_rmem_tensor(epi["rshape"], self.acc_dtype)
         n_v = cute.size(rD)
         n_epi = cfg.tile_n // cfg.epi_n
         needs_coords = not self.epi.is_identity
-        cEpi = cute.flat_divide(cute.local_tile(cute.make_identity_tensor(mD.shape),
+        cEpi = cute.flat_divide(cute.local_tile(cute.make_identity_tensor((M, N, mD.shape[2])),
                                                 (cfg.tile_m, cfg.tile_n), (m, n, l)), self.epi_tile)
         # thread 0's static sub-tile coordinates tell which registers share a row / a column (same for all threads)
         c_sub = epi["tiled"].get_slice(0).partition_S(cute.make_identity_tensor(self.epi_tile))
@@ -351,7 +362,8 @@ class GemmSm90:
                 cSub = epi["thr"].partition_S(cEpi[(None, None, 0, e)])
                 if cutlass.const_expr(e == 0):
                     cSub0 = cSub
-                results = self._visit_all(rD, cSub, n_v, op_tensors, M, N)
+                results = (self._visit_pairs(rD, cSub, c_sub, n_v, op_tensors, M, N) if self.pair_mode
+                           else self._visit_all(rD, cSub, n_v, op_tensors, M, N))
             else:
                 results = {"out": [rD[v] for v in range(n_v)]}
             # per-row (axis n) reductions: one row's registers combined in-thread, carried across sub-tiles
@@ -377,14 +389,20 @@ class GemmSm90:
                 for v in cutlass.range_constexpr(n_v):
                     rOut[v] = self.out_dtypes[i](vals[v])
                 cute.copy(tiled_i, rOut, tRS_s[(None, None, None, buf)])
+            if cutlass.const_expr(self.half):  # one value per pair, at (row, column / 2) of the half-width buffer
+                for i in cutlass.range_constexpr(len(names)):
+                    vals = results[names[i]]
+                    for p in cutlass.range_constexpr(n_v // 2):
+                        r, c = epi["cloc"][2 * p]
+                        epi["souts"][i][(r, c // 2, buf)] = self.out_dtypes[i](vals[p])
             cute.arch.fence_proxy("async.shared", space="cta")
             bar.arrive_and_wait()
             if store_warp:
-                for i in cutlass.range_constexpr(len(epi["parts"])):
-                    gTile = cute.local_tile(store_tensors[i], (cfg.tile_m, cfg.tile_n), (m, n, l))
+                for i in cutlass.range_constexpr(len(names)):
+                    gTile = cute.local_tile(store_tensors[i], self.out_tile, (m, n, l))
                     sT, gT = cpasync.tma_partition(store_atoms[i], 0, cute.make_layout(1),
                                                    cute.group_modes(epi["souts"][i], 0, 2),
-                                                   cute.zipped_divide(gTile, self.epi_tile))
+                                                   cute.zipped_divide(gTile, self.store_tile))
                     cute.copy(store_atoms[i], sT[(None, buf)], gT[(None, (0, e))])
                 store_pipe.producer_commit()
                 store_pipe.producer_acquire()
@@ -505,6 +523,29 @@ class GemmSm90:
                     res[r.name] = cutlass.select_(inside, cutlass.Float32(res[r.name]), neutral)
             for key, val in res.items():
                 out.setdefault(key, []).append(val)
+        return out
+
+    def _visit_pairs(self, rD, cSub, c_static, n_v, op_tensors, M, N):
+        """Call the hook once per column pair (2j, 2j+1): in the accumulator fragment a thread holds both columns
+        of a pair in consecutive registers (checked on thread 0's static coordinates). Operands are indexed by the
+        pair j (VecN of N/2, TileMN of M x N/2). Returns {key: [one value per pair]}, or for a 2 -> 2 epilogue
+        {"out": [one value per register]}."""
+        out = {}
+        for p in range(n_v // 2):
+            (r0, c0), (r1, c1) = c_static[2 * p], c_static[2 * p + 1]
+            if int(r0) != int(r1) or int(c1) != int(c0) + 1 or int(c0) % 2:
+                raise RuntimeError(f"registers {2 * p}, {2 * p + 1} are not a column pair: {(r0, c0)}, {(r1, c1)}")
+            row, col, l = cSub[2 * p]
+            j = col // 2
+            loaders = {op.name: self._loader(op.kind, t, row, j, l, M, N // 2)
+                       for op, t in zip(self.epi.operands, op_tensors)}
+            res = self.epi.visit((rD[2 * p], rD[2 * p + 1]), EpiEnv(row, j, loaders))
+            if cutlass.const_expr(self.pair_mode == "full"):
+                from coda.dsl import ODD_OUT
+                out.setdefault("out", []).extend([res["out"], res[ODD_OUT]])
+            else:
+                for key, val in res.items():
+                    out.setdefault(key, []).append(val)
         return out
 
     @staticmethod
