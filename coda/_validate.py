@@ -248,7 +248,7 @@ def check_gemm_args(
         b_broadcast=b_broadcast,
         a_major=a_major,
         b_major=b_major,
-        out_n=out_n,
+        out_n=out_n if half_out else None,
         empty_result=empty,
         zero_k=(K == 0 and not empty),
     )

@@ -504,6 +504,10 @@ class DslEpilogue(Epilogue):
         for k, (axis, op, _) in self.red_specs.items():
             v = torch.broadcast_to(vals[k], acc.shape)
             dim = -1 if axis == "n" else -2
+            if v.shape[dim] == 0:  # a reduction over nothing: the neutral element (what the kernel path returns)
+                shape = v.shape[:dim] + (v.shape[dim + 1:] if dim == -2 else ())
+                out[k] = torch.full(shape, 0.0 if op == "sum" else -math.inf, dtype=acc.dtype, device=acc.device)
+                continue
             out[k] = {"sum": lambda t: t.sum(dim), "max": lambda t: t.amax(dim),
                       "logsumexp": lambda t: torch.logsumexp(t, dim)}[op](v)
         return out

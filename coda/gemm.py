@@ -20,8 +20,8 @@ import torch
 from . import _device, _launch
 from ._validate import check_gemm_args
 from .config import GemmConfig
-from .kernels.epilogue import (MAX_EPI_TENSORS, Epilogue, check_epilogue, check_no_out, finish_reduction,
-                               half_out)
+from .kernels.epilogue import (Epilogue, check_call, check_epilogue, empty_reductions,
+                               finish_reduction, half_out)
 
 _TORCH_TO_CUTLASS = {}
 _cache: dict = {}
@@ -119,6 +119,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
     Returns the main output (or a dict with ``"out"``, extra outputs and finished reductions when the epilogue
     declares them). Not differentiable: tensors that require grad are read through detached views (use
     ``coda.ops.linear`` for autograd)."""
+    if config is not None and not isinstance(config, GemmConfig):
+        raise TypeError(f"config: expected a coda.GemmConfig or None, got {type(config).__name__}")
     if _grad_tracked(a, b, out, operands):  # not differentiable (coda.ops.linear is): plain views of the data
         a, b, out, operands = _detach(a, b, out, operands)
     pkey = _plan_key(a, b, epilogue, out, out_dtype, config, operands)
@@ -130,14 +132,15 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
                 return res
     epi = check_epilogue(epilogue)
     prob = check_gemm_args(a, b, out=out, out_dtype=out_dtype, half_out=half_out(epi))
-    check_no_out(epi, out)
-    epi.check_operands(operands, prob.L, prob.M, prob.N, prob.device)
+    check_call(epi, prob, out, operands)
+    if config is not None:
+        config.validate()
     _device.require_hopper(prob.device, "coda.gemm")
     cfg = (config or _auto_config(prob, epi, a, b, operands)).validate()
 
     res, key, views, leads, outs, partials = _kernel_views(prob, epi, cfg, a, b, out, operands)
     if key is None:  # empty result: nothing to launch
-        return _package(epi, res, {}, {}, prob)
+        return _package(epi, res, outs, partials, prob)
     ts = [_cute(v, lead) for v, lead in zip(views, leads)]
     import cuda.bindings.driver as cuda
     device_index = res.device.index if res.device.index is not None else torch.cuda.current_device()
@@ -162,14 +165,6 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
     """The result tensor and the kernel's arguments for a validated call: ``(res, key, views, leads, outs,
     partials)`` with ``views`` the torch tensors behind the cute tensors (A, B, D, epilogue tensors) and ``leads``
     their contiguous dims; ``key`` (the compile-cache key) is None for an empty result (nothing to launch)."""
-    # checks first: nothing is allocated for a call that fails
-    if prob.b_broadcast and any(r.axis == "m" for r in epi.reductions):
-        raise ValueError("an epilogue with a per-column (axis m) reduction needs b batched like a, got b "
-                         f"{tuple(b.shape)} shared by every batch of a {tuple(a.shape)}")
-    n_tensors = len(epi.operands) + len(epi.outputs) + len(epi.reductions)
-    if n_tensors > MAX_EPI_TENSORS:
-        raise ValueError(f"epilogue {epi.name!r} needs {n_tensors} tensors (operands + extra outputs + reductions); "
-                         f"the kernel takes at most {MAX_EPI_TENSORS}")
     L = prob.L or 1
     a3 = a if a.dim() == 3 else a.unsqueeze(0)
     b3 = b if b.dim() == 3 else b.unsqueeze(0)
@@ -179,8 +174,9 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
     out3 = res if res.dim() == 3 else res.unsqueeze(0)
     if prob.b_broadcast:
         out3 = out3.reshape(1, L * prob.M, prob.out_shape[-1])
-    if prob.empty_result:
-        return res, None, [], [], {}, {}
+    if prob.empty_result:  # nothing to launch: empty extra outputs, reductions over nothing
+        outs = {k: torch.empty(prob.out_shape, dtype=prob.out_dtype, device=a.device) for k in epi.outputs}
+        return res, None, [], [], outs, empty_reductions(epi, prob)
     if prob.zero_k:
         # the kernel needs rows of >= 16 bytes: K = 0 becomes one all-zero K-tile of 8 columns
         a3 = torch.zeros((a3.shape[0], a3.shape[1], 8), dtype=a3.dtype, device=a3.device)

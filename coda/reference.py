@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from coda._validate import check_gemm_args
-from coda.kernels.epilogue import check_no_out, half_out
+from coda.kernels.epilogue import check_call, check_epilogue, half_out
 
 __all__ = ["gemm"]
 
@@ -57,11 +57,10 @@ def gemm(
     result was computed) and ``out`` is returned.
     """
     problem = check_gemm_args(a, b, out=out, out_dtype=out_dtype, half_out=half_out(epilogue))
-    check_no_out(epilogue, out)
     if epilogue is None and operands:
         raise TypeError(f"operands {sorted(operands)} were given without an epilogue")
-    if epilogue is not None and hasattr(epilogue, "check_operands"):
-        epilogue.check_operands(operands, problem.L, problem.M, problem.N, problem.device)
+    if epilogue is not None:
+        check_call(check_epilogue(epilogue), problem, out, operands)
     with _ieee_fp32(problem.device):
         acc = torch.matmul(a.float(), b.float().transpose(-1, -2))  # zero-size M/N/K handled by torch
     extras = {}

@@ -183,8 +183,9 @@ def test_error_unknown_function():
 
 def test_error_output_shape():
     _raises("@coda.epilogue\ndef e(acc):\n    return coda.reduce_n(acc)\n", r"'out' is a reduction")
-    _raises("@coda.epilogue\ndef e(acc):\n    return {'y': acc}\n", r"'out'")
-    _raises("@coda.epilogue\ndef e(acc):\n    return acc, acc\n", r"tuples are not outputs")
+    _raises("@coda.epilogue\ndef e(acc):\n    return {}\n", r"empty")
+    _raises("@coda.epilogue\ndef e(acc):\n    return acc, acc\n", r"tuple of two outputs needs coda.pairs")
+    _raises("@coda.epilogue\ndef e(acc):\n    return acc, acc, acc\n", r"a tuple of two is a 2 -> 2 pairs output")
     _raises("@coda.epilogue\ndef e(acc):\n    return coda.reduce_n(acc) + 1\n", r"can only be returned")
     _raises("@coda.epilogue\ndef e(acc):\n    return acc ** 0.5\n", r"integer powers")
 

@@ -2,7 +2,7 @@
 failed calls leaving out= untouched, and non-finite / large-magnitude numerics.
 
 ``CODA_TEST_TIER=small`` (what ``tests/sanitize.sh`` sets) shrinks shapes, configs and repetitions so that the file
-runs under compute-sanitizer in a few minutes. Tests marked ``xfail(strict=True)`` document library bugs.
+runs under compute-sanitizer in a few minutes. The tests named after bugs pin library bugs found while writing it (fixed since).
 """
 import math
 import os
@@ -312,9 +312,6 @@ def test_failed_hot_path_call_leaves_out_untouched():
     assert torch.equal(_bits(buf), _bits(before)) and torch.equal(_bits(out), _bits(out0))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: inputs with requires_grad=True pass every check, then fail in "
-                   "from_dlpack with 'BufferError: Can't export tensors that require gradient' (the argument is not "
-                   "named); coda.reference.gemm accepts them")
 @pytest.mark.parametrize("which", ["a", "bias"])
 def test_requires_grad_inputs_work_or_are_named(which):
     M, N, K = SHAPE
@@ -332,8 +329,6 @@ def test_requires_grad_inputs_work_or_are_named(which):
     _check_stats({k: v.detach() for k, v in got.items()}, a.detach(), b, bias.detach())
 
 
-@pytest.mark.xfail(strict=True, reason="bug: an empty result (M == 0 or N == 0) returns only {'out'}: the epilogue's "
-                   "reductions (and extra outputs) that coda.reference.gemm returns are missing")
 @pytest.mark.parametrize("M,N", [(0, 136), (200, 0)], ids=["M0", "N0"])
 def test_empty_result_keeps_reductions(M, N):
     a, b = _inputs(M, N, 64, seed=9)
@@ -382,7 +377,7 @@ def test_inf_nan_propagate_plain(where, out_dtype):
 @pytest.mark.parametrize("where", ["a", "b"])
 def test_inf_nan_logsumexp_never_hidden(where):
     """The main output follows the float64 product; a row's logsumexp is NaN wherever the reference's is NaN, and
-    never finite where the reference's is infinite (the kernel gives NaN for a row with +inf; see the xfail below)."""
+    never finite where the reference's is infinite (a row with +inf has logsumexp +inf, see the next test)."""
     M, N, K = SHAPE
     a, b = _poisoned(M, N, K, 12, where)
     got = coda.gemm(a, b, epilogue=rel_lse, out_dtype=FP32)
@@ -396,8 +391,6 @@ def test_inf_nan_logsumexp_never_hidden(where):
     torch.testing.assert_close(lse[fin], ref_lse[fin], rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the kernel's online logsumexp computes exp2(x - max) with max = +inf, "
-                   "i.e. inf - inf = NaN, so a row containing +inf gives NaN; torch (coda.reference.gemm) gives +inf")
 def test_logsumexp_of_row_with_pos_inf_is_inf():
     M, N, K = SHAPE
     a, b = _poisoned(M, N, K, 13, "a")

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import coda.reference
+from coda.kernels.epilogue import Epilogue, Operand
 from coda._validate import GemmProblem, check_gemm_args
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -427,7 +428,10 @@ def test_reference_accuracy(in_dtype, out_dtype, shape_a, shape_b):
     assert torch.equal(out, res)
 
 
-class _BiasRelu:
+class _BiasRelu(Epilogue):
+    name = "bias_relu"
+    operands = (Operand("bias", "vec_n"),)
+
     def reference(self, acc, *, bias):
         return torch.relu(acc + bias.float())
 

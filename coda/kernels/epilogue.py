@@ -24,6 +24,7 @@ The identity epilogue (``Epilogue()``) is the plain GEMM.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping, Optional
 
 MAX_EPI_TENSORS = 20  # operands + extra outputs + reduction partials: the x0..x19 slots of GemmSm90.__call__
@@ -160,11 +161,44 @@ def check_epilogue(epilogue: Optional[Epilogue]) -> Epilogue:
     return epilogue
 
 
-def check_no_out(epilogue, out) -> None:
-    """An epilogue that stores no main output (``stores_out = False``) takes no ``out=`` tensor."""
-    if out is not None and not getattr(epilogue, "stores_out", True):
-        raise ValueError(f"out: epilogue {epilogue.name!r} stores no main output (it returns only "
-                         f"{list(epilogue.outputs) + [r.name for r in epilogue.reductions]}); pass out=None")
+def check_call(epi: Epilogue, prob, out, operands: Mapping[str, Any]) -> None:
+    """The epilogue-dependent checks of one call, shared by ``coda.gemm`` and ``coda.reference.gemm`` and run
+    before the architecture check: operands against their kinds, ``out=`` for an epilogue without a main output
+    or sharing memory with an operand, the kernel's tensor limit, per-column reductions with a shared weight."""
+    import torch
+
+    from coda._validate import _overlaps
+    if out is not None and not epi.stores_out:
+        raise ValueError(f"out: epilogue {epi.name!r} stores no main output (it returns only "
+                         f"{list(epi.outputs) + [r.name for r in epi.reductions]}); pass out=None")
+    epi.check_operands(operands, prob.L, prob.M, prob.N, prob.device)
+    if out is not None:
+        for name, v in operands.items():
+            if isinstance(v, torch.Tensor) and _overlaps(out, v):
+                raise ValueError(f"out: must not share memory with operand {name!r} (the kernel reads operands "
+                                 "while it writes out)")
+    n_tensors = len(epi.operands) + len(epi.outputs) + len(epi.reductions)
+    if n_tensors > MAX_EPI_TENSORS:
+        raise ValueError(f"epilogue {epi.name!r} needs {n_tensors} tensors (operands + extra outputs + reductions); "
+                         f"the kernel takes at most {MAX_EPI_TENSORS}")
+    if prob.b_broadcast and any(r.axis == "m" for r in epi.reductions):
+        raise ValueError(f"b: an epilogue with a per-column (axis m) reduction needs b batched like a; b of shape "
+                         f"(N, K) = ({prob.N}, {prob.K}) is shared by every batch of a (L={prob.L})")
+
+
+def empty_reductions(epi: Epilogue, prob) -> dict:
+    """The reductions of a call with nothing to launch (M == 0 or N == 0), in the (batch, length) form the kernel's
+    finished partials have: the neutral element where the reduced dim is empty (0 for sum, -inf for max and
+    logsumexp), empty where the kept dim is."""
+    import torch
+    L = 1 if (prob.L is None or prob.b_broadcast) else prob.L
+    M = prob.M * (prob.L if prob.b_broadcast else 1)
+    res = {}
+    for r in epi.reductions:
+        length = M if r.axis == "n" else prob.N
+        fill = 0.0 if r.op == "sum" else -math.inf
+        res[r.name] = torch.full((L, length), fill, dtype=torch.float32, device=prob.device)
+    return res
 
 
 def half_out(epilogue) -> bool:

@@ -456,7 +456,9 @@ class GemmSm90:
     # logsumexp rows: an online (max m, sum s of exp(x - m)) pair per row, in base 2
     @staticmethod
     def _safe(m):
-        return cutlass.select_(m == -math.inf, cutlass.Float32(0.0), m)  # all -inf so far: exp2(-inf - 0) = 0
+        # the shift for exp2(x - m): 0 where m is infinite -- all -inf so far gives exp2(-inf) = 0, a +inf max gives
+        # exp2(+inf) = inf (torch: logsumexp of a row with +inf is +inf), never inf - inf = NaN; NaN stays NaN
+        return cutlass.select_((m == -math.inf) | (m == math.inf), cutlass.Float32(0.0), m)
 
     def _lse_update(self, state, xs):
         m_sub = xs[0]

@@ -1,0 +1,60 @@
+"""RMSNorm -> Linear as GEMM epilogues (issue 4; the algebra is in shared/design/rewrites.md), used by
+``coda.ops.rmsnorm_linear``.
+
+Notation (one row m of M tokens; K the model width, N the linear's output width):
+    h (M, K) the residual stream, gamma (K,) the norm weight, W (N, K) the linear weight (``nn.Linear`` layout),
+    r_m = (sum_k h_mk^2 / K + eps)^(-1/2), xhat = diag(r) h, n = xhat * gamma (the RMSNorm output),
+    y = n W^T (the op's output), dy its incoming gradient.
+
+Forward (:data:`rmsnorm_scale`)
+    y = diag(r) ((h * gamma) W^T) = diag(r) (h W'^T) with W' = W diag(gamma): the row scale commutes with the right
+    matmul and gamma folds into the weight. The GEMM reads h itself (never the normalised copy); acc = h W'^T and
+    the epilogue applies y = acc * r (r a VecM operand).
+
+Backward, dX GEMM (:data:`rmsnorm_dgrad`, :data:`rmsnorm_dgrad_residual`)
+    The GEMM is acc = dy W (= dn, the gradient of the norm output; W unfolded, passed as ``weight.t()``, an
+    MN-major view). With dxhat = acc * gamma, the RMSNorm backward is
+        dh = r (dxhat - xhat (1/K) sum_k dxhat_k xhat_k).
+    Because y is linear in n, sum_k dxhat_k xhat_k = sum_k dn_k n_k = sum_n dy_n y_n, so with the per-row
+        c_m = (1/K) sum_n dy_mn y_mn            (a VecM operand: a light torch row reduction over dy and y)
+    the epilogue is
+        dh = r (acc gamma - h r c)          (+ dres, the gradient arriving on the residual stream, a TileMN)
+    and, in the same pass,
+        dgamma = reduce_m(acc * h * r)      (dgamma_k = sum_m dn_mk xhat_mk: per-column partials, no atomics)
+        normed = h * r * gamma              (an extra M x K output: n, the operand of the dW GEMM)
+    so dW = dy^T n is a plain GEMM of transposed views (``dy.t()``, ``normed.t()``).
+
+    This is the formulation of rewrites.md (dgrad on the unfolded W, gamma a VecN of the dX GEMM). The alternative
+    with the folded W' (acc' = dy W' = dxhat; dW = (dy^T xhat) diag(gamma), dgamma_k = sum_n W_nk (dy^T xhat)_nk)
+    gives the same values (tests/test_rmsnorm_linear.py checks both with sympy) but needs W' in the backward and
+    W as an N x K TileMN operand of the dW GEMM, i.e. more memory traffic.
+"""
+import coda
+
+__all__ = ["rmsnorm_scale", "rmsnorm_dgrad", "rmsnorm_dgrad_residual"]
+
+
+@coda.epilogue
+def rmsnorm_scale(acc, r: coda.VecM):
+    """Forward: y = acc * r with acc = h W'^T (W' = W diag(gamma)), r = rsqrt(mean(h^2) + eps) per row."""
+    return acc * r
+
+
+def _dgrad(acc, gamma, h, r, c):
+    xhat = h * r
+    return {"out": r * (acc * gamma - xhat * c), "normed": xhat * gamma, "dgamma": coda.reduce_m(acc * xhat)}
+
+
+@coda.epilogue
+def rmsnorm_dgrad(acc, gamma: coda.VecN, h: coda.TileMN, r: coda.VecM, c: coda.VecM):
+    """dX GEMM (acc = dy W): dh = r (acc gamma - h r c), normed = h r gamma (for dW = dy^T normed),
+    dgamma = sum_m acc h r; c = (1/K) sum_n dy y per row."""
+    return _dgrad(acc, gamma, h, r, c)
+
+
+@coda.epilogue
+def rmsnorm_dgrad_residual(acc, gamma: coda.VecN, h: coda.TileMN, r: coda.VecM, c: coda.VecM, dres: coda.TileMN):
+    """:data:`rmsnorm_dgrad` plus the gradient arriving on the residual stream: dh = r (acc gamma - h r c) + dres."""
+    res = _dgrad(acc, gamma, h, r, c)
+    res["out"] = res["out"] + dres
+    return res

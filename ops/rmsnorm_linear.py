@@ -1,0 +1,197 @@
+"""``coda.ops.rmsnorm_linear``: ``RMSNorm(x [+ residual]) @ weight.T`` as one GEMM + epilogue, forward and backward.
+
+The rewrite (issue 4; algebra and its sympy checks: ``coda.epilogues.rmsnorm``, tests/test_rmsnorm_linear.py)::
+
+    h = x (+ residual)                       r = rsqrt(mean(h^2, -1) + eps)          (fp32, one value per row)
+    y = diag(r) (h W'^T),  W' = weight * norm_weight  (gamma folded into the weight)
+
+Forward
+    1. h = x + residual (only with a residual; in x's dtype, like the unfused module).
+    2. r: the standalone op computes r in a light pre-pass (torch, fp32: one read of h, M floats written). In a full model the producer GEMM of h emits the sum-of-squares partials instead
+       (shared/design/rewrites.md); this op stands alone, so it pays one extra read of h.
+    3. W' = weight * norm_weight, computed once per call (one read and one write of the N x K weight, rounded once
+       to weight's dtype; an N x K buffer; estimated from bandwidth, not measured: ~64 MB of traffic, about 5 % of
+       the GEMM's time at M=8192, K=N=4096 on an H100). W' is not saved (the backward uses the unfolded weight).
+    4. One GEMM: y = (h W'^T) * r, epilogue ``rmsnorm_scale`` (r a VecM operand). The normalised activation is
+       never written.
+
+Backward (the incoming dy; dh_out, the gradient arriving on the returned residual stream h, if any)
+    1. c = (1/K) sum_n dy * y per row: a light torch reduction over dy and the saved output y (fp32).
+    2. dX GEMM: acc = dy W (``weight.t()``, an MN-major view: no copy), epilogue ``rmsnorm_dgrad`` (or
+       ``rmsnorm_dgrad_residual``, which adds dh_out): dh = r (acc gamma - h r c), the normed activation
+       n = h r gamma (M x K extra output) and dgamma = sum_m acc h r (per-column partials, no atomics).
+    3. dW GEMM: dweight = dy^T n on transposed views (``ops._common.backward_gemm``: CODA's kernel, or
+       ``torch.matmul`` when M is not a multiple of 8), skipped when weight needs no gradient.
+    dx = dresidual = dh. Double backward is not supported.
+
+Saved for the backward: h (x itself without a residual), r (M floats), the output y (M x N, for c); not the
+normed activation (M x K), which the dX GEMM re-forms.
+
+torch integration: the op is the custom op ``torch.ops.coda.rmsnorm_linear`` (2-D x; returns (y, h or an empty
+tensor, r)) with a fake (meta) implementation and an autograd formula whose backward is the custom op
+``torch.ops.coda.rmsnorm_linear_backward``; so ``torch.compile(fullgraph=True)`` keeps both as opaque nodes and
+``torch.library.opcheck`` passes.
+
+Device: on a Hopper GPU the fused kernels run; on CPU tensors the same epilogue programs run through
+``coda.reference.gemm`` (torch ops, fp32 math); other GPUs raise (``ops/_common.py``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from coda.epilogues.rmsnorm import rmsnorm_dgrad, rmsnorm_dgrad_residual, rmsnorm_scale
+
+from ._common import backward_gemm, gemm_for
+
+__all__ = ["rmsnorm_linear"]
+
+_ENTRY = "coda.ops.rmsnorm_linear"
+_IN_DTYPES = (torch.bfloat16, torch.float16)
+_GAMMA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                   residual: Optional[torch.Tensor] = None):
+    """``RMSNorm(h) @ weight.T`` with ``h = x`` (or ``x + residual``), autograd included.
+
+    ``RMSNorm(h) = h * rsqrt(mean(h^2, -1) + eps) * norm_weight`` (Llama's, statistics in fp32).
+    ``x``: (..., K), bfloat16 or float16; ``norm_weight``: (K,), float32, bfloat16 or float16; ``weight``: (N, K)
+    like ``nn.Linear.weight``, x's dtype; ``residual``: None or a tensor like x; ``eps`` > 0.
+    K and N must be multiples of 8 (the kernel's 16-byte rows).
+
+    Returns ``y`` (..., N) in x's dtype; with a residual, ``(y, h)`` where ``h = x + residual`` (..., K) is the
+    residual stream for the next block (pre-norm transformers: ``y, h = rmsnorm_linear(attn_out, g, w, residual=h)``).
+    Gradients flow to x, residual, norm_weight and weight (and from both outputs back to x and residual)."""
+    _check(x, norm_weight, weight, eps, residual)
+    lead, K, N = x.shape[:-1], x.shape[-1], weight.shape[0]
+    M = math.prod(lead)
+    res2 = None if residual is None else residual.reshape(M, K)
+    y, h, _ = torch.ops.coda.rmsnorm_linear(x.reshape(M, K), norm_weight, weight, res2, float(eps))
+    y = y.reshape(*lead, N)
+    return y if residual is None else (y, h.reshape(*lead, K))
+
+
+def _check(x, norm_weight, weight, eps, residual) -> None:
+    """Every argument rule, before anything is computed; each message names the argument."""
+    named = [("x", x), ("norm_weight", norm_weight), ("weight", weight)]
+    if residual is not None:
+        named.append(("residual", residual))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"rmsnorm_linear: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"rmsnorm_linear: eps must be a Python number, got {type(eps).__name__}")
+    if not 0 < eps < math.inf:  # also rejects nan (no math.isfinite: torch.compile traces this check)
+        raise ValueError(f"rmsnorm_linear: eps must be a finite number > 0, got {eps}")
+    if x.dim() < 1:
+        raise ValueError(f"rmsnorm_linear: x must be (..., K), got a 0-d tensor")
+    K = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != K:
+        raise ValueError(f"rmsnorm_linear: weight must be (N, K) with K={K} (x's last dim), got "
+                         f"{tuple(weight.shape)}")
+    if tuple(norm_weight.shape) != (K,):
+        raise ValueError(f"rmsnorm_linear: norm_weight must have shape ({K},) (x's last dim), got "
+                         f"{tuple(norm_weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"rmsnorm_linear: residual must have x's shape {tuple(x.shape)}, got "
+                         f"{tuple(residual.shape)}")
+    if x.dtype not in _IN_DTYPES:
+        raise TypeError(f"rmsnorm_linear: x must be bfloat16 or float16, got {x.dtype}")
+    for name, t in named[2:]:
+        if t.dtype != x.dtype:
+            raise TypeError(f"rmsnorm_linear: {name} must have x's dtype {x.dtype}, got {t.dtype}")
+    if norm_weight.dtype not in _GAMMA_DTYPES:
+        raise TypeError(f"rmsnorm_linear: norm_weight must be float32, bfloat16 or float16, got {norm_weight.dtype}")
+    for name, t in named[1:]:
+        if t.device != x.device:
+            raise ValueError(f"rmsnorm_linear: {name} is on {t.device} but x is on {x.device}; all tensors must "
+                             "be on one device")
+    for name, size, what in (("x", K, "K = x.shape[-1]"), ("weight", weight.shape[0], "N = weight.shape[0]")):
+        if size % 8:
+            raise ValueError(f"rmsnorm_linear: {name}: {what} = {size} must be a multiple of 8 (the kernel reads "
+                             "and writes 16-byte rows)")
+    for name, t in named:
+        if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"rmsnorm_linear: {name}: the last dim must be contiguous (stride 1), got strides "
+                             f"{tuple(t.stride())}; call .contiguous() if a copy is acceptable")
+
+
+def _rstd(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """The light pre-pass: r = rsqrt(mean(h^2, -1) + eps) per row, in fp32."""
+    ss = torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32).square()
+    return torch.rsqrt(ss / max(h.shape[-1], 1) + eps)
+
+
+# ---------------------------------------------------------------------------------------- the custom ops (2-D)
+@torch.library.custom_op("coda::rmsnorm_linear", mutates_args=())
+def _rmsnorm_linear_op(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                       residual: Optional[torch.Tensor], eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual (M, K); returns y (M, N), h = x + residual (M, K; an empty tensor without residual), r (M,)."""
+    gemm = gemm_for(x.device, _ENTRY)  # a non-Hopper GPU raises here, before anything runs
+    h = x if residual is None else x + residual
+    r = _rstd(h, eps)
+    w_folded = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    torch.mul(weight, norm_weight, out=w_folded)  # fp32 product, rounded once to weight's dtype
+    y = gemm(h, w_folded, epilogue=rmsnorm_scale, r=r)
+    return y, (h if residual is not None else x.new_empty(0)), r
+
+
+@_rmsnorm_linear_op.register_fake
+def _(x, norm_weight, weight, residual, eps):
+    M, K = x.shape
+    h = x.new_empty(M, K) if residual is not None else x.new_empty(0)
+    return x.new_empty(M, weight.shape[0]), h, x.new_empty(M, dtype=torch.float32)
+
+
+@torch.library.custom_op("coda::rmsnorm_linear_backward", mutates_args=())
+def _rmsnorm_linear_backward_op(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torch.Tensor,
+                                norm_weight: torch.Tensor, weight: torch.Tensor, r: torch.Tensor, y: torch.Tensor,
+                                need_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dh (M, K) (including dh_out), dnorm_weight (K,), dweight (N, K; empty unless need_weight)."""
+    gemm = gemm_for(dy.device, _ENTRY)
+    (M, K), N = h.shape, weight.shape[0]
+    if M == 0 or K == 0:  # nothing to launch (the kernel returns no reduction for an empty result)
+        dh = torch.zeros_like(h) if dh_out is None else dh_out.clone()
+        dw = torch.zeros_like(weight) if need_weight else weight.new_empty(0)
+        return dh, torch.zeros_like(norm_weight), dw
+    dy = dy.contiguous()  # autograd may hand over expanded (stride-0) gradients
+    c = (dy.float() * y.float()).sum(-1) / K
+    ops = {"gamma": norm_weight, "h": h, "r": r, "c": c}
+    epi = rmsnorm_dgrad
+    if dh_out is not None:
+        epi, ops["dres"] = rmsnorm_dgrad_residual, dh_out.contiguous()
+    res = gemm(dy, weight.t(), epilogue=epi, out_dtype=h.dtype, **ops)  # acc = dy W
+    dw = backward_gemm(dy.t(), res["normed"].t(), _ENTRY) if need_weight else weight.new_empty(0)
+    return res["out"], res["dgamma"].to(norm_weight.dtype), dw
+
+
+@_rmsnorm_linear_backward_op.register_fake
+def _(dy, dh_out, h, norm_weight, weight, r, y, need_weight):
+    dw = weight.new_empty(weight.shape) if need_weight else weight.new_empty(0)
+    return h.new_empty(h.shape), norm_weight.new_empty(norm_weight.shape), dw
+
+
+def _setup_context(ctx, inputs, output):
+    x, norm_weight, weight, residual, _ = inputs
+    y, h, r = output
+    ctx.has_residual = residual is not None
+    ctx.set_materialize_grads(False)  # no zero tensors for outputs that got no gradient
+    ctx.save_for_backward(h if ctx.has_residual else x, norm_weight, weight, r, y)
+
+
+def _backward(ctx, dy, dh_out, _dr):
+    h, norm_weight, weight, r, y = ctx.saved_tensors
+    need_x, need_gamma, need_w, need_res = ctx.needs_input_grad[:4]
+    if dy is None:  # only the residual stream h received a gradient
+        dy = torch.zeros_like(y)
+    if not ctx.has_residual:
+        dh_out = None
+    dh, dgamma, dw = torch.ops.coda.rmsnorm_linear_backward(dy, dh_out, h, norm_weight, weight, r, y, need_w)
+    return (dh if need_x else None, dgamma if need_gamma else None, dw if need_w else None,
+            dh if need_res else None, None)
+
+
+torch.library.register_autograd("coda::rmsnorm_linear", _backward, setup_context=_setup_context)
