@@ -448,3 +448,23 @@ def test_reference_epilogue():
 def test_reference_operands_without_epilogue():
     with pytest.raises(TypeError, match="epilogue"):
         coda.reference.gemm(rand(4, 16), rand(8, 16), bias=rand(8))
+
+
+def test_add_to_output_alias_allowed_only_exactly():
+    """A TileMN operand that is exactly out (add-to-output) is allowed; any other overlap with out is not."""
+    class _Add(Epilogue):
+        name = "add_prev"
+        operands = (Operand("prev", "tile"),)
+
+        def reference(self, acc, *, prev):
+            return acc + prev.float()
+
+    a, b = rand(4, 16), rand(8, 16)
+    out = torch.randn(4, 8, dtype=FP32)
+    want = a.float() @ b.float().T + out
+    got = coda.reference.gemm(a, b, epilogue=_Add(), prev=out, out=out)
+    torch.testing.assert_close(got, want)
+    big = torch.zeros(5, 8, dtype=FP32)
+    with raises(ValueError, "out") as info:
+        coda.reference.gemm(a, b, epilogue=_Add(), prev=big[1:], out=big[:4])
+    assert "exactly out" in str(info.value)

@@ -173,10 +173,18 @@ def check_call(epi: Epilogue, prob, out, operands: Mapping[str, Any]) -> None:
                          f"{list(epi.outputs) + [r.name for r in epi.reductions]}); pass out=None")
     epi.check_operands(operands, prob.L, prob.M, prob.N, prob.device)
     if out is not None:
+        kinds = {o.name: o.kind for o in epi.operands}
         for name, v in operands.items():
-            if isinstance(v, torch.Tensor) and _overlaps(out, v):
+            if not isinstance(v, torch.Tensor) or not _overlaps(out, v):
+                continue
+            # add-to-output: a TileMN operand that *is* out (same memory, shape, strides, dtype) is read by the thread
+            # that later stores the element, before the store; any other overlap races with other tiles' stores
+            same = (kinds.get(name) == "tile" and v.data_ptr() == out.data_ptr() and v.shape == out.shape
+                    and v.stride() == out.stride() and v.dtype == out.dtype)
+            if not same:
                 raise ValueError(f"out: must not share memory with operand {name!r} (the kernel reads operands "
-                                 "while it writes out)")
+                                 "while it writes out); only a TileMN operand that is exactly out (add-to-output) "
+                                 "may")
     n_tensors = len(epi.operands) + len(epi.outputs) + len(epi.reductions)
     if n_tensors > MAX_EPI_TENSORS:
         raise ValueError(f"epilogue {epi.name!r} needs {n_tensors} tensors (operands + extra outputs + reductions); "
