@@ -1,6 +1,8 @@
 """Transformer ops built on coda.gemm with fused epilogues (installed as ``coda.ops``)."""
 from .cross_entropy import linear_cross_entropy
+from .gated import deinterleave_gate_up, interleave_gate_up, linear_geglu, linear_swiglu
 from .linear import linear
 from .rmsnorm_linear import rmsnorm_linear
 
-__all__ = ["linear_cross_entropy", "linear", "rmsnorm_linear"]
+__all__ = ["linear_cross_entropy", "linear_swiglu", "linear_geglu", "interleave_gate_up", "deinterleave_gate_up",
+           "linear", "rmsnorm_linear"]

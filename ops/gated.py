@@ -1,0 +1,205 @@
+"""``coda.ops.linear_swiglu`` / ``coda.ops.linear_geglu``: the gate/up projection of a gated MLP and its activation
+as one GEMM + epilogue; the M x 2I gate/up pre-activations are never stored (the forward writes only the (M, I)
+result, the backward recomputes them).
+
+    linear_swiglu(x, weight_gu) == F.silu(x @ w_gate.T) * (x @ w_up.T)                      (..., I)
+    linear_geglu(x, weight_gu)  == F.gelu(x @ w_gate.T, approximate="tanh") * (x @ w_up.T)   ("none": erf GELU)
+
+with ``weight_gu = interleave_gate_up(w_gate, w_up)``: (2I, H), row 2j = w_gate[j], row 2j+1 = w_up[j]. The
+interleaving is a one-time conversion of the weights (at load time; ``deinterleave_gate_up`` converts back, e.g.
+to save a checkpoint in the usual layout); it puts gate_j and up_j in adjacent accumulator columns, which one
+thread of the kernel holds (``coda.pairs``). The algebra is in ``coda/epilogues/gated.py``.
+
+Forward: one GEMM x W_gu^T with the epilogue ``swiglu`` / ``geglu`` / ``geglu_erf``: (M, I) out, x's dtype.
+Backward (the same programs as ``coda.ops.linear(x, weight_gu, epilogue=swiglu)``: the backward epilogue is the
+sympy derivative of the forward, cached by ``ops.linear``): one GEMM recomputes (g, u) and its epilogue writes
+dacc = (dg, du) interleaved (M x 2I, x's dtype); then dX = dacc W_gu and dW_gu = dacc^T X on CODA's kernel with
+transposed views (``ops/_common.backward_gemm``; ``torch.matmul`` where M is not a multiple of 8). Saved: x and
+the weight only. Double backward is not supported.
+
+Shapes: H % 8 == 0 and I % 8 == 0 (2I % 16 == 0): the kernel reads and writes 16-byte rows, and the output has
+I columns. Anything else raises ValueError naming the argument, before any compute.
+
+torch integration: custom ops ``torch.ops.coda.linear_swiglu`` / ``coda::linear_geglu`` (2-D x; fake impls;
+autograd through the custom op ``coda::linear_gated_backward``), so ``torch.compile(fullgraph=True)`` keeps them
+as opaque nodes and ``torch.library.opcheck`` passes.
+
+Device: on a Hopper GPU the fused kernels run; on CPU the same epilogue programs run through
+``coda.reference.gemm`` (torch ops, fp32 math); other GPUs raise (``ops/_common.py``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from coda.autodiff import grad_name
+from coda.epilogues.gated import geglu, geglu_erf, swiglu
+
+from ._common import backward_gemm, gemm_for
+from .linear import _backward_of
+
+__all__ = ["linear_swiglu", "linear_geglu", "interleave_gate_up", "deinterleave_gate_up"]
+
+_IN_DTYPES = (torch.bfloat16, torch.float16)
+_ALIGN = 8  # 16-byte rows of 16-bit elements
+_EPILOGUES = {"swiglu": swiglu, "geglu_tanh": geglu, "geglu_none": geglu_erf}
+
+
+# ------------------------------------------------------------------------------------------------ weight layout
+def interleave_gate_up(w_gate: Tensor, w_up: Tensor) -> Tensor:
+    """``weight_gu`` for ``linear_swiglu`` / ``linear_geglu``: rows interleaved, ``weight_gu[2j] = w_gate[j]``,
+    ``weight_gu[2j + 1] = w_up[j]``. ``w_gate``, ``w_up``: (I, H) (``nn.Linear`` weights; any equal shapes work,
+    interleaved along dim 0, e.g. biases). A new contiguous tensor (a copy; differentiable). Convert once, when the
+    weights are loaded, and train / run on ``weight_gu``."""
+    for name, t in (("w_gate", w_gate), ("w_up", w_up)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"interleave_gate_up: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 1:
+            raise ValueError(f"interleave_gate_up: {name} must have at least one dim, got a 0-d tensor")
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"interleave_gate_up: w_gate and w_up must have the same shape, got "
+                         f"{tuple(w_gate.shape)} and {tuple(w_up.shape)}")
+    if w_gate.dtype != w_up.dtype:
+        raise TypeError(f"interleave_gate_up: w_up must have w_gate's dtype {w_gate.dtype}, got {w_up.dtype}")
+    if w_gate.device != w_up.device:
+        raise ValueError(f"interleave_gate_up: w_up is on {w_up.device} but w_gate is on {w_gate.device}")
+    return torch.stack((w_gate, w_up), 1).flatten(0, 1)
+
+
+def deinterleave_gate_up(weight_gu: Tensor) -> tuple[Tensor, Tensor]:
+    """``(w_gate, w_up)`` from an interleaved ``weight_gu`` (2I, ...): the inverse of :func:`interleave_gate_up`.
+    Returns views of ``weight_gu`` (rows 0::2 and 1::2, no copy; ``.contiguous()`` them to save compactly)."""
+    if not isinstance(weight_gu, Tensor):
+        raise TypeError(f"deinterleave_gate_up: weight_gu must be a torch.Tensor, got {type(weight_gu).__name__}")
+    if weight_gu.dim() < 1 or weight_gu.shape[0] % 2:
+        raise ValueError(f"deinterleave_gate_up: weight_gu must have an even first dim (2I rows: gate, up, gate, "
+                         f"...), got shape {tuple(weight_gu.shape)}")
+    return weight_gu[0::2], weight_gu[1::2]
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def _check(entry: str, x, weight_gu) -> None:
+    """Every argument rule, before anything is computed; each message names the argument."""
+    for name, t in (("x", x), ("weight_gu", weight_gu)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{entry}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dtype not in _IN_DTYPES:
+        raise TypeError(f"{entry}: x must be bfloat16 or float16, got {x.dtype}")
+    if weight_gu.dtype != x.dtype:
+        raise TypeError(f"{entry}: weight_gu must have x's dtype {x.dtype}, got {weight_gu.dtype}")
+    if x.dim() < 1:
+        raise ValueError(f"{entry}: x must be (..., H), got a 0-d tensor")
+    H = x.shape[-1]
+    if weight_gu.dim() != 2 or weight_gu.shape[1] != H:
+        raise ValueError(f"{entry}: weight_gu must be (2I, H) with H={H} (x's last dim), got "
+                         f"{tuple(weight_gu.shape)}")
+    if weight_gu.device != x.device:
+        raise ValueError(f"{entry}: weight_gu is on {weight_gu.device} but x is on {x.device}")
+    N = weight_gu.shape[0]
+    if N % (2 * _ALIGN):
+        raise ValueError(f"{entry}: weight_gu has {N} rows; it must be 2I interleaved rows (gate, up, ...; see "
+                         f"coda.ops.interleave_gate_up) with I % {_ALIGN} == 0, i.e. 2I % {2 * _ALIGN} == 0 (the "
+                         "kernel writes 16-byte rows of the (..., I) output)")
+    if H % _ALIGN:
+        raise ValueError(f"{entry}: x: H = x.shape[-1] = {H} must be a multiple of {_ALIGN} (the kernel reads "
+                         "16-byte rows)")
+    for name, t in (("x", x), ("weight_gu", weight_gu)):
+        if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{entry}: {name}: the last dim must be contiguous (stride 1), got strides "
+                             f"{tuple(t.stride())}; call .contiguous() if a copy is acceptable")
+
+
+# ------------------------------------------------------------------------------------------------ custom ops (2-D)
+def _entry(kind: str) -> str:
+    return "coda.ops.linear_swiglu" if kind == "swiglu" else "coda.ops.linear_geglu"
+
+
+def _fake(x, weight_gu, *_):
+    return x.new_empty(x.shape[0], weight_gu.shape[0] // 2)
+
+
+@torch.library.custom_op("coda::linear_swiglu", mutates_args=())
+def _swiglu_op(x: Tensor, weight_gu: Tensor) -> Tensor:
+    """silu(g) u for x (M, H), weight_gu (2I, H) interleaved; (M, I)."""
+    return gemm_for(x.device, _entry("swiglu"))(x, weight_gu, epilogue=swiglu)
+
+
+@torch.library.custom_op("coda::linear_geglu", mutates_args=())
+def _geglu_op(x: Tensor, weight_gu: Tensor, approximate: str) -> Tensor:
+    """gelu(g) u (``approximate``: "tanh" or "none") for x (M, H), weight_gu (2I, H) interleaved; (M, I)."""
+    return gemm_for(x.device, _entry("geglu"))(x, weight_gu, epilogue=_EPILOGUES["geglu_" + approximate])
+
+
+_swiglu_op.register_fake(_fake)
+_geglu_op.register_fake(_fake)
+
+
+@torch.library.custom_op("coda::linear_gated_backward", mutates_args=())
+def _backward_op(dy: Tensor, x: Tensor, weight_gu: Tensor, kind: str, need_x: bool,
+                 need_w: bool) -> tuple[Tensor, Tensor]:
+    """(dx (M, H), dweight_gu (2I, H)) for the upstream dy (M, I) of the ``kind`` ("swiglu", "geglu_tanh",
+    "geglu_none") op; a gradient not needed comes back as an empty tensor."""
+    entry = _entry(kind)
+    gemm = gemm_for(x.device, entry)
+    dx, dw = x.new_empty(0), weight_gu.new_empty(0)
+    if x.shape[0] == 0:  # no rows: nothing to launch, the gradients are zero
+        return (torch.zeros_like(x) if need_x else dx), (torch.zeros_like(weight_gu) if need_w else dw)
+    bwd = _backward_of(_EPILOGUES[kind], ("out",), ())  # the 2 -> 2 pairs epilogue (dg, du), as in ops.linear
+    dacc = gemm(x, weight_gu, epilogue=bwd, out_dtype=x.dtype, **{grad_name("out"): dy.contiguous()})
+    if need_x:
+        dx = backward_gemm(dacc, weight_gu.t(), entry)  # dX = dacc W: W^T is an MN-major view
+    if need_w:
+        dw = backward_gemm(dacc.t(), x.t(), entry)  # dW = dacc^T X: both transposed views
+    return dx, dw
+
+
+@_backward_op.register_fake
+def _(dy, x, weight_gu, kind, need_x, need_w):
+    return (torch.empty_like(x) if need_x else x.new_empty(0),
+            torch.empty_like(weight_gu) if need_w else weight_gu.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight_gu, *rest = inputs
+    ctx.kind = f"geglu_{rest[0]}" if rest else "swiglu"
+    ctx.save_for_backward(x, weight_gu)
+
+
+def _autograd_backward(ctx, dy):
+    x, weight_gu = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[:2]
+    dx, dw = torch.ops.coda.linear_gated_backward(dy, x, weight_gu, ctx.kind, need_x, need_w)
+    return (dx if need_x else None, dw if need_w else None) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
+_swiglu_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+_geglu_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------ public entries
+def _apply(entry: str, op, x: Tensor, weight_gu: Tensor, *args) -> Tensor:
+    _check(entry, x, weight_gu)
+    lead, H = x.shape[:-1], x.shape[-1]
+    y = op(x.reshape(math.prod(lead), H), weight_gu, *args)
+    return y.reshape(*lead, weight_gu.shape[0] // 2)
+
+
+def linear_swiglu(x: Tensor, weight_gu: Tensor) -> Tensor:
+    """``silu(x @ w_gate.T) * (x @ w_up.T)`` in one fused GEMM, autograd included (see the module docstring).
+
+    ``x``: (..., H), bfloat16 or float16; ``weight_gu``: (2I, H) of x's dtype, gate and up rows interleaved
+    (:func:`interleave_gate_up`). H and I multiples of 8. Returns (..., I) in x's dtype."""
+    return _apply("linear_swiglu", torch.ops.coda.linear_swiglu, x, weight_gu)
+
+
+def linear_geglu(x: Tensor, weight_gu: Tensor, approximate: str = "tanh") -> Tensor:
+    """``gelu(x @ w_gate.T, approximate) * (x @ w_up.T)`` in one fused GEMM, autograd included.
+
+    ``approximate``: "tanh" (default: GELU's tanh approximation, as in Gemma / T5 v1.1 / torch
+    ``gelu(approximate="tanh")``) or "none" (the exact erf GELU, torch's default). Arguments and result as
+    :func:`linear_swiglu`."""
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"linear_geglu: approximate must be 'tanh' or 'none', got {approximate!r}")
+    return _apply("linear_geglu", torch.ops.coda.linear_geglu, x, weight_gu, approximate)
