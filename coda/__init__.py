@@ -20,6 +20,9 @@ _LAZY = {
     "gemm": ("coda.gemm", "gemm"),
     "GemmConfig": ("coda.config", "GemmConfig"),
     "reference": ("coda.reference", None),
+    "nn": ("coda.nn", None),
+    "fuse": ("coda.fuse", "fuse"),
+    "unfuse": ("coda.fuse", "unfuse"),
 }
 # the epilogue DSL: @coda.epilogue, operand kinds, math on traced values (coda/dsl.py)
 _DSL = ["epilogue", "VecM", "VecN", "Scalar", "TileMN", "EpilogueError", "row", "col", "reduce_n", "reduce_m", "exp",

@@ -1,0 +1,163 @@
+"""``coda.fuse(model)``: swap, in place, the fusable parts of a stock Llama-style model for ``coda.nn`` modules.
+
+What is swapped (duck-typed on class names, so it works on Hugging Face ``LlamaForCausalLM`` and on
+``examples/llama_model.py`` alike):
+
+- every ``LlamaDecoderLayer``'s ``post_attention_layernorm`` (``LlamaRMSNorm``) + ``mlp`` (``LlamaMLP``: gate, up,
+  down, no biases, SiLU): the norm becomes a :class:`coda.nn.DeferredRMSNorm` (identity, keeps the same weight
+  Parameter) and the MLP a :class:`coda.nn.SwiGLUMLP` (``add_residual=False``; norm + gate/up + SwiGLU in one GEMM,
+  down projection shared with the stock module);
+- the final norm (``model.norm``) + ``lm_head`` + loss of the top module (it has ``lm_head`` and ``model.norm``): the
+  norm becomes a ``DeferredRMSNorm``, ``lm_head`` a :class:`coda.nn.LMHeadCrossEntropy` (same weight Parameter, so
+  tied embeddings stay tied), and the top module's ``forward`` is patched (an instance attribute): with ``labels``
+  it runs the backbone and ``linear_cross_entropy`` (Hugging Face's causal-LM loss: labels shifted by one,
+  ignore_index -100, ``num_items_in_batch`` -> sum / n) and returns no logits; without labels it is the stock
+  forward (``lm_head`` applies the deferred norm, so the logits are the stock ones).
+
+Weights are converted once: gate/up are interleaved into a new Parameter and the stock gate/up Parameters are
+released (create the optimizer after ``fuse``). All other Parameters are the same objects. ``state_dict()`` keeps
+the stock keys, order and values (``coda.nn``'s state-dict hooks), and ``load_state_dict`` accepts stock
+checkpoints. Note: after fusing, the backbone's last hidden state is the one before the final norm.
+
+``coda.unfuse(model)`` puts the stock modules back (gate/up de-interleaved into fresh Parameters).
+"""
+from __future__ import annotations
+
+import types
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from coda.nn import DeferredRMSNorm, LMHeadCrossEntropy, SwiGLUMLP
+
+__all__ = ["fuse", "unfuse"]
+
+LAYER_CLASSES = {"LlamaDecoderLayer"}
+MLP_CLASSES = {"LlamaMLP"}
+NORM_CLASSES = {"LlamaRMSNorm"}
+
+
+def _cls(m) -> str:
+    return type(m).__name__
+
+
+def _silu_mlp(mlp: nn.Module) -> bool:
+    act = getattr(mlp, "act_fn", None)
+    act_ok = act is None or "silu" in _cls(act).lower() or act is F.silu
+    config = getattr(mlp, "config", None)
+    if config is not None and getattr(config, "hidden_act", "silu") != "silu":
+        act_ok = False
+    lins = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    return act_ok and all(isinstance(lin, nn.Linear) and lin.bias is None for lin in lins)
+
+
+def _aligned(*sizes: int) -> bool:
+    return all(s % 8 == 0 for s in sizes)
+
+
+def fuse(model: nn.Module, *, mlp: bool = True, lm_head: bool = True) -> nn.Module:
+    """Swap the RMSNorm + MLP of every decoder layer and the final norm + LM head + loss (see the module docstring).
+    In place; returns ``model``. Layers that do not match (other activation, biases, sizes not multiples of 8)
+    are left stock with a warning. Fusing twice is a no-op."""
+    if getattr(model, "_coda_fused", False):
+        return model
+    if mlp:
+        for name, layer in model.named_modules():
+            if _cls(layer) not in LAYER_CLASSES:
+                continue
+            norm, m = getattr(layer, "post_attention_layernorm", None), getattr(layer, "mlp", None)
+            if _cls(norm) not in NORM_CLASSES or _cls(m) not in MLP_CLASSES:
+                continue
+            if not _silu_mlp(m) or not _aligned(*m.gate_proj.weight.shape):
+                warnings.warn(f"coda.fuse: {name}.mlp left stock (needs SiLU, no biases, sizes multiples of 8)")
+                continue
+            deferred = DeferredRMSNorm.from_norm(norm)
+            fused = SwiGLUMLP.from_stock(m, norm=deferred, add_residual=False)
+            m.gate_proj.weight = None  # released: the interleaved copy is the Parameter now (unfuse restores)
+            m.up_proj.weight = None
+            fused._coda_stock = (m, norm)
+            layer.post_attention_layernorm, layer.mlp = deferred, fused
+    if lm_head:
+        _fuse_head(model)
+    model._coda_fused = True
+    return model
+
+
+def _fuse_head(model: nn.Module) -> None:
+    head, backbone = getattr(model, "lm_head", None), getattr(model, "model", None)
+    norm = getattr(backbone, "norm", None)
+    if not isinstance(head, nn.Linear) or _cls(norm) not in NORM_CLASSES:
+        return
+    if head.bias is not None or not _aligned(head.weight.shape[1]):
+        warnings.warn("coda.fuse: lm_head left stock (needs no bias, hidden size a multiple of 8)")
+        return
+    deferred = DeferredRMSNorm.from_norm(norm)
+    fused = LMHeadCrossEntropy.from_linear(head, norm=deferred)
+    fused._coda_stock = (head, norm)
+    backbone.norm, model.lm_head = deferred, fused
+    model.forward = types.MethodType(_causal_lm_forward, model)
+
+
+def _causal_lm_forward(self, *args, labels=None, **kwargs):
+    """The fused top-level forward (see the module docstring)."""
+    if labels is None:
+        return type(self).forward(self, *args, **kwargs)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    kwargs.pop("logits_to_keep", None)
+    out = self.model(*args, **kwargs)
+    hidden = out if isinstance(out, torch.Tensor) else out[0]
+    head = self.lm_head
+    if shift_labels is None:  # tokens < n predict n; the last position has no target
+        shift_labels = F.pad(labels, (0, 1), value=head.ignore_index)[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    if num_items is None:
+        loss = head(hidden, shift_labels)
+    else:
+        loss = head(hidden, shift_labels, reduction="sum") / num_items
+    if isinstance(out, torch.Tensor):  # a plain model: forward(ids, labels) returns the loss
+        return loss
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None),
+                                  hidden_states=getattr(out, "hidden_states", None),
+                                  attentions=getattr(out, "attentions", None))
+
+
+def unfuse(model: nn.Module) -> nn.Module:
+    """Undo :func:`fuse` in place (current weights kept: gate/up de-interleaved into new Parameters)."""
+    if not getattr(model, "_coda_fused", False):
+        return model
+    for layer in model.modules():
+        fused = getattr(layer, "mlp", None)
+        if isinstance(fused, SwiGLUMLP) and hasattr(fused, "_coda_stock"):
+            m, norm = fused._coda_stock
+            w_gate, w_up = fused.gate_up()
+            rg = fused.weight_gu.requires_grad
+            m.gate_proj.weight = nn.Parameter(w_gate.detach().clone(), requires_grad=rg)
+            m.up_proj.weight = nn.Parameter(w_up.detach().clone(), requires_grad=rg)
+            m.down_proj = fused.down_proj
+            layer.mlp, layer.post_attention_layernorm = m, norm
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, LMHeadCrossEntropy) and hasattr(head, "_coda_stock"):
+        lin, norm = head._coda_stock
+        lin.weight = head.weight
+        model.lm_head, model.model.norm = lin, norm
+        model.__dict__.pop("forward", None)
+    model._coda_fused = False
+    return model
+
+
+class _CallableModule(types.ModuleType):
+    """``coda.fuse`` names both this submodule and its function: once ``import coda.fuse`` has run, the import
+    system sets the attribute ``coda.fuse`` to the module (as for ``coda.gemm``). Making the module callable keeps
+    ``coda.fuse(model)`` working either way."""
+
+    def __call__(self, model: nn.Module, **kwargs) -> nn.Module:
+        return fuse(model, **kwargs)
+
+
+import sys  # noqa: E402
+
+sys.modules[__name__].__class__ = _CallableModule

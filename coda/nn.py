@@ -1,0 +1,420 @@
+"""``coda.nn``: drop-in modules built on ``coda.ops`` (issue 4), parameters kept in CODA's layout, checkpoints in the
+stock layout.
+
+- :class:`RMSNormLinear`: RMSNorm followed by one or more projections that share it (q/k/v, ...): one
+  ``coda.ops.rmsnorm_linear`` call on the concatenated weight (gamma folded into the weight per call, the row scale
+  in the GEMM epilogue, the whole norm backward in the dX GEMM's epilogue).
+- :class:`SwiGLUMLP`: RMSNorm -> gate/up -> SiLU(gate) * up -> down (-> + residual). The norm, the gate/up GEMM and
+  the activation are ONE GEMM: ``coda.ops.linear`` with the pairs epilogue ``rms_swiglu``
+  (``silu(g r) (u r)``, r = rsqrt(mean(x^2) + eps) a per-row operand, gamma folded into the interleaved gate/up
+  weight); neither the normalised activation (M x H) nor gate/up (M x 2I) is written. Its backward is ops.linear's
+  (one GEMM recomputes (g, u) and writes dacc, then dX and dW GEMMs), plus the norm's radial term
+  dh = dX - (r^2 / H) <dX, h> h as one light torch row reduction (:class:`_RMSNormGrad`), because ops.linear has
+  no gradient for operands of pairs epilogues. The down projection is ``F.linear`` (see "gaps" in the docstring
+  of :func:`rmsnorm_swiglu`).
+- :class:`LMHeadCrossEntropy`: final RMSNorm + LM head + cross entropy: the norm in torch (M x H), then
+  ``coda.ops.linear_cross_entropy`` (logits never stored). Called without a target it returns logits, through
+  ``coda.ops.rmsnorm_linear`` (norm fused).
+- :class:`DeferredRMSNorm`: identity in forward; it holds an RMSNorm's weight (and its checkpoint key) where the
+  stock norm was, and the fused module that consumes its output applies it (used by :func:`coda.fuse`).
+
+Layouts. Internally :class:`SwiGLUMLP` keeps ``weight_gu`` (2I, H) with gate/up rows interleaved (row 2j = gate_j,
+row 2j+1 = up_j; ``coda.ops.interleave_gate_up``) and :class:`RMSNormLinear` one concatenated weight. ``state_dict()``
+returns the stock layout (``gate_proj.weight``, ``up_proj.weight``, ``down_proj.weight``, ``norm.weight``,
+``<name>.weight`` per projection) and ``load_state_dict()`` accepts it (or CODA's own layout), through state-dict
+hooks; so checkpoints stay interchangeable with the unfused model. (``state_dict(keep_vars=True)`` returns
+converted tensors, not the Parameters, for the converted keys.)
+
+Device and dtype: on bfloat16 / float16 inputs (or under autocast to one of them) with aligned shapes (multiples of
+8) the ``coda.ops`` run: the fused kernels on a Hopper GPU, their torch reference on CPU. Other dtypes (float32,
+float64) run the same math in plain torch (``coda.ops`` are 16-bit only); shapes are checked at construction.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import coda
+from coda import ops
+
+__all__ = ["RMSNormLinear", "SwiGLUMLP", "LMHeadCrossEntropy", "DeferredRMSNorm", "rms_norm", "rmsnorm_swiglu",
+           "rms_swiglu"]
+
+_FUSED_DTYPES = (torch.bfloat16, torch.float16)
+_ALIGN = 8  # the kernel's 16-byte rows of 16-bit elements
+
+
+# ------------------------------------------------------------------------------------------------ functional pieces
+def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float) -> Tensor:
+    """Llama's RMSNorm (``LlamaRMSNorm``): statistics in fp32, normalised value rounded to x's dtype, then
+    ``weight *``. The stock math, used by the unfused paths and where the norm is not fused."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if weight is None else weight * y
+
+
+@coda.epilogue
+def rms_swiglu(acc, r: coda.VecM):
+    """RMSNorm + SwiGLU on the gate/up accumulator acc = h W'^T (W' = weight_gu diag(gamma), rows interleaved):
+    out_j = silu(g_j r) (u_j r), r = rsqrt(mean(h^2) + eps) per row. One value per column pair: M x I."""
+    g, u = coda.pairs(acc)
+    return coda.silu(g * r) * (u * r)
+
+
+class _RMSNormGrad(torch.autograd.Function):
+    """Identity on h in forward; in backward adds the gradient through r = rsqrt(mean(h^2) + eps), which the GEMM
+    treated as a constant: with d the gradient of h at fixed r (the dX GEMM's output), the total is
+    dh = d - (r^2 / H) <d, h> h per row (fp32 math, one read of d and h)."""
+
+    @staticmethod
+    def forward(ctx, h, r):
+        ctx.save_for_backward(h, r)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, d):
+        h, r = ctx.saved_tensors
+        hf, df = h.float(), d.float()
+        c = (df * hf).sum(-1, keepdim=True) * (r * r).unsqueeze(-1) / h.shape[-1]
+        return (df - c * hf).to(d.dtype), None
+
+
+def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, weight_gu: Tensor, eps: float = 1e-6) -> Tensor:
+    """``silu(n W_gate^T) * (n W_up^T)`` with ``n = RMSNorm(x) * norm_weight``, as ONE fused GEMM (forward), autograd
+    included. ``x`` (..., H) bfloat16/float16; ``weight_gu`` (2I, H) interleaved (``coda.ops.interleave_gate_up``),
+    x's dtype; ``norm_weight`` (H,). Returns (..., I).
+
+    Composition: r (fp32, per row) in torch; W' = weight_gu * norm_weight (one N x K elementwise product per call,
+    like ``coda.ops.rmsnorm_linear``); ``coda.ops.linear(x, W', epilogue=rms_swiglu, r=r)``. Backward: ops.linear's
+    (recompute GEMM -> dacc, dX GEMM, dW' GEMM), torch autograd of the fold (dweight_gu = dW' gamma,
+    dgamma = sum_n dW' weight_gu) and :class:`_RMSNormGrad` for the radial term.
+
+    Gaps in the ops (reported, not patched here): ``coda.ops.rmsnorm_linear`` takes no ``epilogue=`` (so it
+    cannot apply the SwiGLU pairs), and ``coda.ops.linear`` gives no gradient to operands of pairs epilogues (so the
+    norm's radial term is this torch step, on the bf16 dX rather than inside the dX GEMM's fp32 epilogue)."""
+    r = torch.rsqrt(x.detach().float().pow(2).mean(-1) + eps)
+    w = torch.mul(weight_gu, norm_weight).to(x.dtype)
+    return ops.linear(_RMSNormGrad.apply(x, r), w, epilogue=rms_swiglu, r=r)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the GEMMs run in: autocast's when it is on for x's device, else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _check_aligned(owner: str, **sizes: int) -> None:
+    for name, size in sizes.items():
+        if size % _ALIGN:
+            raise ValueError(f"{owner}: {name} = {size} must be a multiple of {_ALIGN} (CODA's GEMMs read and write "
+                             "16-byte rows)")
+
+
+# ------------------------------------------------------------------------------------------------ layout plumbing
+class _StockLayout(nn.Module):
+    """A module whose parameters live in CODA's layout but whose ``state_dict`` is in the stock layout.
+
+    Subclasses implement ``_to_stock(local) -> dict`` (this module's keys without prefix, in CODA's layout ->
+    stock keys, in stock order) and ``_from_stock(local) -> dict`` (the inverse; given only the keys present, it
+    converts what it can and leaves the rest)."""
+
+    def __init__(self):
+        super().__init__()
+        self._register_state_dict_hook(_save_stock)
+        self._register_load_state_dict_pre_hook(_load_stock, with_module=True)
+
+    def _to_stock(self, local: dict) -> dict:
+        raise NotImplementedError
+
+    def _from_stock(self, local: dict) -> dict:
+        raise NotImplementedError
+
+
+def _save_stock(module, state_dict, prefix, local_metadata):
+    # runs after the module's own tensors and its children's were written: they are the last keys with the prefix,
+    # so popping them and writing the stock keys keeps the order of the whole dict
+    keys = [k for k in state_dict if k.startswith(prefix)]
+    local = {k[len(prefix):]: state_dict.pop(k) for k in keys}
+    for k, v in module._to_stock(local).items():
+        state_dict[prefix + k] = v
+
+
+def _load_stock(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    keys = [k for k in state_dict if k.startswith(prefix)]
+    local = {k[len(prefix):]: state_dict.pop(k) for k in keys}
+    for k, v in module._from_stock(local).items():
+        state_dict[prefix + k] = v
+
+
+class DeferredRMSNorm(nn.Module):
+    """An RMSNorm whose normalisation is applied by the fused module that consumes its output: ``forward`` is the
+    identity. It keeps ``weight`` (H,) and ``variance_epsilon`` where the stock norm was (same checkpoint key)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, weight: Optional[nn.Parameter] = None,
+                 device=None, dtype=None):
+        super().__init__()
+        self.weight = weight if weight is not None else nn.Parameter(torch.ones(hidden_size, device=device,
+                                                                                 dtype=dtype))
+        self.variance_epsilon = float(eps)
+
+    @classmethod
+    def from_norm(cls, norm: nn.Module) -> "DeferredRMSNorm":
+        """Shares ``norm.weight`` (the same Parameter: no copy, optimizer state and ties stay valid)."""
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        return cls(norm.weight.shape[0], 1e-6 if eps is None else eps, weight=norm.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, applied by the next fused module"
+
+
+class _NormConsumer(_StockLayout):
+    """Owns a :class:`DeferredRMSNorm` (``self.norm``, in its state dict) or uses one registered elsewhere in the
+    model (``norm=`` a module: not registered here, so its key stays where the stock norm was), or none
+    (``norm=False``)."""
+
+    def _set_norm(self, norm, hidden_size: int, eps: float, device, dtype) -> None:
+        self._shared_norm = ()
+        if norm is None:
+            self.norm = DeferredRMSNorm(hidden_size, eps, device=device, dtype=dtype)
+        elif norm is False:
+            self.norm = None
+        else:
+            self.norm = None
+            self._shared_norm = (norm,)  # a tuple: nn.Module does not register it as a child
+
+    @property
+    def norm_module(self) -> Optional[nn.Module]:
+        return self._shared_norm[0] if self._shared_norm else self.norm
+
+    @property
+    def norm_weight(self) -> Optional[Tensor]:
+        m = self.norm_module
+        return None if m is None else m.weight
+
+    @property
+    def eps(self) -> float:
+        m = self.norm_module
+        return 1e-6 if m is None else m.variance_epsilon
+
+
+# ------------------------------------------------------------------------------------------------ modules
+class RMSNormLinear(_NormConsumer):
+    """``RMSNorm(x [+ residual]) @ W.T`` for one or more projections sharing the norm, via
+    ``coda.ops.rmsnorm_linear`` (one GEMM for all of them).
+
+    ``out_features``: an int (one projection, stock keys ``norm.weight``, ``weight``) or a sequence with ``names``
+    (e.g. ``(q, k, v)`` sizes and ``("q_proj", "k_proj", "v_proj")``: stock keys ``norm.weight`` and
+    ``<name>.weight``; internally one concatenated ``weight``). ``norm``: None (own), a norm module registered
+    elsewhere, or False (no norm: a plain linear).
+
+    ``forward(x, residual=None)`` returns y (a tuple of one tensor per name when ``names`` is given); with a residual,
+    also ``h = x + residual`` last (the residual stream for the next block)."""
+
+    def __init__(self, in_features: int, out_features: Union[int, Sequence[int]], eps: float = 1e-6, *,
+                 names: Optional[Sequence[str]] = None, norm=None, device=None, dtype=None):
+        super().__init__()
+        sizes = [out_features] if isinstance(out_features, int) else [int(n) for n in out_features]
+        if names is not None and len(names) != len(sizes):
+            raise ValueError(f"RMSNormLinear: names {tuple(names)} must give one name per projection {sizes}")
+        if names is None and len(sizes) != 1:
+            raise ValueError("RMSNormLinear: several projections need names (their stock state-dict keys)")
+        _check_aligned("RMSNormLinear", in_features=in_features, **{f"out_features[{i}]": n
+                                                                    for i, n in enumerate(sizes)})
+        self.in_features, self.sizes, self.names = in_features, sizes, None if names is None else tuple(names)
+        self.weight = nn.Parameter(torch.empty(sum(sizes), in_features, device=device, dtype=dtype))
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        self._set_norm(norm, in_features, eps, device, dtype)
+
+    @classmethod
+    def from_modules(cls, norm: Optional[nn.Module], *linears: nn.Linear, names: Optional[Sequence[str]] = None,
+                     share_norm: bool = False) -> "RMSNormLinear":
+        """From a stock RMSNorm (or None) and bias-free ``nn.Linear`` s (weights copied once, concatenated)."""
+        if any(lin.bias is not None for lin in linears):
+            raise ValueError("RMSNormLinear.from_modules: projections with a bias are not supported")
+        w0 = linears[0].weight
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)) if norm is not None else 1e-6
+        deferred = DeferredRMSNorm.from_norm(norm) if share_norm and norm is not None else None
+        out = cls(w0.shape[1], [lin.weight.shape[0] for lin in linears] if names else w0.shape[0], eps,
+                  names=names, norm=deferred if share_norm else (False if norm is None else None),
+                  device=w0.device, dtype=w0.dtype)
+        with torch.no_grad():
+            out.weight.copy_(torch.cat([lin.weight for lin in linears]))
+            if out.norm is not None:
+                out.norm.weight.copy_(norm.weight)
+        return out
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
+        dtype = _compute_dtype(x)
+        gamma = self.norm_weight
+        if dtype in _FUSED_DTYPES and gamma is not None:
+            res = None if residual is None else residual.to(dtype)
+            out = ops.rmsnorm_linear(x.to(dtype), gamma, self.weight.to(dtype), self.eps, residual=res)
+            y, h = out if residual is not None else (out, None)
+        else:
+            h = x if residual is None else x + residual
+            y = F.linear(h if gamma is None else rms_norm(h, gamma, self.eps), self.weight)
+        ys = y.split(self.sizes, -1) if self.names is not None else y
+        if residual is None:
+            return ys
+        return (*ys, h) if self.names is not None else (ys, h)
+
+    def _to_stock(self, local):
+        w = local.pop("weight")
+        out = {k: local.pop(k) for k in list(local) if k.startswith("norm.")}
+        if self.names is None:
+            out["weight"] = w
+        else:
+            out.update({f"{n}.weight": p for n, p in zip(self.names, w.split(self.sizes))})
+        return {**out, **local}
+
+    def _from_stock(self, local):
+        if self.names is not None and all(f"{n}.weight" in local for n in self.names):
+            local["weight"] = torch.cat([local.pop(f"{n}.weight") for n in self.names])
+        return local
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.sizes}, names={self.names}"
+
+
+class SwiGLUMLP(_NormConsumer):
+    """``[x +] down(silu(gate(n)) * up(n))`` with ``n = RMSNorm(x)``: Llama's post-attention norm + ``LlamaMLP``.
+
+    Fused: norm + gate/up + SwiGLU are one GEMM (:func:`rmsnorm_swiglu`); the down projection is ``F.linear`` and
+    the residual add torch. ``add_residual``: add x to the output (True) or return the MLP output only (False, the
+    drop-in for ``LlamaMLP`` inside a decoder layer that adds the residual itself). Parameters: ``weight_gu``
+    (2I, H) interleaved, ``down_proj`` (an ``nn.Linear``), the norm (see :class:`_NormConsumer`). Stock keys:
+    ``norm.weight`` (own norm only), ``gate_proj.weight``, ``up_proj.weight``, ``down_proj.weight``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, eps: float = 1e-6, *, add_residual: bool = True,
+                 norm=None, device=None, dtype=None):
+        super().__init__()
+        _check_aligned("SwiGLUMLP", hidden_size=hidden_size, intermediate_size=intermediate_size)
+        self.hidden_size, self.intermediate_size, self.add_residual = hidden_size, intermediate_size, add_residual
+        self.weight_gu = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, device=device, dtype=dtype))
+        nn.init.kaiming_uniform_(self.weight_gu, a=5 ** 0.5)
+        self._set_norm(norm, hidden_size, eps, device, dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, device=device, dtype=dtype)
+
+    @classmethod
+    def from_stock(cls, mlp: nn.Module, norm=None, *, add_residual: bool = False, share: bool = True,
+                   eps: float = 1e-6) -> "SwiGLUMLP":
+        """From a ``LlamaMLP``-like module (``gate_proj``, ``up_proj``, ``down_proj``, no biases). gate/up are
+        interleaved once; ``down_proj`` is the same module (``share=True``) or a copy. ``norm``: a norm module to
+        share (e.g. a :class:`DeferredRMSNorm`), None for an own norm (initialised to ones), or False."""
+        g, u, d = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj
+        out = cls(g.shape[1], g.shape[0], eps, add_residual=add_residual, norm=norm, device="meta", dtype=g.dtype)
+        with torch.no_grad():
+            out.weight_gu = nn.Parameter(ops.interleave_gate_up(g, u), requires_grad=g.requires_grad)
+        if out.norm is not None:
+            out.norm = DeferredRMSNorm(g.shape[1], eps, device=g.device, dtype=g.dtype)
+        out.down_proj = d if share else nn.Linear(d.in_features, d.out_features, bias=False, device=g.device,
+                                                  dtype=g.dtype).requires_grad_(d.weight.requires_grad)
+        if not share:
+            with torch.no_grad():
+                out.down_proj.weight.copy_(d.weight)
+        return out
+
+    def gate_up(self) -> tuple[Tensor, Tensor]:
+        """(w_gate, w_up) views of ``weight_gu`` (the stock weights)."""
+        return ops.deinterleave_gate_up(self.weight_gu)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype, gamma = _compute_dtype(x), self.norm_weight
+        if dtype in _FUSED_DTYPES:
+            n = x.to(dtype)
+            if gamma is None:
+                a = ops.linear_swiglu(n, self.weight_gu.to(dtype))
+            else:
+                a = rmsnorm_swiglu(n, gamma, self.weight_gu.to(dtype), self.eps)
+        else:
+            n = x if gamma is None else rms_norm(x, gamma, self.eps)
+            w_gate, w_up = self.gate_up()
+            a = F.silu(F.linear(n, w_gate)) * F.linear(n, w_up)
+        y = self.down_proj(a)
+        return x + y if self.add_residual else y
+
+    def _to_stock(self, local):
+        w_gate, w_up = ops.deinterleave_gate_up(local.pop("weight_gu"))
+        out = {k: local.pop(k) for k in list(local) if k.startswith("norm.")}
+        out.update({"gate_proj.weight": w_gate.contiguous(), "up_proj.weight": w_up.contiguous()})
+        return {**out, **local}
+
+    def _from_stock(self, local):
+        if "gate_proj.weight" in local and "up_proj.weight" in local:
+            local["weight_gu"] = ops.interleave_gate_up(local.pop("gate_proj.weight"), local.pop("up_proj.weight"))
+        return local
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"add_residual={self.add_residual}, weight_gu interleaved (gate, up, ...)")
+
+
+class LMHeadCrossEntropy(_NormConsumer):
+    """Final RMSNorm + LM head (+ cross entropy): ``forward(x, target)`` returns the loss
+    (``coda.ops.linear_cross_entropy`` on the normed x: logits never stored), ``forward(x)`` the logits
+    (``coda.ops.rmsnorm_linear``). ``weight`` (V, H) is in the stock layout (``nn.Linear``); pass ``weight=`` to
+    share a Parameter (tied embeddings). Loss options as ``coda.ops.linear_cross_entropy``; the loss is float32."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float = 1e-6, *, norm=None,
+                 weight: Optional[nn.Parameter] = None, ignore_index: int = -100, label_smoothing: float = 0.0,
+                 z_loss: float = 0.0, device=None, dtype=None):
+        super().__init__()
+        _check_aligned("LMHeadCrossEntropy", hidden_size=hidden_size)
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.ignore_index, self.label_smoothing, self.z_loss = ignore_index, label_smoothing, z_loss
+        if weight is None:
+            weight = nn.Parameter(torch.empty(vocab_size, hidden_size, device=device, dtype=dtype))
+            nn.init.kaiming_uniform_(weight, a=5 ** 0.5)
+        self.weight = weight
+        self._set_norm(norm, hidden_size, eps, device, dtype)
+
+    @classmethod
+    def from_linear(cls, lm_head: nn.Linear, norm=None, **loss_options) -> "LMHeadCrossEntropy":
+        """Shares ``lm_head.weight`` (same Parameter: ties to the embedding stay). ``norm`` as in the constructor."""
+        if lm_head.bias is not None:
+            raise ValueError("LMHeadCrossEntropy.from_linear: an LM head with a bias is not supported")
+        w = lm_head.weight
+        return cls(w.shape[1], w.shape[0], norm=norm, weight=w, device=w.device, dtype=w.dtype, **loss_options)
+
+    def _normed(self, x: Tensor) -> Tensor:
+        gamma = self.norm_weight
+        return x if gamma is None else rms_norm(x, gamma, self.eps)
+
+    def forward(self, x: Tensor, target: Optional[Tensor] = None, reduction: str = "mean") -> Tensor:
+        dtype, gamma = _compute_dtype(x), self.norm_weight
+        fused = dtype in _FUSED_DTYPES
+        if target is None:  # logits
+            if fused and gamma is not None and self.vocab_size % _ALIGN == 0:
+                return ops.rmsnorm_linear(x.to(dtype), gamma, self.weight.to(dtype), self.eps)
+            return F.linear(self._normed(x), self.weight)
+        n = self._normed(x)
+        if fused:
+            return ops.linear_cross_entropy(n.to(dtype), self.weight.to(dtype), target, self.ignore_index,
+                                            reduction, self.label_smoothing, self.z_loss)
+        logits = F.linear(n, self.weight).flatten(0, -2)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 (fp64 stays)
+        t = target.flatten()
+        row = F.cross_entropy(logits, t, ignore_index=self.ignore_index, reduction="none",
+                              label_smoothing=self.label_smoothing)
+        if self.z_loss:
+            row = row + torch.where(t != self.ignore_index, self.z_loss * logits.logsumexp(-1).pow(2), 0.0)
+        if reduction == "none":
+            return row.reshape(target.shape)
+        return row.sum() if reduction == "sum" else row.sum() / (t != self.ignore_index).sum()
+
+    def _to_stock(self, local):
+        return local  # already the stock layout
+
+    def _from_stock(self, local):
+        return local
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, ignore_index={self.ignore_index}, "
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}")

@@ -1,0 +1,284 @@
+"""coda.nn modules and coda.fuse on CPU (the ops' torch reference path): forward/backward of each module against
+the unfused stock modules (2x rule: the bf16 module's error against a float64 reference is at most twice plain
+torch bf16's), float64 fallback, stock state-dict round trips, fuse/unfuse on examples/llama_model.py (and on
+Hugging Face LlamaForCausalLM when transformers is installed), the training example as a smoke test."""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import coda
+from coda import ops
+from coda.nn import LMHeadCrossEntropy, RMSNormLinear, SwiGLUMLP, rms_norm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from llama_model import LlamaConfig, LlamaForCausalLM, LlamaMLP, LlamaRMSNorm  # noqa: E402
+
+EPS = 1e-6
+
+
+def _err(a, ref):
+    return (a.double() - ref.double()).abs().max().item()
+
+
+def _two_x(name, got, torch_bf16, ref):
+    e, e_torch = _err(got, ref), _err(torch_bf16, ref)
+    assert e <= 2 * e_torch + 1e-6 * ref.abs().max().item(), f"{name}: coda {e:.3g} vs torch bf16 {e_torch:.3g}"
+
+
+def _leaves(*ts, dtype):
+    return [t.detach().to(dtype).requires_grad_() for t in ts]
+
+
+def _grads(ts):
+    return [t.grad for t in ts]
+
+
+# ------------------------------------------------------------------------------------------------ stock references
+def _stock_mlp(x, gamma, w_gate, w_up, w_down, residual):
+    n = rms_norm(x, gamma, EPS)
+    y = F.linear(F.silu(F.linear(n, w_gate)) * F.linear(n, w_up), w_down)
+    return x + y if residual else y
+
+
+def _randn(*shape, scale=1.0, g):
+    return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+
+@pytest.mark.parametrize("add_residual", [True, False])
+def test_swiglu_mlp_matches_stock(add_residual):
+    g = torch.Generator().manual_seed(0)
+    M, H, I = 48, 64, 96
+    x, gamma = _randn(3, 16, H, g=g), 1 + _randn(H, scale=0.2, g=g)
+    wg, wu, wd = _randn(I, H, scale=H ** -0.5, g=g), _randn(I, H, scale=H ** -0.5, g=g), _randn(H, I, scale=I ** -.5,
+                                                                                                g=g)
+    dy = _randn(3, 16, H, g=g)
+    runs = {}
+    for key, dtype in (("ref", torch.float64), ("torch", torch.bfloat16)):
+        leaves = _leaves(x, gamma, wg, wu, wd, dtype=dtype)
+        y = _stock_mlp(*leaves, add_residual)
+        y.backward(dy.to(dtype))
+        runs[key] = (y, *_grads(leaves))
+    mod = SwiGLUMLP(H, I, EPS, add_residual=add_residual, dtype=torch.bfloat16)
+    mod.load_state_dict({"norm.weight": gamma, "gate_proj.weight": wg, "up_proj.weight": wu,
+                         "down_proj.weight": wd})
+    xb = x.detach().bfloat16().requires_grad_()
+    y = mod(xb)
+    y.backward(dy.bfloat16())
+    dwg, dwu = ops.deinterleave_gate_up(mod.weight_gu.grad)
+    got = (y, xb.grad, mod.norm.weight.grad, dwg, dwu, mod.down_proj.weight.grad)
+    for name, a, t, r in zip("y dx dgamma dw_gate dw_up dw_down".split(), got, runs["torch"], runs["ref"]):
+        _two_x(name, a, t, r)
+
+
+def test_rmsnorm_linear_matches_stock():
+    g = torch.Generator().manual_seed(1)
+    H, sizes, names = 64, [64, 32, 32], ("q_proj", "k_proj", "v_proj")
+    x, res, gamma = _randn(4, 8, H, g=g), _randn(4, 8, H, g=g), 1 + _randn(H, scale=0.2, g=g)
+    ws = [_randn(n, H, scale=H ** -0.5, g=g) for n in sizes]
+    dys = [_randn(4, 8, n, g=g) for n in sizes]
+    dh = _randn(4, 8, H, g=g)
+    runs = {}
+    for key, dtype in (("ref", torch.float64), ("torch", torch.bfloat16)):
+        leaves = _leaves(x, res, gamma, *ws, dtype=dtype)
+        h = leaves[0] + leaves[1]
+        n = rms_norm(h, leaves[2], EPS)
+        outs = [F.linear(n, w) for w in leaves[3:]]
+        torch.autograd.backward([*outs, h], [d.to(dtype) for d in (*dys, dh)])
+        runs[key] = (*outs, h, *_grads(leaves))
+    mod = RMSNormLinear(H, sizes, EPS, names=names, dtype=torch.bfloat16)
+    mod.load_state_dict({"norm.weight": gamma, **{f"{n}.weight": w for n, w in zip(names, ws)}})
+    xb, rb = _leaves(x, res, dtype=torch.bfloat16)
+    *outs, h = mod(xb, residual=rb)
+    torch.autograd.backward([*outs, h], [d.bfloat16() for d in (*dys, dh)])
+    got = (*outs, h, xb.grad, rb.grad, mod.norm.weight.grad, *mod.weight.grad.split(sizes))
+    for i, (a, t, r) in enumerate(zip(got, runs["torch"], runs["ref"])):
+        _two_x(f"output/grad {i}", a, t, r)
+
+
+@pytest.mark.parametrize("smoothing,z_loss", [(0.0, 0.0), (0.1, 1e-3)])
+def test_lm_head_cross_entropy_matches_stock(smoothing, z_loss):
+    g = torch.Generator().manual_seed(2)
+    H, V = 64, 300  # V not a multiple of 8: the op's tail path
+    x, gamma, w = _randn(2, 24, H, g=g), 1 + _randn(H, scale=0.2, g=g), _randn(V, H, scale=H ** -0.5, g=g)
+    target = torch.randint(0, V, (2, 24), generator=g)
+    target[0, :5] = -100
+    runs = {}
+    for key, dtype in (("ref", torch.float64), ("torch", torch.bfloat16)):
+        leaves = _leaves(x, gamma, w, dtype=dtype)
+        logits = F.linear(rms_norm(leaves[0], leaves[1], EPS), leaves[2]).flatten(0, 1)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        t = target.flatten()
+        row = F.cross_entropy(logits, t, reduction="none", label_smoothing=smoothing)
+        row = row + torch.where(t != -100, z_loss * logits.logsumexp(-1) ** 2, 0.0)
+        loss = row.sum() / (t != -100).sum()
+        loss.backward()
+        runs[key] = (loss, *_grads(leaves))
+    mod = LMHeadCrossEntropy(H, V, EPS, label_smoothing=smoothing, z_loss=z_loss, dtype=torch.bfloat16)
+    mod.load_state_dict({"norm.weight": gamma, "weight": w})
+    xb = x.detach().bfloat16().requires_grad_()
+    loss = mod(xb, target)
+    loss.backward()
+    for name, a, t, r in zip("loss dx dgamma dw".split(), (loss, xb.grad, mod.norm.weight.grad, mod.weight.grad),
+                             runs["torch"], runs["ref"]):
+        _two_x(name, a, t, r)
+    # float64 module (plain torch path) equals the reference
+    mod64 = LMHeadCrossEntropy(H, V, EPS, label_smoothing=smoothing, z_loss=z_loss, dtype=torch.float64)
+    mod64.load_state_dict({"norm.weight": gamma, "weight": w})
+    torch.testing.assert_close(mod64(x, target), runs["ref"][0].double(), rtol=1e-10, atol=1e-10)
+
+
+def test_float64_fallback_is_the_stock_math():
+    g = torch.Generator().manual_seed(3)
+    H, I = 32, 48
+    mod = SwiGLUMLP(H, I, EPS, dtype=torch.float64)
+    x = _randn(5, H, g=g)
+    wg, wu = mod.gate_up()
+    want = _stock_mlp(x, mod.norm.weight, wg, wu, mod.down_proj.weight, True)
+    torch.testing.assert_close(mod(x), want, rtol=1e-12, atol=1e-12)
+    lin = RMSNormLinear(H, 24, EPS, dtype=torch.float64)
+    torch.testing.assert_close(lin(x), F.linear(rms_norm(x, lin.norm.weight, EPS), lin.weight))
+
+
+# ------------------------------------------------------------------------------------------------ state dicts
+def test_state_dict_stock_layout_round_trip():
+    torch.manual_seed(0)
+    norm, mlp = LlamaRMSNorm(64), LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=96))
+    stock = {"norm.weight": norm.weight.detach() + 0.5, **mlp.state_dict()}
+    mod = SwiGLUMLP(64, 96)
+    mod.load_state_dict(stock)
+    assert torch.equal(mod.weight_gu[0::2], stock["gate_proj.weight"])
+    sd = mod.state_dict()
+    assert list(sd) == ["norm.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+    assert all(torch.equal(sd[k], stock[k]) for k in stock)
+    mod2 = SwiGLUMLP(64, 96)
+    mod2.load_state_dict(sd)
+    assert torch.equal(mod2.weight_gu, mod.weight_gu)
+    with pytest.raises(RuntimeError, match="gate_proj"):  # a partial stock dict is reported, not half-loaded
+        mod2.load_state_dict({k: v for k, v in sd.items() if k != "up_proj.weight"})
+    lin = RMSNormLinear(64, [64, 32], names=("q_proj", "kv_proj"))
+    sd = lin.state_dict()
+    assert list(sd) == ["norm.weight", "q_proj.weight", "kv_proj.weight"]
+    assert [tuple(v.shape) for v in sd.values()] == [(64,), (64, 64), (32, 64)]
+    lin2 = RMSNormLinear(64, [64, 32], names=("q_proj", "kv_proj"))
+    lin2.load_state_dict(sd)
+    assert torch.equal(lin2.weight, lin.weight)
+
+
+def _example(dtype=torch.bfloat16, tie=False):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=200, tie_word_embeddings=tie)
+    model = LlamaForCausalLM(cfg).to(dtype)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def _stock_grads(model):
+    """Parameter gradients by stock name (weight_gu split back into gate/up)."""
+    out = {}
+    for n, p in model.named_parameters():
+        if n.endswith("weight_gu"):
+            out[n[:-9] + "gate_proj.weight"], out[n[:-9] + "up_proj.weight"] = ops.deinterleave_gate_up(p.grad)
+        else:
+            out[n] = p.grad
+    return out
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_fuse_example_model(tie):
+    stock = _example(tie=tie)
+    ref = _example(torch.float64, tie=tie)
+    fused = copy.deepcopy(stock)
+    sd = stock.state_dict()
+    coda.fuse(fused)
+    assert isinstance(fused.model.layers[0].mlp, SwiGLUMLP) and isinstance(fused.lm_head, LMHeadCrossEntropy)
+    assert (fused.lm_head.weight is fused.model.embed_tokens.weight) == tie
+    sd_f = fused.state_dict()
+    assert list(sd_f) == list(sd) and all(torch.equal(sd_f[k], sd[k]) for k in sd)  # bitwise, same order
+    ids = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(5))
+    ids[1, :3] = 7
+    losses = {}
+    for key, m in (("stock", stock), ("fused", fused), ("ref", ref)):
+        losses[key] = m(ids, labels=ids)
+        losses[key].backward()
+    assert abs(losses["fused"].item() - losses["ref"].item()) <= 2 * abs(losses["stock"].item() - losses["ref"].item()) + 2e-3
+    gs, gf, gr = _stock_grads(stock), _stock_grads(fused), _stock_grads(ref)
+    assert gs.keys() == gf.keys()
+    for k in gs:
+        scale = gr[k].abs().max().item()
+        assert _err(gf[k], gr[k]) <= 2 * _err(gs[k], gr[k]) + 2e-2 * scale, k
+    # logits (no labels): the stock path through the fused lm_head (deferred final norm, rmsnorm_linear)
+    torch.testing.assert_close(fused(ids).float(), stock(ids).float(), rtol=0.05, atol=0.02)
+    # load a stock checkpoint into the fused model; unfuse restores the stock modules and values
+    fused.load_state_dict(sd)
+    assert all(torch.equal(fused.state_dict()[k], sd[k]) for k in sd)
+    coda.unfuse(fused)
+    assert type(fused.model.layers[0].mlp).__name__ == "LlamaMLP" and "forward" not in fused.__dict__
+    sd_u = fused.state_dict()
+    assert list(sd_u) == list(sd) and all(torch.equal(sd_u[k], sd[k]) for k in sd)
+    assert torch.equal(fused(ids), stock(ids))
+
+
+def test_fuse_skips_unsupported_and_is_idempotent():
+    model = _example()
+    model.model.layers[0].mlp.gate_proj = nn.Linear(64, 176, bias=True).bfloat16()
+    with pytest.warns(UserWarning, match="layers.0.mlp left stock"):
+        coda.fuse(model)
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert isinstance(model.model.layers[1].mlp, SwiGLUMLP)
+    assert coda.fuse(model) is model
+
+
+def test_fuse_huggingface_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    stock = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for n, p in stock.named_parameters():
+            if "norm" in n:
+                p.add_(0.2 * torch.randn_like(p))
+    fused = copy.deepcopy(stock)
+    coda.fuse(fused)
+    assert isinstance(fused.model.layers[1].mlp, SwiGLUMLP) and isinstance(fused.lm_head, LMHeadCrossEntropy)
+    sd, sd_f = stock.state_dict(), fused.state_dict()
+    assert list(sd_f) == list(sd) and all(torch.equal(sd_f[k], sd[k]) for k in sd)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    out_s, out_f = stock(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
+    assert out_f.logits is None
+    assert abs(out_f.loss.item() - out_s.loss.item()) < 2e-2
+    out_s.loss.backward()
+    out_f.loss.backward()
+    gs, gf = _stock_grads(stock), _stock_grads(fused)
+    for k in gs:
+        torch.testing.assert_close(gf[k].float(), gs[k].float(), rtol=0.1, atol=0.05 * gs[k].abs().max().item())
+    n = 30  # num_items_in_batch: sum / n, as Hugging Face's loss
+    l_s = stock(input_ids=ids, labels=ids, num_items_in_batch=n).loss
+    l_f = fused(input_ids=ids, labels=ids, num_items_in_batch=n).loss
+    assert abs(l_f.item() - l_s.item()) < 2e-2 * abs(l_s.item())
+    torch.testing.assert_close(fused(input_ids=ids).logits.float(), stock(input_ids=ids).logits.float(), rtol=0.05,
+                               atol=0.02)
+
+
+def test_fuse_is_callable_after_importing_the_submodule():
+    import coda.fuse as fuse_module  # the import system sets coda.fuse to the module
+    assert callable(coda.fuse) and callable(fuse_module)
+    model = coda.fuse(_example())
+    assert isinstance(model.lm_head, LMHeadCrossEntropy)
+
+
+def test_train_example_runs():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "llama_train.py"), "--steps", "3",
+                          "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "stock" in out.stdout and "fused" in out.stdout and "tokens/s" in out.stdout
