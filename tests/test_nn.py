@@ -54,7 +54,7 @@ def _randn(*shape, scale=1.0, g):
 @pytest.mark.parametrize("add_residual", [True, False])
 def test_swiglu_mlp_matches_stock(add_residual):
     g = torch.Generator().manual_seed(0)
-    M, H, I = 48, 64, 96
+    H, I = 64, 96
     x, gamma = _randn(3, 16, H, g=g), 1 + _randn(H, scale=0.2, g=g)
     wg, wu, wd = _randn(I, H, scale=H ** -0.5, g=g), _randn(I, H, scale=H ** -0.5, g=g), _randn(H, I, scale=I ** -.5,
                                                                                                 g=g)
@@ -171,10 +171,11 @@ def test_state_dict_stock_layout_round_trip():
     assert torch.equal(lin2.weight, lin.weight)
 
 
-def _example(dtype=torch.bfloat16, tie=False):
+def _example(dtype=torch.bfloat16, tie=False, device="cpu", **sizes):
+    """The example model with non-trivial norm weights (tests/test_nn_gpu.py uses it too)."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=200, tie_word_embeddings=tie)
-    model = LlamaForCausalLM(cfg).to(dtype)
+    cfg = LlamaConfig(**{"vocab_size": 200, **sizes}, tie_word_embeddings=tie)
+    model = LlamaForCausalLM(cfg).to(device, dtype)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:

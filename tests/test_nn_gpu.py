@@ -9,34 +9,18 @@ import pytest
 import torch
 
 import coda
-from coda import ops
 
 pytestmark = pytest.mark.gpu
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from llama_model import LlamaConfig, LlamaForCausalLM  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_nn import _example, _stock_grads  # noqa: E402
+
+SIZES = dict(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
 
 
 def _model(dtype):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(cfg).to("cuda", dtype)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.add_(0.2 * torch.randn_like(p))
-    return model
-
-
-def _grads(model):
-    out = {}
-    for n, p in model.named_parameters():
-        if n.endswith("weight_gu"):
-            out[n[:-9] + "gate_proj.weight"], out[n[:-9] + "up_proj.weight"] = ops.deinterleave_gate_up(p.grad)
-        else:
-            out[n] = p.grad
-    return out
+    return _example(dtype, device="cuda", **SIZES)
 
 
 def test_fuse_matches_stock_on_cuda():
@@ -53,7 +37,7 @@ def test_fuse_matches_stock_on_cuda():
         losses[key].backward()
     e_f, e_s = (abs(losses[k].item() - losses["ref"].item()) for k in ("fused", "stock"))
     assert e_f <= 2 * e_s + 2e-3
-    gs, gf, gr = _grads(stock), _grads(fused), _grads(ref)
+    gs, gf, gr = _stock_grads(stock), _stock_grads(fused), _stock_grads(ref)
     for k in gs:
         err = lambda g: (g.double() - gr[k]).abs().max().item()  # noqa: E731
         assert err(gf[k]) <= 2 * err(gs[k]) + 2e-2 * gr[k].abs().max().item(), k
