@@ -18,6 +18,7 @@ PYTHON=${PYTHON:-python}
 MEMCHECK_BUDGET=${MEMCHECK_BUDGET:-210}
 RACECHECK_BUDGET=${RACECHECK_BUDGET:-150}
 LOGDIR=${LOGDIR:-$(mktemp -d /tmp/coda-sanitize.XXXXXX)}
+mkdir -p "$LOGDIR"
 TOOLS=("${@:-memcheck racecheck}")
 TOOLS=(${TOOLS[*]})
 
