@@ -32,19 +32,22 @@ PRESETS = {  # (hidden, intermediate, layers, heads, kv heads, vocab)
 }
 
 
-def make_chain(vocab: int, seed: int) -> torch.Tensor:
+def make_chain(vocab: int, seed: int):
+    """A sparse random bigram chain: each token's 4 successors and their probabilities (V x 4 each; a dense V x V
+    table would be 4 GB at V = 32000)."""
     g = torch.Generator().manual_seed(seed)
-    logits = torch.full((vocab, vocab), -1e9)
     succ = torch.randint(0, vocab, (vocab, 4), generator=g)
-    logits.scatter_(1, succ, torch.randn(vocab, 4, generator=g))
-    return logits.softmax(-1)
+    return succ, torch.randn(vocab, 4, generator=g).softmax(-1)
 
 
-def batch(chain: torch.Tensor, b: int, t: int, g: torch.Generator) -> torch.Tensor:
+def batch(chain, b: int, t: int, g: torch.Generator) -> torch.Tensor:
+    succ, probs = chain
     ids = torch.empty(b, t, dtype=torch.long)
-    ids[:, 0] = torch.randint(0, chain.shape[0], (b,), generator=g)
+    ids[:, 0] = torch.randint(0, succ.shape[0], (b,), generator=g)
     for i in range(1, t):
-        ids[:, i] = torch.multinomial(chain[ids[:, i - 1]], 1, generator=g).squeeze(1)
+        prev = ids[:, i - 1]
+        pick = torch.multinomial(probs[prev], 1, generator=g).squeeze(1)
+        ids[:, i] = succ[prev, pick]
     return ids
 
 
