@@ -79,7 +79,11 @@ for tool in "${TOOLS[@]}"; do
     86) verdict="SANITIZER ERRORS" ;;
     *) verdict="FAILED (rc $rc)" ;;
   esac
-  line="$tool: $verdict; sanitizer errors: $errs${hazards:+; racecheck hazards: $hazards}; pytest: ${pyline:-no summary}; ${secs}s; log $log"
+  # split memcheck's count: device memory-access errors vs host API errors (on the H100 all 34 reported errors were
+  # CUDA_ERROR_INVALID_VALUE from cuGetProcAddress_v2: the cuda-python bindings probing driver entry points)
+  mem=$(grep -cE 'Invalid (__global__|__shared__|__local__|global|shared)|out of bounds|[Mm]isaligned' "$log")
+  api=$(grep -c 'Program hit CUDA_ERROR' "$log")
+  line="$tool: $verdict; sanitizer errors: $errs (memory access: $mem, host API: $api)${hazards:+; racecheck hazards: $hazards}; pytest: ${pyline:-no summary}; ${secs}s; log $log"
   summaries+=("$line")
   [ "$rc" = 0 ] && [ "$errs" = 0 ] || status=1
 done
