@@ -645,6 +645,10 @@ def _driver() -> Optional[str]:
 
 
 def _git() -> tuple:
+    """(commit, dirty) of the checkout; ``CODA_COMMIT`` overrides it (a copied tree whose .git is stale, as on the
+    device machine, would otherwise report the wrong commit)."""
+    if os.environ.get("CODA_COMMIT"):
+        return os.environ["CODA_COMMIT"], False
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=20)

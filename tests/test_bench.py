@@ -364,3 +364,10 @@ def test_rerender_in_place_keeps_the_json(tmp_path):
     before = (out / "report.json").read_text()
     B.main(["--from", str(out / "report.json"), "--out", str(out)])
     assert (out / "report.json").read_text() == before and (out / "report.md").exists()
+
+
+def test_commit_override(monkeypatch):
+    """CODA_COMMIT names the measured commit where the checkout's .git is stale (the device machine's copy)."""
+    from coda import bench
+    monkeypatch.setenv("CODA_COMMIT", "abc1234")
+    assert bench._git() == ("abc1234", False)
