@@ -88,6 +88,10 @@ def backward_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilog
             g = operand_symbol(grad_name(k))
             ops.append(Operand(grad_name(k), "tile"))
             terms.append((g, epi.exprs[k]))
+            if epi.pair_mode == "full" and k == "out":
+                # a 2 -> 2 pairs output: the upstream gradient arrives as two per-pair tiles (columns 2j and 2j+1)
+                ops.append(Operand(grad_name(ODD_OUT), "tile"))
+                terms.append((operand_symbol(grad_name(ODD_OUT)), epi.exprs[ODD_OUT]))
         elif k in epi.red_specs:
             axis, op, e = epi.red_specs[k]
             g = operand_symbol(grad_name(k))
@@ -109,12 +113,13 @@ def backward_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilog
         return sp.Add(*[w * derivative(e, z) for w, e in terms])
 
     if epi.pair_mode:
-        # one value per pair j (g(acc_2j, acc_2j+1)): dacc is a 2 -> 2 pairs epilogue over the recomputed pairs,
-        # its upstream gradient a TileMN of one value per pair
-        if epi.pair_mode == "full" or needs:
-            raise NotImplementedError(f"epilogue {epi.name!r}: the backward of 2 -> 2 pairs epilogues and of "
-                                      "operands of pairs epilogues is not supported yet")
-        return DslEpilogue(f"{epi.name}_bwd", tuple(ops), {"out": G(ACC_EVEN), ODD_OUT: G(ACC_ODD)}, {})
+        # dacc is a 2 -> 2 pairs epilogue over the recomputed pairs; upstream gradients are per-pair tiles
+        # (one per pair, or two -- even and odd columns -- for a 2 -> 2 forward)
+        if needs:
+            raise NotImplementedError(f"epilogue {epi.name!r}: gradients of the operands of a pairs epilogue are "
+                                      f"not supported yet (asked for {list(needs)})")
+        return DslEpilogue(f"{epi.name}_bwd", tuple(ops), {"out": G(ACC_EVEN), ODD_OUT: G(ACC_ODD)}, {},
+                           pair_mode="full")
     outputs = {"out": G(ACC)}
     reductions = {}
     kinds = {o.name: o.kind for o in epi.operands}

@@ -391,7 +391,8 @@ class DslEpilogue(Epilogue):
     """An epilogue traced from a Python function (see the module docstring). Also usable as a plain object:
     ``DslEpilogue(name, operands, outputs={"out": expr, ...}, reductions={name: (axis, op, expr)})``."""
 
-    def __init__(self, name: str, operands: tuple, outputs: dict, reductions: dict, fn: Optional[Callable] = None):
+    def __init__(self, name: str, operands: tuple, outputs: dict, reductions: dict, fn: Optional[Callable] = None,
+                 pair_mode: Optional[str] = None):
         if not outputs and not reductions:
             raise EpilogueError(f"epilogue {name!r}: no outputs and no reductions")
         self.name = name
@@ -408,8 +409,9 @@ class DslEpilogue(Epilogue):
         self._cse_out = dict(zip(keys, reduced))
         dag, self.symbols = _dag_key(exprs)  # symbols: the leaves visit/reference must provide
         # pairs: None, "half" (one value per pair: M x N/2 outputs) or "full" (two values per pair: M x N)
-        self.pair_mode = None
-        if self.symbols & {ACC_EVEN, ACC_ODD}:
+        # (explicit for derived epilogues whose math may not use the pair values, e.g. a rotation's backward)
+        self.pair_mode = pair_mode
+        if pair_mode or self.symbols & {ACC_EVEN, ACC_ODD}:
             self.pair_mode = "full" if ODD_OUT in outputs else "half"
             where = f"epilogue {name!r}"
             if ACC in self.symbols:
@@ -421,7 +423,8 @@ class DslEpilogue(Epilogue):
         elif ODD_OUT in outputs:
             raise EpilogueError(f"epilogue {name!r}: a tuple of two outputs needs coda.pairs(acc)")
         self._key = ("coda.dsl", tuple((o.name, o.kind) for o in self.operands),
-                     tuple(self.exprs), tuple((k, a, op) for k, (a, op, _) in self.red_specs.items()), dag)
+                     tuple(self.exprs), tuple((k, a, op) for k, (a, op, _) in self.red_specs.items()), dag,
+                     self.pair_mode)
 
     def __repr__(self):
         return f"<coda epilogue {self.name!r}: {self.exprs.get('out', sorted(self.exprs) + sorted(self.red_specs))}>"

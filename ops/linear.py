@@ -21,7 +21,7 @@ import threading
 import torch
 
 from coda.autodiff import DGRAD, backward_epilogue, grad_name, value_name, with_preact
-from coda.dsl import DslEpilogue
+from coda.dsl import ODD_OUT, DslEpilogue
 
 from ._common import backward_gemm, gemm_for
 
@@ -76,7 +76,11 @@ class _Linear(torch.autograd.Function):
         for k, g in zip(ctx.keys, grads):
             if g is None:
                 continue
-            ops[grad_name(k)] = g.detach().contiguous()
+            if k == "out" and epi.pair_mode == "full":  # 2 -> 2 pairs: even / odd columns as two per-pair tiles
+                ops[grad_name(k)] = g.detach()[..., 0::2].contiguous()
+                ops[grad_name(ODD_OUT)] = g.detach()[..., 1::2].contiguous()
+            else:
+                ops[grad_name(k)] = g.detach().contiguous()
             if k in vals:
                 ops[value_name(k)] = vals[k]
         if preact is None:
@@ -124,19 +128,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
     if not isinstance(epilogue, DslEpilogue):
         raise TypeError("linear: epilogue must be made with @coda.epilogue (its backward is derived from the "
                         f"traced math), got {type(epilogue).__name__}")
+    if save_preact and epilogue.pair_mode:
+        raise ValueError(f"linear: save_preact=True is not supported for the pairs epilogue {epilogue.name!r} (its "
+                         "backward recomputes the accumulator pairs)")
     lead, K, N = x.shape[:-1], x.shape[-1], weight.shape[0]
     M = 1
     for d in lead:
         M *= d
     x2 = x.reshape(M, K)
     kinds = {o.name: o.kind for o in epilogue.operands}
+    tile_n = N // 2 if epilogue.pair_mode else N  # TileMN operands of a pairs epilogue hold one value per pair
     flat = {}
     for n, v in operands.items():
         kind = kinds.get(n)
         if isinstance(v, torch.Tensor) and kind == "vec_m" and tuple(v.shape) == tuple(lead):
             v = v.reshape(M)
-        elif isinstance(v, torch.Tensor) and kind == "tile" and tuple(v.shape) == (*lead, epilogue.out_cols(N)):
-            v = v.reshape(M, epilogue.out_cols(N))
+        elif isinstance(v, torch.Tensor) and kind == "tile" and tuple(v.shape) == (*lead, tile_n):
+            v = v.reshape(M, tile_n)
         elif isinstance(v, torch.Tensor) and kind == "scalar":
             v = v.reshape(1)
         flat[n] = v

@@ -117,8 +117,28 @@ def test_pairs_half_and_full():
     g = torch.randn(5, 4, dtype=torch.float64)
     (torch.nn.functional.silu(acc[:, 0::2]) * acc[:, 1::2] * g).sum().backward()
     torch.testing.assert_close(bwd.reference(acc.detach(), grad_out=g)["out"], acc.grad)
-    for epi in (swiglu, rot, bwd):
-        r = compile_variant(GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1), epi)
+    # 2 -> 2 backward through coda.ops.linear (the rotation's angle tables need no gradient) vs float64 autograd
+    xr = torch.randn(2, 24, 32, dtype=torch.bfloat16, requires_grad=True)
+    wr = (torch.randn(64, 32, dtype=torch.bfloat16) * 0.2).requires_grad_()
+    up = torch.randn(2, 24, 64, dtype=torch.float64)
+    got = torch.autograd.grad((coda.ops.linear(xr, wr, epilogue=rot, c=th.cos(), s=th.sin()).double() * up).sum(),
+                              [xr, wr])
+    x64, w64 = xr.detach().double().requires_grad_(), wr.detach().double().requires_grad_()
+    h64 = x64 @ w64.T
+    c64, s64 = th.cos().double(), th.sin().double()
+    z64 = torch.stack((h64[..., 0::2] * c64 - h64[..., 1::2] * s64, h64[..., 0::2] * s64 + h64[..., 1::2] * c64),
+                      -1).reshape(h64.shape)
+    want = torch.autograd.grad((z64 * up).sum(), [x64, w64])
+    for g_, w_ in zip(got, want):
+        assert ((g_.double() - w_).norm() / w_.norm()).item() < 1e-2
+    rot_bwd = backward_epilogue(rot, ("out",), ())
+    assert rot_bwd.pair_mode == "full" and [o.name for o in rot_bwd.operands][-2:] == ["grad_out", "grad_out_odd_"]
+    with pytest.raises(NotImplementedError, match="operands of a pairs epilogue"):
+        backward_epilogue(rot, ("out",), ("c",))
+    with pytest.raises(ValueError, match="save_preact"):
+        coda.ops.linear(xr, wr, epilogue=swiglu, save_preact=True)
+    for epi in (swiglu, rot, bwd, rot_bwd):  # (rot_bwd's 4 tile loads per pair spill on 128x128 ping-pong)
+        r = compile_variant(GemmConfig(tile_m=128, tile_n=128, cluster_m=1), epi)
         assert r["ok"], r
 
     def mixed(acc):

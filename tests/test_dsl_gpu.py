@@ -172,3 +172,25 @@ def test_linear_swiglu_forward_backward():
     ref, theirs = torch_model(torch.float64), torch_model(torch.bfloat16)
     for name, o, r_, t in zip("xw", ours, ref, theirs):
         assert rel(o, r_) <= 2 * rel(t, r_) + 1e-3, (name, rel(o, r_), rel(t, r_))
+
+
+def test_linear_rotation_backward():
+    """2 -> 2 pairs backward (upstream gradient split into even / odd per-pair tiles) vs float64 autograd."""
+    M, N, K = 300, 528, 264
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.1).requires_grad_()
+    th = torch.rand(M, N // 2, device=DEV) * 6.3
+    up = torch.randn(M, N, device=DEV, dtype=torch.float64)
+    ours = torch.autograd.grad((coda.ops.linear(x, w, epilogue=rotate, c=th.cos(), s=th.sin()).double() * up).sum(),
+                               [x, w])
+
+    def torch_model(dt):
+        x_, w_ = (t.detach().to(dt).requires_grad_() for t in (x, w))
+        h = (x_ @ w_.T).double()
+        c, s = th.cos().double(), th.sin().double()
+        z = torch.stack((h[:, 0::2] * c - h[:, 1::2] * s, h[:, 0::2] * s + h[:, 1::2] * c), -1).reshape(h.shape)
+        return torch.autograd.grad((z * up).sum(), [x_, w_])
+
+    ref, theirs = torch_model(torch.float64), torch_model(torch.bfloat16)
+    for name, o, r_, t in zip("xw", ours, ref, theirs):
+        assert rel(o, r_) <= 2 * rel(t, r_) + 1e-3, (name, rel(o, r_), rel(t, r_))
