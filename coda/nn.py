@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 import coda
 from coda import ops
+from coda.ops.mlp import _RMSNormGrad, rms_swiglu, rmsnorm_swiglu  # noqa: F401 (re-exported)
 
 __all__ = ["RMSNormLinear", "SwiGLUMLP", "LMHeadCrossEntropy", "DeferredRMSNorm", "rms_norm", "rmsnorm_swiglu",
            "rms_swiglu"]
@@ -54,50 +55,6 @@ def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float) -> Tensor:
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return y if weight is None else weight * y
-
-
-@coda.epilogue
-def rms_swiglu(acc, r: coda.VecM):
-    """RMSNorm + SwiGLU on the gate/up accumulator acc = h W'^T (W' = weight_gu diag(gamma), rows interleaved):
-    out_j = silu(g_j r) (u_j r), r = rsqrt(mean(h^2) + eps) per row. One value per column pair: M x I."""
-    g, u = coda.pairs(acc)
-    return coda.silu(g * r) * (u * r)
-
-
-class _RMSNormGrad(torch.autograd.Function):
-    """Identity on h in forward; in backward adds the gradient through r = rsqrt(mean(h^2) + eps), which the GEMM
-    treated as a constant: with d the gradient of h at fixed r (the dX GEMM's output), the total is
-    dh = d - (r^2 / H) <d, h> h per row (fp32 math, one read of d and h)."""
-
-    @staticmethod
-    def forward(ctx, h, r):
-        ctx.save_for_backward(h, r)
-        return h.view_as(h)
-
-    @staticmethod
-    def backward(ctx, d):
-        h, r = ctx.saved_tensors
-        hf, df = h.float(), d.float()
-        c = (df * hf).sum(-1, keepdim=True) * (r * r).unsqueeze(-1) / h.shape[-1]
-        return (df - c * hf).to(d.dtype), None
-
-
-def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, weight_gu: Tensor, eps: float = 1e-6) -> Tensor:
-    """``silu(n W_gate^T) * (n W_up^T)`` with ``n = RMSNorm(x) * norm_weight``, as ONE fused GEMM (forward), autograd
-    included. ``x`` (..., H) bfloat16/float16; ``weight_gu`` (2I, H) interleaved (``coda.ops.interleave_gate_up``),
-    x's dtype; ``norm_weight`` (H,). Returns (..., I).
-
-    Composition: r (fp32, per row) in torch; W' = weight_gu * norm_weight (one N x K elementwise product per call,
-    like ``coda.ops.rmsnorm_linear``); ``coda.ops.linear(x, W', epilogue=rms_swiglu, r=r)``. Backward: ops.linear's
-    (recompute GEMM -> dacc, dX GEMM, dW' GEMM), torch autograd of the fold (dweight_gu = dW' gamma,
-    dgamma = sum_n dW' weight_gu) and :class:`_RMSNormGrad` for the radial term.
-
-    Gaps in the ops (reported, not patched here): ``coda.ops.rmsnorm_linear`` takes no ``epilogue=`` (so it
-    cannot apply the SwiGLU pairs), and ``coda.ops.linear`` gives no gradient to operands of pairs epilogues (so the
-    norm's radial term is this torch step, on the bf16 dX rather than inside the dX GEMM's fp32 epilogue)."""
-    r = torch.rsqrt(x.detach().float().pow(2).mean(-1) + eps)
-    w = torch.mul(weight_gu, norm_weight).to(x.dtype)
-    return ops.linear(_RMSNormGrad.apply(x, r), w, epilogue=rms_swiglu, r=r)
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:

@@ -4,7 +4,8 @@ Forward: one fused GEMM (``coda.gemm``). Backward (the epilogue's derivative com
 ``coda.autodiff``): one GEMM of the same x and W recomputes the accumulator and its epilogue forms dacc and every
 operand gradient (VecN by per-column partials, VecM and Scalar by per-row partials, TileMN as an extra output); with
 ``save_preact=True`` the forward also writes the pre-activation and the backward evaluates the same derivative
-program on it with torch ops instead of recomputing the GEMM (trading M x N bytes for a GEMM). Then
+program on it with torch ops instead of recomputing the GEMM (trading M x N bytes for a GEMM); a derivative that
+does not depend on the accumulator (identity, residual add, operand scales) needs no recompute at all. Then
 dX = dacc W and dW = dacc^T X are plain GEMMs of CODA's kernel on transposed views (``weight.t()``, ``dacc.t()``,
 ``x.t()``: MN-major operands, read by TMA without copies); shapes the kernel cannot align (N or M not a multiple
 of 8) use ``torch.matmul`` for these two products (``ops/_common.backward_gemm``).
@@ -21,7 +22,7 @@ import threading
 import torch
 
 from coda.autodiff import DGRAD, backward_epilogue, grad_name, value_name, with_preact
-from coda.dsl import ODD_OUT, DslEpilogue
+from coda.dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, operand_symbol
 
 from ._common import backward_gemm, gemm_for
 
@@ -83,7 +84,16 @@ class _Linear(torch.autograd.Function):
                 ops[grad_name(k)] = g.detach().contiguous()
             if k in vals:
                 ops[value_name(k)] = vals[k]
-        if preact is None:
+        if not bwd.symbols & {ACC, ACC_EVEN, ACC_ODD} and not bwd.reductions:
+            # the derivative does not depend on the accumulator (identity, residual add, scales by operands): no
+            # recompute GEMM; dacc = the upstream gradient itself, or the program evaluated elementwise on it
+            if bwd.exprs["out"] == operand_symbol(grad_name("out")) and not bwd.outputs:
+                res = {"out": ops[grad_name("out")].to(x2.dtype)}
+            else:
+                acc0 = torch.zeros((), dtype=torch.float32, device=x2.device).expand(x2.shape[0], weight.shape[0])
+                res = bwd.reference(acc0, **ops)
+                res["out"] = res["out"].to(x2.dtype)
+        elif preact is None:
             res = gemm_for(x2.device, "coda.ops.linear")(x2, weight, epilogue=bwd, out_dtype=x2.dtype, **ops)
         else:  # the same derivative program on the saved pre-activation (torch ops)
             if vals:  # max / logsumexp results of the rounded pre-activation, so that ties still match

@@ -72,3 +72,29 @@ def test_backward_gemm_kernel_path_and_unaligned_fallback(monkeypatch):
     got = _common.backward_gemm(dy, w.t())  # K = 14: 28-byte rows, unaligned -> torch.matmul
     torch.testing.assert_close(got.float(), (dy @ w).float())
     assert len(calls) == 1
+
+
+def test_backward_without_accumulator_dependence_skips_the_recompute(monkeypatch):
+    """d(acc + res)/d acc = 1: the backward needs no recompute GEMM (dacc is the upstream gradient)."""
+    import sys
+
+    @coda.epilogue
+    def add_res(acc, res: coda.TileMN):
+        return acc + res
+
+    mod = sys.modules["coda.ops.linear"]
+    calls = []
+    real = mod.gemm_for
+    monkeypatch.setattr(mod, "gemm_for", lambda *a, **k: calls.append(a) or real(*a, **k))
+    x = torch.randn(3, 20, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(48, 32, dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(3, 20, 48, requires_grad=True)
+    y = coda.ops.linear(x, w, epilogue=add_res, res=r)
+    assert len(calls) == 1  # the forward GEMM
+    g = torch.randn(y.shape, dtype=torch.float64)
+    got = torch.autograd.grad((y.double() * g).sum(), [x, w, r])
+    assert len(calls) == 1  # no recompute GEMM in the backward
+    x6, w6, r6 = (t.detach().double().requires_grad_() for t in (x, w, r))
+    want = torch.autograd.grad(((x6 @ w6.T + r6) * g).sum(), [x6, w6, r6])
+    for a, b in zip(got, want):
+        assert ((a.double() - b).norm() / b.norm()).item() < 1e-2
