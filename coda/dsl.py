@@ -150,6 +150,7 @@ def _tracing():
 class _Trace:
     def __init__(self, name: str, code):
         self.name, self.code = name, code
+        self.used_pairs = False  # coda.pairs(acc) was called: a pairs epilogue even if the math ignores a value
 
     def line(self) -> str:
         """The line of the epilogue function being executed (for error messages)."""
@@ -296,9 +297,10 @@ def pairs(acc):
     are M x N/2, ``coda.col()`` is j. Returning one expression gives an M x N/2 output (gated activations:
     ``silu(g) * u``); returning a tuple of two gives an M x N output with the two values at 2j, 2j+1 (a 2 -> 2
     transform such as a rotation)."""
-    _tracing()
+    t = _tracing()
     if not isinstance(acc, Value) or acc.e != ACC:
         raise _err("coda.pairs takes the accumulator (the epilogue's first argument) itself")
+    t.used_pairs = True
     return Value(ACC_EVEN), Value(ACC_ODD)
 
 
@@ -554,7 +556,7 @@ def trace(fn: Callable, name: Optional[str] = None) -> DslEpilogue:
         operands.append(Operand(p.name, _KINDS[ann]))
     args = [Value(ACC)] + [Value(operand_symbol(o.name)) for o in operands]
     prev = getattr(_state, "trace", None)
-    _state.trace = _Trace(name, fn.__code__)
+    _state.trace = tr = _Trace(name, fn.__code__)
     try:
         res = fn(*args)
         outputs, reductions = _outputs(res, name)
@@ -564,7 +566,7 @@ def trace(fn: Callable, name: Optional[str] = None) -> DslEpilogue:
         raise _err(f"{type(e).__name__}: {e}") from e
     finally:
         _state.trace = prev
-    return DslEpilogue(name, tuple(operands), outputs, reductions, fn)
+    return DslEpilogue(name, tuple(operands), outputs, reductions, fn, pair_mode="half" if tr.used_pairs else None)
 
 
 def _annotations(fn):

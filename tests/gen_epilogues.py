@@ -113,14 +113,20 @@ def specs(draw, allow_row_col=True):
     n_ops = draw(st.integers(0, 3))
     kinds = [draw(st.sampled_from(sorted(KINDS))) for _ in range(n_ops)]
     names = [f"p{i}" for i in range(n_ops)]
-    leaves = ["acc", "acc"] + names + (["row", "col"] if allow_row_col and draw(st.booleans()) else [])
+    # pairs: None, "half" (one value per column pair, coda.pairs) or "full" (a 2 -> 2 transform, two programs)
+    pairs = draw(st.sampled_from([None, None, "half", "full"]))
+    accs = ["g", "u"] if pairs else ["acc", "acc"]
+    leaves = accs + names + (["row", "col"] if allow_row_col and draw(st.booleans()) else [])
     main = draw(programs(leaves))
+    if pairs == "full":
+        return dict(kinds=dict(zip(names, kinds)), main=main, extras={}, reds={}, pairs=pairs,
+                    main_odd=draw(programs(leaves)))
     extras = {f"x{i}": draw(programs(leaves)) for i in range(draw(st.integers(0, 1)))}
     reds = {}
-    for i in range(draw(st.integers(0, 2))):
+    for i in range(0 if pairs else draw(st.integers(0, 2))):  # no reductions in pairs epilogues yet
         axis_op = draw(st.sampled_from([("n", "sum"), ("n", "max"), ("n", "logsumexp"), ("m", "sum")]))
         reds[f"r{i}"] = (*axis_op, draw(programs(leaves)))
-    return dict(kinds=dict(zip(names, kinds)), main=main, extras=extras, reds=reds)
+    return dict(kinds=dict(zip(names, kinds)), main=main, extras=extras, reds=reds, pairs=pairs)
 
 
 def make_epilogue(spec, name="gen"):
@@ -128,9 +134,15 @@ def make_epilogue(spec, name="gen"):
     kinds = spec["kinds"]
 
     def fn(acc, *ops):
-        env = {"acc": acc, **dict(zip(kinds, ops))}
+        env = {**dict(zip(kinds, ops))}
+        if spec.get("pairs"):
+            env["g"], env["u"] = coda.pairs(acc)
+        else:
+            env["acc"] = acc
         if any(p[1] in ("row", "col") for p in _leaf_iter(spec)):
             env["row"], env["col"] = coda.row() * 0.01, coda.col() * 0.01
+        if spec.get("pairs") == "full":
+            return interpret(spec["main"], env, CodaMath), interpret(spec["main_odd"], env, CodaMath)
         out = {"out": interpret(spec["main"], env, CodaMath)}
         for k, p in spec["extras"].items():
             out[k] = interpret(p, env, CodaMath)
@@ -150,6 +162,8 @@ def make_epilogue(spec, name="gen"):
 
 def _leaf_iter(spec):
     progs = [spec["main"], *spec["extras"].values(), *(p for (_, _, p) in spec["reds"].values())]
+    if "main_odd" in spec:
+        progs.append(spec["main_odd"])
     stack = list(progs)
     while stack:
         p = stack.pop()
@@ -161,14 +175,22 @@ def _leaf_iter(spec):
 
 def torch_eval(spec, acc, ops):
     """Direct torch evaluation of the recipe: acc (..., M, N), operands as coda.gemm takes them."""
+    full = acc
+    if spec.get("pairs"):  # one element per column pair: operands, row/col and outputs are per pair
+        acc = full[..., 0::2]
+        env = {"g": acc, "u": full[..., 1::2]}
+    else:
+        env = {"acc": acc}
     M, N = acc.shape[-2:]
-    env = {"acc": acc}
     for n, k in spec["kinds"].items():
         v = ops[n]
         env[n] = (torch.as_tensor(v, dtype=acc.dtype) if k == "scalar" else
                   v.unsqueeze(-1) if k == "vec_m" else v)
     env["row"] = torch.arange(M, dtype=acc.dtype, device=acc.device).unsqueeze(-1) * 0.01
     env["col"] = torch.arange(N, dtype=acc.dtype, device=acc.device) * 0.01
+    if spec.get("pairs") == "full":
+        e0, e1 = (torch.broadcast_to(interpret(spec[k], env, TorchMath), acc.shape) for k in ("main", "main_odd"))
+        return {"out": torch.stack((e0, e1), -1).reshape(full.shape)}
     out = {"out": interpret(spec["main"], env, TorchMath)}
     for k, p in spec["extras"].items():
         out[k] = interpret(p, env, TorchMath)
@@ -180,7 +202,10 @@ def torch_eval(spec, acc, ops):
 
 
 def random_operands(spec, L, M, N, dtype=torch.float64, device="cpu", gen=None):
+    """Operands for an accumulator of M x N (per column pair -- N/2 -- in a pairs epilogue)."""
     lead = (L,) if L else ()
+    if spec.get("pairs"):
+        N //= 2
     ops = {}
     for n, k in spec["kinds"].items():
         if k == "scalar":

@@ -90,7 +90,7 @@ def test_library_epilogues_fused(cfg, shape):
 @given(spec=specs())
 def test_generated_epilogues_fused(spec):
     epi = make_epilogue(spec)
-    M, N, K = 201, 136, 72
+    M, N, K = 201, 144, 72  # N/2 = 72: a pairs epilogue's bf16 output rows stay 16-byte aligned
     g = torch.Generator().manual_seed(2)
     _check_fused(epi, M, N, K, random_operands(spec, None, M, N, gen=g), floor=2e-3)
 
