@@ -42,7 +42,7 @@ class GemmProblem:
     device: torch.device
     b_broadcast: bool = False
     a_major: str = "k"  # "k": K contiguous (nn.Linear layout); "mn": M (of a) / N (of b) contiguous
-    out_n: Optional[int] = None  # columns of the output: N, or N/2 for an epilogue over column pairs
+    half_out: bool = False  # the epilogue writes one value per column pair: N/2 output columns
     b_major: str = "k"
     empty_result: bool = False
     zero_k: bool = False
@@ -50,7 +50,7 @@ class GemmProblem:
     @property
     def out_shape(self) -> Tuple[int, ...]:
         """Shape of the result: (M, N), or (L, M, N) when batched (N/2 columns for a pairs epilogue)."""
-        n = self.N if self.out_n is None else self.out_n
+        n = self.N // 2 if self.half_out else self.N
         return (self.L, self.M, n) if self.batched else (self.M, n)
 
 
@@ -248,7 +248,7 @@ def check_gemm_args(
         b_broadcast=b_broadcast,
         a_major=a_major,
         b_major=b_major,
-        out_n=out_n if half_out else None,
+        half_out=half_out,
         empty_result=empty,
         zero_k=(K == 0 and not empty),
     )

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import sympy as sp
 
-from .kernels.epilogue import Epilogue, Operand, Reduction
+from .kernels.epilogue import ODD_OUT, Epilogue, Operand, Reduction
 
 __all__ = ["VecM", "VecN", "Scalar", "TileMN", "epilogue", "row", "col", "reduce_n", "reduce_m", "exp", "exp2", "log",
            "log2", "sqrt", "rsqrt", "sigmoid", "tanh", "silu", "gelu", "relu", "abs", "minimum", "maximum", "where",
@@ -90,13 +90,14 @@ def _round_const(x, dtype: str):
     return sp.Float(float(torch.tensor(float(x), dtype=torch.float32).to(getattr(torch, dtype)).float()))
 
 
-class CastBF16(sp.Function):
-    """Round to bfloat16 and back (straight-through derivative)."""
+class _Cast(sp.Function):
+    """Round to ``dtype`` and back (straight-through derivative); subclasses name the dtype."""
     nargs = 1
+    dtype = ""
 
     @classmethod
     def eval(cls, x):
-        return _round_const(x, "bfloat16") if x.is_number else None
+        return _round_const(x, cls.dtype) if x.is_number else None
 
     def fdiff(self, argindex=1):
         return sp.Integer(1)
@@ -105,19 +106,12 @@ class CastBF16(sp.Function):
         return self.args[0].is_extended_real
 
 
-class CastF16(sp.Function):
-    """Round to float16 and back (straight-through derivative)."""
-    nargs = 1
+class CastBF16(_Cast):
+    dtype = "bfloat16"
 
-    @classmethod
-    def eval(cls, x):
-        return _round_const(x, "float16") if x.is_number else None
 
-    def fdiff(self, argindex=1):
-        return sp.Integer(1)
-
-    def _eval_is_extended_real(self):
-        return self.args[0].is_extended_real
+class CastF16(_Cast):
+    dtype = "float16"
 
 
 ACC = sp.Symbol("acc", real=True)
@@ -128,7 +122,6 @@ COL = sp.Symbol("_col", real=True)
 # coda.pairs(acc): the accumulator columns 2j and 2j+1 (one output column j per pair)
 ACC_EVEN = sp.Symbol("acc_even", real=True)
 ACC_ODD = sp.Symbol("acc_odd", real=True)
-ODD_OUT = "out_odd_"  # internal key of a 2 -> 2 pair epilogue's second value (column 2j+1)
 
 
 def operand_symbol(name: str) -> sp.Symbol:
@@ -437,19 +430,6 @@ class DslEpilogue(Epilogue):
 
     def key(self) -> tuple:
         return self._key
-
-    def out_cols(self, N: int) -> int:
-        """Columns of the main / extra outputs for an accumulator of N columns (N/2 for a pairs epilogue with one
-        value per pair)."""
-        return N // 2 if self.pair_mode == "half" else N
-
-    def check_operands(self, operands, L, M, N, device) -> None:
-        if self.pair_mode:
-            if N % 2:
-                raise ValueError(f"epilogue {self.name!r} works on column pairs (coda.pairs): N must be even, "
-                                 f"got N={N}")
-            N //= 2  # VecN / TileMN operands are per pair
-        super().check_operands(operands, L, M, N, device)
 
     @property
     def result_keys(self) -> list:

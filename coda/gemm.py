@@ -94,7 +94,7 @@ def epilogue_tensors(epi: Epilogue, prob, operands: dict, out3: torch.Tensor, cf
         elif op.kind == "vec_m":
             args.append((t.reshape(L, M).permute(1, 0), 0))
         else:  # TileMN: M x N, or one value per column pair (M x N/2) in a pairs epilogue
-            args.append((_mnl(t.reshape(L, M, prob.N // 2 if getattr(epi, "pair_mode", None) else prob.N)), 1))
+            args.append((_mnl(t.reshape(L, M, epi.operand_cols(prob.N))), 1))
     outs = {}
     for name in epi.outputs:
         o = torch.empty((L, M, N), dtype=out3.dtype, device=out3.device)

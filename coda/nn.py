@@ -9,7 +9,7 @@ stock layout.
   (``silu(g r) (u r)``, r = rsqrt(mean(x^2) + eps) a per-row operand, gamma folded into the interleaved gate/up
   weight); neither the normalised activation (M x H) nor gate/up (M x 2I) is written. Its backward is ops.linear's
   (one GEMM recomputes (g, u) and writes dacc, then dX and dW GEMMs), plus the norm's radial term
-  dh = dX - (r^2 / H) <dX, h> h as one light torch row reduction (:class:`_RMSNormGrad`), because ops.linear has
+  dh = dX - (r^2 / H) <dX, h> h as one light torch row reduction (``coda.ops.mlp._RMSNormGrad``), because ops.linear has
   no gradient for operands of pairs epilogues. The down projection is ``F.linear`` (see "gaps" in the docstring
   of :func:`rmsnorm_swiglu`).
 - :class:`LMHeadCrossEntropy`: final RMSNorm + LM head + cross entropy: the norm in torch (M x H), then
@@ -37,9 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import coda
 from coda import ops
-from coda.ops.mlp import _RMSNormGrad, rms_swiglu, rmsnorm_swiglu  # noqa: F401 (re-exported)
+from coda.ops.mlp import rms_swiglu, rmsnorm_swiglu  # noqa: F401 (re-exported)
 
 __all__ = ["RMSNormLinear", "SwiGLUMLP", "LMHeadCrossEntropy", "DeferredRMSNorm", "rms_norm", "rmsnorm_swiglu",
            "rms_swiglu"]

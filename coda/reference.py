@@ -68,13 +68,11 @@ def gemm(
         res = epilogue.reference(acc, **operands)
         if isinstance(res, dict):  # CODA epilogues: {"out": ..., extra outputs..., finished reductions...}
             res = dict(res)
-            stores_out = getattr(epilogue, "stores_out", True)
-            if stores_out and "out" not in res:
+            if epilogue.stores_out and "out" not in res:
                 raise TypeError("epilogue.reference returned a dict without an 'out' entry")
             acc = res.pop("out", None)
-            extras = {k: (v.to(problem.out_dtype) if k in getattr(epilogue, "outputs", ()) else v)
-                      for k, v in res.items()}
-            if not stores_out:  # no main output: only the extra outputs and reductions
+            extras = {k: (v.to(problem.out_dtype) if k in epilogue.outputs else v) for k, v in res.items()}
+            if not epilogue.stores_out:  # no main output: only the extra outputs and reductions
                 return extras
         else:
             acc = res

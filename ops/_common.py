@@ -35,3 +35,18 @@ def backward_gemm(a: torch.Tensor, b: torch.Tensor, entry: str = "coda.ops") -> 
     except ValueError:
         return torch.matmul(a, b.transpose(-1, -2))
     return gemm_for(a.device, entry)(a, b)
+
+
+def check_tensors(entry: str, named) -> None:
+    """``TypeError`` naming the first of the (name, value) pairs that is not a tensor."""
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{entry}: {name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_last_dim_contiguous(entry: str, named) -> None:
+    """``ValueError`` naming the first tensor whose last dim is not contiguous (the ops never copy silently)."""
+    for name, t in named:
+        if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{entry}: {name}: the last dim must be contiguous (stride 1), got strides "
+                             f"{tuple(t.stride())}; call .contiguous() if a copy is acceptable")

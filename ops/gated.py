@@ -37,7 +37,7 @@ from torch import Tensor
 from coda.autodiff import grad_name
 from coda.epilogues.gated import geglu, geglu_erf, swiglu
 
-from ._common import backward_gemm, gemm_for
+from ._common import backward_gemm, check_last_dim_contiguous, check_tensors, gemm_for
 from .linear import _backward_of
 
 __all__ = ["linear_swiglu", "linear_geglu", "interleave_gate_up", "deinterleave_gate_up"]
@@ -82,9 +82,7 @@ def deinterleave_gate_up(weight_gu: Tensor) -> tuple[Tensor, Tensor]:
 # ------------------------------------------------------------------------------------------------ checks
 def _check(entry: str, x, weight_gu) -> None:
     """Every argument rule, before anything is computed; each message names the argument."""
-    for name, t in (("x", x), ("weight_gu", weight_gu)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{entry}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensors(entry, (("x", x), ("weight_gu", weight_gu)))
     if x.dtype not in _IN_DTYPES:
         raise TypeError(f"{entry}: x must be bfloat16 or float16, got {x.dtype}")
     if weight_gu.dtype != x.dtype:
@@ -105,10 +103,7 @@ def _check(entry: str, x, weight_gu) -> None:
     if H % _ALIGN:
         raise ValueError(f"{entry}: x: H = x.shape[-1] = {H} must be a multiple of {_ALIGN} (the kernel reads "
                          "16-byte rows)")
-    for name, t in (("x", x), ("weight_gu", weight_gu)):
-        if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"{entry}: {name}: the last dim must be contiguous (stride 1), got strides "
-                             f"{tuple(t.stride())}; call .contiguous() if a copy is acceptable")
+    check_last_dim_contiguous(entry, (("x", x), ("weight_gu", weight_gu)))
 
 
 # ------------------------------------------------------------------------------------------------ custom ops (2-D)

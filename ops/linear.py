@@ -147,7 +147,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
         M *= d
     x2 = x.reshape(M, K)
     kinds = {o.name: o.kind for o in epilogue.operands}
-    tile_n = N // 2 if epilogue.pair_mode else N  # TileMN operands of a pairs epilogue hold one value per pair
+    tile_n = epilogue.operand_cols(N)  # TileMN operands of a pairs epilogue hold one value per pair
     flat = {}
     for n, v in operands.items():
         kind = kinds.get(n)

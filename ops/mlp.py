@@ -18,6 +18,7 @@ from torch import Tensor
 
 import coda
 
+from ._common import check_tensors
 from .linear import linear
 
 
@@ -76,9 +77,7 @@ def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: 
 
     ``x`` (..., H) bfloat16 / float16; ``norm_weight`` (H,); ``w_gate_up`` (2I, H) with gate/up rows interleaved
     (``coda.ops.interleave_gate_up``); ``w_down`` (H, I). Returns (..., H)."""
-    for name, t in (("x", x), ("norm_weight", norm_weight), ("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"mlp: {name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensors("mlp", (("x", x), ("norm_weight", norm_weight), ("w_gate_up", w_gate_up), ("w_down", w_down)))
     H = x.shape[-1]
     if norm_weight.shape != (H,) or w_gate_up.dim() != 2 or w_gate_up.shape[1] != H or w_gate_up.shape[0] % 2:
         raise ValueError(f"mlp: expected norm_weight ({H},) and w_gate_up (2I, {H}); got norm_weight "

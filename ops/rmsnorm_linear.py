@@ -44,7 +44,7 @@ import torch
 
 from coda.epilogues.rmsnorm import rmsnorm_dgrad, rmsnorm_dgrad_residual, rmsnorm_scale
 
-from ._common import backward_gemm, gemm_for
+from ._common import backward_gemm, check_last_dim_contiguous, check_tensors, gemm_for
 
 __all__ = ["rmsnorm_linear"]
 
@@ -79,15 +79,13 @@ def _check(x, norm_weight, weight, eps, residual) -> None:
     named = [("x", x), ("norm_weight", norm_weight), ("weight", weight)]
     if residual is not None:
         named.append(("residual", residual))
-    for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"rmsnorm_linear: {name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensors("rmsnorm_linear", named)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise TypeError(f"rmsnorm_linear: eps must be a Python number, got {type(eps).__name__}")
     if not 0 < eps < math.inf:  # also rejects nan (no math.isfinite: torch.compile traces this check)
         raise ValueError(f"rmsnorm_linear: eps must be a finite number > 0, got {eps}")
     if x.dim() < 1:
-        raise ValueError(f"rmsnorm_linear: x must be (..., K), got a 0-d tensor")
+        raise ValueError("rmsnorm_linear: x must be (..., K), got a 0-d tensor")
     K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"rmsnorm_linear: weight must be (N, K) with K={K} (x's last dim), got "
@@ -113,10 +111,7 @@ def _check(x, norm_weight, weight, eps, residual) -> None:
         if size % 8:
             raise ValueError(f"rmsnorm_linear: {name}: {what} = {size} must be a multiple of 8 (the kernel reads "
                              "and writes 16-byte rows)")
-    for name, t in named:
-        if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"rmsnorm_linear: {name}: the last dim must be contiguous (stride 1), got strides "
-                             f"{tuple(t.stride())}; call .contiguous() if a copy is acceptable")
+    check_last_dim_contiguous("rmsnorm_linear", named)
 
 
 def _rstd(h: torch.Tensor, eps: float) -> torch.Tensor:
@@ -152,8 +147,8 @@ def _rmsnorm_linear_backward_op(dy: torch.Tensor, dh_out: Optional[torch.Tensor]
                                 need_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns dh (M, K) (including dh_out), dnorm_weight (K,), dweight (N, K; empty unless need_weight)."""
     gemm = gemm_for(dy.device, _ENTRY)
-    (M, K), N = h.shape, weight.shape[0]
-    if M == 0 or K == 0:  # nothing to launch (the kernel returns no reduction for an empty result)
+    M, K = h.shape
+    if M == 0 or K == 0:  # nothing to compute: zero gradients without launching anything
         dh = torch.zeros_like(h) if dh_out is None else dh_out.clone()
         dw = torch.zeros_like(weight) if need_weight else weight.new_empty(0)
         return dh, torch.zeros_like(norm_weight), dw

@@ -1,4 +1,5 @@
-"""Hook epilogues shared by the test files."""
+"""Hook and DSL epilogues shared by the test files."""
+import coda
 from coda.kernels.epilogue import Epilogue, Operand, Reduction
 
 
@@ -18,3 +19,10 @@ class Everything(Epilogue):
         pre = acc * s + bias
         y = pre * rs.unsqueeze(-1) + res
         return {"out": y, "pre": pre, "ss": (y * y).sum(-1), "cs": y.sum(-2), "mx": y.amax(-1)}
+
+
+@coda.epilogue
+def rotate(acc, c: coda.TileMN, s: coda.TileMN):
+    """A 2 -> 2 pairs epilogue: each column pair rotated by the angle whose cos / sin are c / s (per pair)."""
+    x, y = coda.pairs(acc)
+    return x * c - y * s, x * s + y * c

@@ -89,15 +89,8 @@ def test_pairs_half_and_full():
     from coda.check import compile_variant
     from coda.config import GemmConfig
 
-    @coda.epilogue
-    def swiglu(acc):
-        g, u = coda.pairs(acc)
-        return coda.silu(g) * u
-
-    @coda.epilogue
-    def rot(acc, c: coda.TileMN, s: coda.TileMN):
-        x, y = coda.pairs(acc)
-        return x * c - y * s, x * s + y * c
+    from coda.epilogues.gated import swiglu
+    from hook_epilogues import rotate as rot
 
     assert (swiglu.pair_mode, rot.pair_mode) == ("half", "full")
     x, w = torch.randn(2, 24, 32, dtype=torch.bfloat16), torch.randn(64, 32, dtype=torch.bfloat16)

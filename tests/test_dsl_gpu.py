@@ -8,7 +8,9 @@ from hypothesis import HealthCheck, given, settings
 import coda
 import coda.ops
 from coda.config import GemmConfig
+from coda.epilogues.gated import swiglu
 from gen_epilogues import make_epilogue, random_operands, specs
+from hook_epilogues import rotate
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -123,18 +125,6 @@ def test_linear_forward_backward(save_preact):
     for name, o, r_, t in zip("x w s r res bias".split(), ours, ref, theirs):
         e_o, e_t = rel(o, r_), rel(t, r_)
         assert e_o <= 2 * e_t + 1e-3, (name, e_o, e_t)
-
-
-@coda.epilogue
-def swiglu(acc):
-    g, u = coda.pairs(acc)
-    return coda.silu(g) * u
-
-
-@coda.epilogue
-def rotate(acc, c: coda.TileMN, s: coda.TileMN):
-    x, y = coda.pairs(acc)
-    return x * c - y * s, x * s + y * c
 
 
 PAIR_CFGS = CFGS + [GemmConfig(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2),

@@ -71,6 +71,9 @@ class EpiEnv:
         return self._cache[name]
 
 
+ODD_OUT = "out_odd_"  # the key of a 2 -> 2 pairs epilogue's second value (column 2j+1) in ``visit`` results
+
+
 class Epilogue:
     """Base class (and identity epilogue). Subclasses set the declarations and override ``visit``/``reference``."""
 
@@ -79,11 +82,15 @@ class Epilogue:
     outputs: tuple[str, ...] = ()
     reductions: tuple[Reduction, ...] = ()
     stores_out: bool = True  # False: no main output D (e.g. only reductions: logits reduced, never stored)
+    # column pairs (coda.pairs): None; "half": visit gets (acc_2j, acc_2j+1) and returns one value per pair
+    # (outputs of N/2 columns); "full": it returns "out" and ODD_OUT, the values of columns 2j and 2j+1.
+    # VecN / TileMN operands of a pairs epilogue hold one value per pair.
+    pair_mode: Optional[str] = None
 
     def key(self) -> tuple:
         """Identifies the generated code in compile caches: must change whenever ``visit`` emits other code."""
         return (type(self).__module__, type(self).__qualname__, self.name, self.operands, self.outputs,
-                self.reductions, self.stores_out)
+                self.reductions, self.stores_out, self.pair_mode)
 
     # -- device (trace time) --------------------------------------------------------------------------------------
     def visit(self, acc, env: EpiEnv) -> dict:
@@ -95,10 +102,22 @@ class Epilogue:
         with reductions already finished (VecM / VecN tensors)."""
         return {"out": acc}
 
+    def out_cols(self, N: int) -> int:
+        """Columns of the main / extra outputs for an accumulator of N columns."""
+        return N // 2 if self.pair_mode == "half" else N
+
+    def operand_cols(self, N: int) -> int:
+        """Length of a VecN operand / columns of a TileMN operand for an accumulator of N columns."""
+        return N // 2 if self.pair_mode else N
+
     def check_operands(self, operands: Mapping[str, Any], L: Optional[int], M: int, N: int, device) -> None:
         """Call-time checks of the operands against the declared kinds (before any launch): names, shapes,
-        dtypes, devices, layouts. ``L`` is None when unbatched."""
+        dtypes, devices, layouts. ``L`` is None when unbatched; ``N`` is the accumulator's columns."""
         import torch
+        if self.pair_mode and N % 2:
+            raise ValueError(f"epilogue {self.name!r} works on column pairs (coda.pairs): N must be even, "
+                             f"got N={N}")
+        N = self.operand_cols(N)
         names = {o.name for o in self.operands}
         missing, extra = sorted(names - set(operands)), sorted(set(operands) - names)
         if missing or extra:

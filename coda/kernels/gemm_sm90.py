@@ -39,7 +39,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ..config import GemmConfig
-from .epilogue import MAX_EPI_TENSORS, Epilogue, EpiEnv  # noqa: F401 (MAX_EPI_TENSORS: the x-slots)
+from .epilogue import MAX_EPI_TENSORS, ODD_OUT, Epilogue, EpiEnv  # noqa: F401 (MAX_EPI_TENSORS: the x-slots)
 
 WG_THREADS = 128
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -86,7 +86,7 @@ class GemmSm90:
         store_ts = ([mD] if self.epi.stores_out else []) + list(out_tensors)
         # pairs epilogues (coda.pairs): "half" stores one value per column pair, so D and the extra outputs have
         # N/2 columns and each sub-tile stores tile_m x epi_n/2; "full" stores two values per pair (width N)
-        self.pair_mode = getattr(self.epi, "pair_mode", None)
+        self.pair_mode = self.epi.pair_mode
         self.half = self.pair_mode == "half"
         self.store_tile = (cfg.tile_m, cfg.epi_n // 2) if self.half else self.epi_tile
         self.out_tile = (cfg.tile_m, cfg.tile_n // 2) if self.half else (cfg.tile_m, cfg.tile_n)
@@ -543,7 +543,6 @@ class GemmSm90:
                        for op, t in zip(self.epi.operands, op_tensors)}
             res = self.epi.visit((rD[2 * p], rD[2 * p + 1]), EpiEnv(row, j, loaders))
             if cutlass.const_expr(self.pair_mode == "full"):
-                from coda.dsl import ODD_OUT
                 out.setdefault("out", []).extend([res["out"], res[ODD_OUT]])
             else:
                 for key, val in res.items():
