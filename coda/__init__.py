@@ -26,8 +26,8 @@ _LAZY = {
 }
 # the epilogue DSL: @coda.epilogue, operand kinds, math on traced values (coda/dsl.py)
 _DSL = ["epilogue", "VecM", "VecN", "Scalar", "TileMN", "EpilogueError", "row", "col", "reduce_n", "reduce_m", "exp",
-        "exp2", "log", "log2", "sqrt", "rsqrt", "sigmoid", "tanh", "silu", "gelu", "relu", "abs", "minimum",
-        "maximum", "where", "cast", "pairs"]
+        "exp2", "log", "log2", "sqrt", "rsqrt", "sigmoid", "tanh", "sin", "cos", "silu", "gelu", "relu", "abs",
+        "minimum", "maximum", "where", "cast", "pairs"]
 _LAZY.update({n: ("coda.dsl", n) for n in _DSL})
 
 __all__ = ["__version__", *_LAZY]

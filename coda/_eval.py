@@ -13,7 +13,9 @@ import math
 
 import sympy as sp
 
-from .dsl import CastBF16, CastF16, Sigmoid
+from .dsl import CastBF16, CastF16, ProductAngle, Sigmoid
+
+TWO_PI = 2.0 * math.pi
 
 
 def evaluate(e, leaves: dict, B, memo: dict):
@@ -76,6 +78,13 @@ def _node(e, leaves, B, memo):
         return B.log(ev(e.args[0]))
     if isinstance(e, sp.tanh):
         return B.tanh(ev(e.args[0]))
+    if isinstance(e, sp.sin):
+        return B.sin(ev(e.args[0]))
+    if isinstance(e, sp.cos):
+        return B.cos(ev(e.args[0]))
+    if isinstance(e, ProductAngle):  # the reduced angle of sin / cos of a product (coda.dsl.with_product_angles)
+        coef = float(sp.Mul(*[a for a in e.args if a.is_number]))
+        return B.angle(coef, [ev(a) for a in e.args if not a.is_number])
     if isinstance(e, sp.erf):
         return B.erf(ev(e.args[0]))
     if isinstance(e, Sigmoid):
@@ -169,6 +178,8 @@ class TorchOps:
     def log(self, x): return self.t.log(x)
     def log2(self, x): return self.t.log2(x)
     def tanh(self, x): return self.t.tanh(x)
+    def sin(self, x): return self.t.sin(x)
+    def cos(self, x): return self.t.cos(x)
     def erf(self, x): return self.t.erf(x)
     def sigmoid(self, x): return self.t.sigmoid(x)
     def abs(self, x): return self.t.abs(x)
@@ -185,6 +196,13 @@ class TorchOps:
 
     def cast(self, x, dt):
         return x.to(self.t.bfloat16 if dt == "bf16" else self.t.float16).to(x.dtype)
+
+    def angle(self, coef: float, factors):
+        """``coef * prod(factors)`` reduced to about [-pi, pi]: product and reduction in float64 (a product of two
+        fp32 values is exact there; the float64 remainder is off by ~1e-16 |p|, 1e-11 rad at p = 1.3e5), then
+        rounded once to the reference's dtype. The kernel gets within a few 1e-7 rad of this (reduce_angle)."""
+        p = functools.reduce(lambda a, b: a * b, [self.t.as_tensor(f).double() for f in factors]) * coef
+        return (p - TWO_PI * self.t.round(p / TWO_PI)).to(self.like.dtype)
 
 
 class CuteOps:
@@ -236,3 +254,80 @@ class CuteOps:
     def cast(self, x, dt):
         t = self.c.BFloat16 if dt == "bf16" else self.c.Float16
         return x.to(t).to(self.F)
+
+    def sin(self, x): return self._sincos(x)[0]
+    def cos(self, x): return self._sincos(x)[1]
+
+    def _sincos(self, x):
+        """Full-precision sin and cos (libdevice sincosf, not sin.approx), computed once per argument: the two
+        share one range reduction (half the code of separate sin / cos calls)."""
+        memo = self.__dict__.setdefault("_sincos_memo", {})
+        hit = memo.get(id(x))
+        if hit is None or hit[0] is not x:
+            hit = memo[id(x)] = (x, *self.cute.math.sincos(x))
+        return hit[1:]
+
+    def angle(self, coef: float, factors):
+        return reduce_angle(self, coef, factors)  # see reduce_angle: two-float product + Cody-Waite reduction
+
+    def mul_rn(self, a, b): return self.cute.math.mul(a, b, rounding=self.cute.math.RoundingMode.NEAREST_EVEN)
+    def add_rn(self, a, b): return self.cute.math.add(a, b, rounding=self.cute.math.RoundingMode.NEAREST_EVEN)
+    def fma(self, a, b, c): return self.cute.math.fma(a, b, c)
+    def rint(self, x): return self.cute.math.roundeven(x)  # cvt.rni (round to nearest even)
+
+
+def reduce_angle(B, coef: float, factors):
+    """``coef * prod(factors)`` reduced modulo 2*pi with fp32 arithmetic of backend ``B`` (``const``, ``mul_rn``,
+    ``add_rn``, ``fma``, ``rint``), accurate where a plain fp32 product is not. The kernel runs it through
+    ``CuteOps``; tests/test_rope.py runs the same code on a float32 emulation to measure it. Products and the sum
+    are ``mul.rn`` / ``add.rn``: PTX's plain ``mul.f32`` may be contracted into an FMA by ptxas, which would break
+    the error-free product.
+
+    Why: RoPE's angle is pos * freq with pos up to 131072; the fp32 product alone is rounded by up to half an ulp
+    (2^-8 = 0.0039 rad for products just below 131072), and ``sin`` of that rounded value inherits the error however
+    exactly ``sin`` itself is computed. So the product is carried unrounded as two floats and reduced before it is rounded:
+
+    1. exact product (FMA two-product): ``hi = x * y``, ``lo = fma(x, y, -hi)``, hi + lo == x * y exactly. More
+       factors fold in the same way (``lo = fma(lo, z, fma(hi, z, -hi*z))``); a numeric coefficient c (e.g. 2*pi
+       or 1/2 that sympy merged into the product) is split at trace time into fp32 c_hi + c_lo and applied the same
+       way, so constants do not bring the error back.
+    2. Cody-Waite reduction: ``k = rint(hi / 2pi)``, ``r = fma(-k, C1, hi)``, ``r = fma(-k, C2, r)``, ``r += lo``,
+       C1 = fp32(2pi), C2 = fp32(2pi - C1). The first FMA is exact (for |hi| >= 4, hi and k*C1 are multiples of
+       ulp(C1) = 2^-21 and their difference is below ~pi, so it fits in 24 bits), the other two round once each on
+       a value below ~pi (<= 1.2e-7 rad each), and C1 + C2 misses 2pi by ~1e-15 (~1e-11 rad at k = 2e4). Total:
+       a few 1e-7 rad for |angle| up to ~1e6 rad. Measured on every position 0..131072 x Llama's 64 frequencies
+       (tests/test_rope.py, float32 emulation of this code): max |error| of cos / sin 2.4e-7, vs 3.9e-3 for sin /
+       cos of the plain fp32 product.
+    ``sin`` / ``cos`` (full precision) then get r. A non-finite product gives NaN, as sin(inf) does."""
+    hi, lo = factors[0], None
+    neg1 = B.const(-1.0)
+    for f in factors[1:]:
+        p = B.mul_rn(hi, f)
+        e = B.fma(hi, f, B.mul_rn(p, neg1))
+        lo, hi = (e if lo is None else B.fma(lo, f, e)), p
+    if coef != 1.0:
+        c_hi = _f32(coef)
+        c_lo = _f32(coef - c_hi)
+        p = B.mul_rn(hi, B.const(c_hi))
+        e = B.fma(hi, B.const(c_hi), B.mul_rn(p, neg1))
+        if c_lo != 0.0:
+            e = B.fma(hi, B.const(c_lo), e)
+        lo, hi = (e if lo is None else B.fma(lo, B.const(c_hi), e)), p
+    mk = B.mul_rn(B.rint(B.mul_rn(hi, B.const(_INV_2PI))), neg1)  # -k
+    r = B.fma(mk, B.const(_C1), hi)
+    r = B.fma(mk, B.const(_C2), r)
+    return r if lo is None else B.add_rn(r, lo)
+
+
+def _f32(v: float) -> float:
+    """``v`` rounded to the nearest fp32 (as a Python float)."""
+    import struct
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
+_C1 = _f32(TWO_PI)
+_C2 = _f32(TWO_PI - _C1)
+_INV_2PI = _f32(1.0 / TWO_PI)

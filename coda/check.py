@@ -46,8 +46,10 @@ def fake_args(epi: Epilogue, in_dtype: str = "bf16", out_dtype: str = "bf16", ma
 
 
 def compile_variant(cfg: GemmConfig, epi: Epilogue = IDENTITY, in_dtype="bf16", out_dtype="bf16",
-                    arch="sm_90a", majors=("k", "k")) -> dict:
-    """Compile one variant for ``arch``; returns {'ok', 'seconds', 'wgmma', 'registers', 'spill_bytes', 'error'}."""
+                    arch="sm_90a", majors=("k", "k"), count=()) -> dict:
+    """Compile one variant for ``arch``; returns {'ok', 'seconds', 'wgmma', 'registers', 'spill_bytes', 'error'}
+    and, for each PTX instruction prefix in ``count`` (e.g. ``"sin.approx"``), row['count'][prefix] = how many
+    times it occurs in the PTX."""
     import cutlass.cute as cute
     import cutlass.runtime as crt
     from .kernels.gemm_sm90 import GemmSm90
@@ -66,6 +68,7 @@ def compile_variant(cfg: GemmConfig, epi: Epilogue = IDENTITY, in_dtype="bf16", 
                 raise RuntimeError(f"expected one PTX file, found {len(ptx)}")
             text = open(ptx[0]).read()
             row["wgmma"] = text.count("wgmma.mma_async")
+            row["count"] = {c: len(re.findall(r"^\s*(?:@!?%p\d+\s+)?" + re.escape(c), text, re.M)) for c in count}
             ptxas = shutil.which("ptxas")
             if ptxas is None:
                 raise RuntimeError("ptxas not found on PATH (install the CUDA toolkit to check spills)")

@@ -12,6 +12,8 @@ Three programs come out of one trace
       being traced (common subexpressions eliminated once, at decoration);
     - the torch reference: :meth:`DslEpilogue.reference` evaluates the same expressions with torch ops;
     - the backward: :func:`coda.autodiff.backward_epilogue` differentiates the expressions with sympy.
+    The two evaluations read ``sin`` / ``cos`` of a product through :class:`ProductAngle` (an exactly formed,
+    reduced angle; :func:`with_product_angles`), which is not part of the traced math, the key or the derivative.
 
 Operand kinds are declared by annotation (never guessed from shapes): ``VecM`` (one value per output row),
 ``VecN`` (one per column), ``Scalar`` (read at run time from a Python number or a 0-d/1-element tensor), ``TileMN``
@@ -30,8 +32,8 @@ import sympy as sp
 from .kernels.epilogue import ODD_OUT, Epilogue, Operand, Reduction
 
 __all__ = ["VecM", "VecN", "Scalar", "TileMN", "epilogue", "row", "col", "reduce_n", "reduce_m", "exp", "exp2", "log",
-           "log2", "sqrt", "rsqrt", "sigmoid", "tanh", "silu", "gelu", "relu", "abs", "minimum", "maximum", "where",
-           "cast", "EpilogueError", "DslEpilogue"]
+           "log2", "sqrt", "rsqrt", "sigmoid", "tanh", "sin", "cos", "silu", "gelu", "relu", "abs", "minimum",
+           "maximum", "where", "cast", "EpilogueError", "DslEpilogue"]
 
 
 # ----------------------------------------------------------------------------------------------- operand kinds
@@ -104,6 +106,43 @@ class _Cast(sp.Function):
 
     def _eval_is_extended_real(self):
         return self.args[0].is_extended_real
+
+
+class ProductAngle(sp.Function):
+    """Evaluation-only node: the product of its arguments (numbers and traced factors) reduced modulo 2*pi.
+
+    Never part of a traced expression, a semantic key or a derivative: :func:`with_product_angles` puts it under
+    ``sin`` / ``cos`` of a product just before the expressions are compiled into the kernel / reference programs,
+    so that the product is formed and reduced accurately (``coda/_eval.py``: ``reduce_angle`` in the kernel,
+    float64 in ``TorchOps.angle``) and shared by a ``sin`` and ``cos`` of the same angle."""
+
+    @classmethod
+    def eval(cls, *args):
+        return None
+
+    def _eval_is_extended_real(self):
+        return True
+
+
+def with_product_angles(e, memo: dict):
+    """``e`` with every ``sin(a*b*...)`` / ``cos(a*b*...)`` (a product argument that is not a number) written as
+    ``sin(ProductAngle(a, b, ...))``. A memoised walk over the DAG (sympy's ``replace`` walks the tree, exponential
+    for reused values); expressions without such a node come back as the same object."""
+    r = memo.get(e)
+    if r is not None:
+        return r
+    if not e.args:
+        r = e
+    else:
+        args = tuple(with_product_angles(a, memo) for a in e.args)
+        if isinstance(e, (sp.sin, sp.cos)) and isinstance(args[0], sp.Mul) and not args[0].is_number:
+            r = e.func(ProductAngle(*args[0].args), evaluate=False)
+        elif args == e.args:
+            r = e
+        else:
+            r = e.func(*args)
+    memo[e] = r
+    return r
 
 
 class CastBF16(_Cast):
@@ -311,6 +350,19 @@ def minimum(a, b): return Value(sp.Min(_v(a), _v(b)))
 def maximum(a, b): return Value(sp.Max(_v(a), _v(b)))
 
 
+def sin(x):
+    """sin(x), full precision in the kernel (not sin.approx). A product argument (``coda.sin(pos * freq)``, also
+    with constants merged in) is formed and reduced modulo 2*pi in extended precision (``reduce_angle`` in
+    coda/_eval.py): a few 1e-7 rad at angles of 10^5 rad, e.g. RoPE at position 131072, where the plain fp32
+    product is off by up to 4e-3 rad. The reference forms such angles in float64."""
+    return Value(sp.sin(_v(x)))
+
+
+def cos(x):
+    """cos(x); as :func:`sin` (a sin and cos of the same argument share the angle and one sincos evaluation)."""
+    return Value(sp.cos(_v(x)))
+
+
 def silu(x):
     e = _v(x)
     return Value(e * Sigmoid(e))
@@ -400,7 +452,9 @@ class DslEpilogue(Epilogue):
         self.reductions = tuple(Reduction(k, axis, op) for k, (axis, op, _) in reductions.items())
         keys = list(self.exprs) + list(self.red_specs)
         exprs = [self.exprs[k] for k in self.exprs] + [e for (_, _, e) in self.red_specs.values()]
-        self._cse_repl, reduced = sp.cse(exprs, symbols=sp.numbered_symbols("_t", real=True), optimizations=None)
+        memo: dict = {}  # sin / cos of products: accurate angle reduction (evaluation only, not in the key)
+        self._cse_repl, reduced = sp.cse([with_product_angles(e, memo) for e in exprs],
+                                         symbols=sp.numbered_symbols("_t", real=True), optimizations=None)
         self._cse_out = dict(zip(keys, reduced))
         dag, self.symbols = _dag_key(exprs)  # symbols: the leaves visit/reference must provide
         # pairs: None, "half" (one value per pair: M x N/2 outputs) or "full" (two values per pair: M x N)

@@ -1,7 +1,9 @@
 """Random epilogue programs (hypothesis) with two interpreters: traced by @coda.epilogue, and direct torch.
 
 A program is a nested tuple over leaves ``acc``, operands, ``row``/``col`` and constants; ops are chosen so that
-every program is finite on any input (divisions by 1 + x^2, logs of 1 + x^2, exp of -x^2, ...).
+every program is finite on any input (divisions by 1 + x^2, logs of 1 + x^2, exp of -x^2, ...). sin / cos get
+bounded arguments (|arg| <= 3: tanh inside), so float64 comparisons stay tight and no huge angle is ever reduced;
+``sin_3tanh`` and ``sin_prod`` take products (the kernel's extended-precision angle path, constants merged in).
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import coda
 
 KINDS = {"vec_m": coda.VecM, "vec_n": coda.VecN, "scalar": coda.Scalar, "tile": coda.TileMN}
 UNARY = ["neg", "sq", "cube", "exp_nsq", "log1p_sq", "sqrt1p_sq", "rsqrt1p_sq", "sigmoid", "tanh", "silu", "gelu",
-         "gelu_erf", "relu", "abs", "recip1p_sq", "exp2_ntanh"]
-BINARY = ["add", "sub", "mul", "div1p_sq", "minimum", "maximum", "where_gt"]
+         "gelu_erf", "relu", "abs", "recip1p_sq", "exp2_ntanh", "sin_3tanh", "cos_tanh"]
+BINARY = ["add", "sub", "mul", "div1p_sq", "minimum", "maximum", "where_gt", "sin_prod"]
 
 
 def _unary(name, x, m):
@@ -38,6 +40,10 @@ def _unary(name, x, m):
         return 1.0 / (1.0 + x * x)
     if name == "exp2_ntanh":
         return m.exp2(m.tanh(x))
+    if name == "sin_3tanh":
+        return m.sin(3.0 * m.tanh(x))
+    if name == "cos_tanh":
+        return m.cos(m.tanh(x) + 0.5)
     if name == "gelu":
         return m.gelu(x)
     if name == "gelu_erf":
@@ -60,6 +66,8 @@ def _binary(name, a, b, m):
         return m.maximum(a, b)
     if name == "where_gt":
         return m.where(a > b, a * 0.5, b - a)
+    if name == "sin_prod":
+        return m.sin(2.0 * m.tanh(a) * m.tanh(b))
     raise ValueError(name)
 
 
@@ -77,6 +85,7 @@ def interpret(prog, env, m):
 class CodaMath:
     exp, exp2, log, sqrt, rsqrt = coda.exp, coda.exp2, coda.log, coda.sqrt, coda.rsqrt
     sigmoid, tanh, silu, relu, abs = coda.sigmoid, coda.tanh, coda.silu, coda.relu, coda.abs
+    sin, cos = coda.sin, coda.cos
     minimum, maximum, where = coda.minimum, coda.maximum, coda.where
     const = staticmethod(lambda v: v)
     gelu = staticmethod(lambda x: coda.gelu(x, "tanh"))
@@ -86,6 +95,7 @@ class CodaMath:
 class TorchMath:
     exp, exp2, log, sqrt, rsqrt = torch.exp, torch.exp2, torch.log, torch.sqrt, torch.rsqrt
     sigmoid, tanh, abs = torch.sigmoid, torch.tanh, torch.abs
+    sin, cos = torch.sin, torch.cos
     silu = staticmethod(torch.nn.functional.silu)
     relu = staticmethod(torch.relu)
     minimum, maximum, where = torch.minimum, torch.maximum, torch.where

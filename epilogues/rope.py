@@ -1,0 +1,129 @@
+"""RoPE (rotary position embedding) as a pairs epilogue of the QKV GEMM, used by ``coda.ops.linear_rope``
+(issues 4 and 7; shared/design/rewrites.md, "RoPE").
+
+Layout: the accumulator columns (2j, 2j+1) are the pair (x_j, y_j) that RoPE rotates -- the interleaved (GPT-J /
+Meta Llama) convention; one thread holds both (``coda.pairs``). The Hugging Face half-split convention
+(``rotate_half``: dims i and i + d/2 of a head form a pair) becomes this one by permuting the W_q / W_k rows once
+(:func:`permute_half_split`). The angle of pair j at row m is theta = pos_m * freq_j (``pos``: VecM, one position
+per row; ``freq``: VecN with one value per pair, N/2 entries; ``freq = 0`` is the identity, for V columns).
+
+Forward (R(theta) the 2 x 2 rotation)
+    (x', y') = R(theta) (x, y) = (x cos(theta) - y sin(theta),  x sin(theta) + y cos(theta))
+
+Backward (dx', dy' the incoming gradient; the derivative of a linear map is its transpose, R^T = R(-theta))
+    (dx, dy) = R(-theta) (dx', dy') = (dx' cos(theta) + dy' sin(theta),  -dx' sin(theta) + dy' cos(theta))
+It needs no accumulator: ``coda.autodiff`` derives it from the traced forward (tests/test_rope.py checks that it
+is this rotation) and ``coda.ops.linear_rope`` runs it in a GEMM epilogue with nothing to multiply (K = 0).
+
+z . dz is preserved: with z = (x, y) before and z' = R z after the rotation, dz = R^T dz', so
+    z . dz = z^T R^T dz' = (R z)^T dz' = z' . dz'
+per pair, hence per row: the RMSNorm backward's ZdZ_m = (1/D) sum_k z_mk dz_mk of the QKV GEMM is the same
+computed before or after RoPE (e.g. from the attention's q, k, v and their gradients).
+
+Angles are accurate at positions up to 131072 and beyond: ``coda.sin`` / ``coda.cos`` of a product form the
+product and its reduction modulo 2 pi in extended precision (``coda._eval.reduce_angle``); ``pos`` must hold
+integers below 2^24 (exact in fp32) and ``freq`` fp32 values.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import coda
+
+__all__ = ["rope", "rope_freqs", "permute_half_split", "unpermute_half_split"]
+
+
+@coda.epilogue
+def rope(acc, pos: coda.VecM, freq: coda.VecN):
+    """Rotate each column pair (2j, 2j+1) of row m by theta = pos[m] * freq[j]."""
+    x, y = coda.pairs(acc)
+    theta = pos * freq
+    c, s = coda.cos(theta), coda.sin(theta)
+    return x * c - y * s, x * s + y * c
+
+
+def rope_freqs(head_dim: int, n_heads: int, base: float = 10000.0, rotary_heads: Optional[int] = None,
+               rotary_dim: Optional[int] = None, scaling=None, device=None):
+    """The ``freq`` operand of :func:`rope` (fp32, one value per column pair: ``n_heads * head_dim / 2`` entries)
+    for a projection whose N output columns are ``n_heads`` heads of ``head_dim``.
+
+    Within a rotated head, pair i (columns 2i, 2i+1 after :func:`permute_half_split` of its weight rows) gets
+    ``inv_freq[i] = 1 / base ** (2i / rotary_dim)``, computed in fp32 exactly as Hugging Face's rotary embedding
+    does (a converted model sees the frequencies it was trained with); pairs past ``rotary_dim / 2`` (partial
+    rotary, e.g. GPT-NeoX) get 0, the identity. Only the first ``rotary_heads`` heads (default: all) are rotated,
+    the others get 0 too. Fused QKV weight [W_q; W_k; W_v] with H query and G key/value heads:
+    ``rope_freqs(head_dim, H + 2 * G, rotary_heads=H + G)`` (V unrotated). ``scaling``: an optional function
+    inv_freq -> scaled inv_freq (fp32 tensors of rotary_dim / 2; e.g. Llama-3.1 scaling as the model computes it).
+    """
+    import torch
+    for name, v in (("head_dim", head_dim), ("n_heads", n_heads)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"rope_freqs: {name} must be a positive int, got {v!r}")
+    if head_dim % 2:
+        raise ValueError(f"rope_freqs: head_dim must be even, got {head_dim}")
+    r = head_dim if rotary_dim is None else rotary_dim
+    if isinstance(r, bool) or not isinstance(r, int) or r % 2 or not 0 < r <= head_dim:
+        raise ValueError(f"rope_freqs: rotary_dim must be an even int in (0, head_dim={head_dim}], got {r!r}")
+    h = n_heads if rotary_heads is None else rotary_heads
+    if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= n_heads:
+        raise ValueError(f"rope_freqs: rotary_heads must be an int in [0, n_heads={n_heads}], got {h!r}")
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not (math.isfinite(base) and base > 0):
+        raise ValueError(f"rope_freqs: base must be a positive finite number, got {base!r}")
+    inv = 1.0 / (float(base) ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r))  # HF's fp32 inv_freq
+    if scaling is not None:
+        inv = torch.as_tensor(scaling(inv), dtype=torch.float32)
+        if inv.shape != (r // 2,):
+            raise ValueError(f"rope_freqs: scaling must return {r // 2} frequencies, got shape {tuple(inv.shape)}")
+    freqs = torch.zeros(n_heads, head_dim // 2, dtype=torch.float32)
+    freqs[:h, :r // 2] = inv
+    return freqs.flatten().to(device) if device is not None else freqs.flatten()
+
+
+def _head_perm(head_dim: int, rotary_dim: Optional[int] = None):
+    """Row order within one head: new row 2i = old row i, new row 2i+1 = old row i + r/2 (r = rotary_dim); rows
+    past the rotary part keep their place."""
+    import torch
+    r = head_dim if rotary_dim is None else rotary_dim
+    half = torch.arange(r // 2)
+    return torch.cat((torch.stack((half, half + r // 2), 1).flatten(), torch.arange(r, head_dim)))
+
+
+def _check_layout(entry, weight, head_dim, rotary_dim):
+    import torch
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{entry}: weight must be a torch.Tensor, got {type(weight).__name__}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"{entry}: head_dim must be a positive even int, got {head_dim!r}")
+    r = head_dim if rotary_dim is None else rotary_dim
+    if isinstance(r, bool) or not isinstance(r, int) or r % 2 or not 0 < r <= head_dim:
+        raise ValueError(f"{entry}: rotary_dim must be an even int in (0, head_dim={head_dim}], got {r!r}")
+    if weight.dim() < 1 or weight.shape[0] % head_dim:
+        raise ValueError(f"{entry}: weight must have a multiple of head_dim={head_dim} rows (whole heads), got "
+                         f"shape {tuple(weight.shape)}")
+
+
+def permute_half_split(weight, head_dim: int, rotary_dim: Optional[int] = None):
+    """W_q or W_k rows (n_heads * head_dim, ...) in the half-split (Hugging Face ``rotate_half``) order -> the
+    adjacent-pairs order of :func:`rope`: within each head, row i goes to 2i and row i + d/2 to 2i + 1 (d =
+    ``rotary_dim``, default head_dim). A new tensor (a copy; differentiable); convert once, at load time.
+
+    Why attention is unchanged: HF rotates the pairs (q_i, q_{i+d/2}) by theta_i; after the permutation P those
+    pairs sit at (2i, 2i+1) and :func:`rope` rotates them by the same theta_i (freq of pair i = inv_freq[i], as
+    :func:`rope_freqs` gives), so the rotated q and k come out as P q_HF and P k_HF. Scores only use
+    q . k = (P q) . (P k) within a head (P is a permutation of that head's dims, P^T P = I), so attention
+    weights and outputs are identical. V is not permuted (its rows feed the output projection, whose columns
+    would otherwise have to follow), and neither is anything but W_q / W_k (and their biases)."""
+    _check_layout("permute_half_split", weight, head_dim, rotary_dim)
+    perm = _head_perm(head_dim, rotary_dim).to(weight.device)
+    heads = weight.reshape(weight.shape[0] // head_dim, head_dim, *weight.shape[1:])
+    return heads.index_select(1, perm).reshape(weight.shape)
+
+
+def unpermute_half_split(weight, head_dim: int, rotary_dim: Optional[int] = None):
+    """The inverse of :func:`permute_half_split` (adjacent pairs -> half-split rows), e.g. to save a checkpoint in
+    the Hugging Face layout."""
+    _check_layout("unpermute_half_split", weight, head_dim, rotary_dim)
+    inv = _head_perm(head_dim, rotary_dim).argsort().to(weight.device)
+    heads = weight.reshape(weight.shape[0] // head_dim, head_dim, *weight.shape[1:])
+    return heads.index_select(1, inv).reshape(weight.shape)

@@ -1,0 +1,173 @@
+"""``coda.ops.linear_rope``: a projection followed by RoPE (rotary position embedding) as one GEMM + epilogue -- the
+QKV projection of attention with q and k rotated, no separate rotary kernel and no M x N round trip.
+
+    y = linear_rope(x, weight, positions, freqs),  z = x @ weight.T:
+    (y[m, 2j], y[m, 2j+1]) = R(positions[m] * freqs[j]) (z[m, 2j], z[m, 2j+1])
+
+with R(theta) the 2 x 2 rotation (``coda/epilogues/rope.py`` has the algebra). Column pairs (2j, 2j+1) are rotated:
+the interleaved convention. For Hugging Face / Llama checkpoints (half-split ``rotate_half``), permute the W_q / W_k
+rows once with ``coda.ops.permute_half_split`` (attention scores are unchanged, see its docstring) and build
+``freqs`` with ``coda.ops.rope_freqs`` (0 for V and other unrotated columns).
+
+Forward: one GEMM x W^T whose epilogue rotates each pair by theta = pos * freq, with the angle formed and reduced
+modulo 2 pi in extended precision (``coda._eval.reduce_angle``: accurate to a few 1e-7 rad at position 131072, where
+an fp32 product ``pos * freq`` is off by up to 4e-3 rad). Output (..., N) in x's dtype.
+
+Backward: the derivative is the rotation by -theta (``coda.autodiff`` derives it from the traced forward; the
+cached backward epilogue of ``ops.linear``). It needs no accumulator, so it runs as the epilogue of a GEMM with
+nothing to multiply (K = 0: ``coda.gemm`` gives the kernel one all-zero K tile), reading the upstream gradient as
+even / odd per-pair tiles: dacc (M x N, x's dtype) in one launch of CODA's kernel with the same accurate angles.
+Then dX = dacc W and dW = dacc^T X on CODA's kernel with transposed views (``ops/_common.backward_gemm``). Saved:
+x, the weight, positions and freqs. ``positions`` and ``freqs`` get no gradient (one that requires grad is an
+error). Because the rotation preserves dot products, z . dz of the GEMM output equals y . dy of the rotated
+output: the RMSNorm backward's ZdZ can be formed from the post-RoPE tensors.
+
+torch integration: custom ops ``torch.ops.coda.linear_rope`` (2-D x, positions (M,) fp32) and
+``coda::linear_rope_backward`` with fake impls and autograd, so ``torch.compile(fullgraph=True)`` keeps them as
+opaque nodes and ``torch.library.opcheck`` passes.
+
+Device: on a Hopper GPU the fused kernels run; on CPU the same epilogue programs run through ``coda.reference.gemm``
+(torch ops; the reference forms the angle in float64); other GPUs raise (``ops/_common.py``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from coda.autodiff import grad_name
+from coda.dsl import ODD_OUT
+from coda.epilogues.rope import permute_half_split, rope, rope_freqs, unpermute_half_split
+
+from ._common import backward_gemm, check_last_dim_contiguous, check_tensors, gemm_for
+from .linear import _backward_of
+
+__all__ = ["linear_rope", "rope_freqs", "permute_half_split", "unpermute_half_split"]
+
+ENTRY = "coda.ops.linear_rope"
+_IN_DTYPES = (torch.bfloat16, torch.float16)
+_POS_DTYPES = (torch.float32, torch.int32, torch.int64)
+_ALIGN = 8  # 16-byte rows of 16-bit elements
+_MAX_POS = 2 ** 24  # integers below this are exact in fp32
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def _check(x, weight, positions, freqs) -> None:
+    """Every argument rule, before anything is computed; each message names the argument. Values are not read
+    (no device sync): positions must be integers in [0, 2^24) -- exact in fp32 -- by contract."""
+    check_tensors("linear_rope", (("x", x), ("weight", weight), ("positions", positions), ("freqs", freqs)))
+    if x.dtype not in _IN_DTYPES:
+        raise TypeError(f"linear_rope: x must be bfloat16 or float16, got {x.dtype}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"linear_rope: weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if positions.dtype not in _POS_DTYPES:
+        raise TypeError(f"linear_rope: positions must be int64, int32 or float32 (integer positions below 2^24), "
+                        f"got {positions.dtype}")
+    if freqs.dtype != torch.float32:
+        raise TypeError(f"linear_rope: freqs must be float32 (one frequency per column pair), got {freqs.dtype}")
+    if x.dim() < 1:
+        raise ValueError("linear_rope: x must be (..., K), got a 0-d tensor")
+    K = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != K:
+        raise ValueError(f"linear_rope: weight must be (N, K) with K={K} (x's last dim), got {tuple(weight.shape)}")
+    for name, t in (("weight", weight), ("positions", positions), ("freqs", freqs)):
+        if t.device != x.device:
+            raise ValueError(f"linear_rope: {name} is on {t.device} but x is on {x.device}")
+    N = weight.shape[0]
+    if N % 2:
+        raise ValueError(f"linear_rope: weight has N={N} rows; RoPE rotates column pairs (2j, 2j+1), so N must be "
+                         "even")
+    if N % _ALIGN:
+        raise ValueError(f"linear_rope: weight has N={N} rows; N must be a multiple of {_ALIGN} (the kernel writes "
+                         "16-byte rows of the (..., N) output)")
+    if K % _ALIGN:
+        raise ValueError(f"linear_rope: x: K = x.shape[-1] = {K} must be a multiple of {_ALIGN} (the kernel reads "
+                         "16-byte rows)")
+    lead = tuple(x.shape[:-1])
+    try:
+        torch.broadcast_shapes(tuple(positions.shape), lead)
+        ok = len(positions.shape) <= len(lead) and torch.broadcast_shapes(tuple(positions.shape), lead) == lead
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"linear_rope: positions must have shape {lead} (x.shape[:-1]: one position per row of x) "
+                         f"or broadcast to it, got {tuple(positions.shape)}")
+    if tuple(freqs.shape) != (N // 2,):
+        raise ValueError(f"linear_rope: freqs must have shape ({N // 2},) (one frequency per column pair: N/2 with "
+                         f"N={N}; see coda.ops.rope_freqs), got {tuple(freqs.shape)}")
+    for name, t in (("positions", positions), ("freqs", freqs)):
+        if t.requires_grad:
+            raise ValueError(f"linear_rope: {name} requires grad, but linear_rope computes no gradient for it; pass "
+                             f"{name}.detach()")
+    check_last_dim_contiguous("linear_rope", (("x", x), ("weight", weight), ("freqs", freqs)))
+
+
+# ------------------------------------------------------------------------------------------------ custom ops (2-D)
+@torch.library.custom_op("coda::linear_rope", mutates_args=())
+def _rope_op(x: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
+    """RoPE(x @ weight.T) for x (M, K), weight (N, K), positions (M,) fp32, freqs (N/2,) fp32; (M, N)."""
+    return gemm_for(x.device, ENTRY)(x, weight, epilogue=rope, pos=positions, freq=freqs)
+
+
+@_rope_op.register_fake
+def _(x, weight, positions, freqs):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("coda::linear_rope_backward", mutates_args=())
+def _backward_op(dy: Tensor, x: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor, need_x: bool,
+                 need_w: bool) -> tuple[Tensor, Tensor]:
+    """(dx (M, K), dweight (N, K)) for the upstream dy (M, N); a gradient not needed comes back empty."""
+    gemm = gemm_for(x.device, ENTRY)
+    dx, dw = x.new_empty(0), weight.new_empty(0)
+    if x.shape[0] == 0:  # no rows: nothing to launch, the gradients are zero
+        return (torch.zeros_like(x) if need_x else dx), (torch.zeros_like(weight) if need_w else dw)
+    bwd = _backward_of(rope, ("out",), ())  # the rotation by -theta, a 2 -> 2 pairs epilogue without acc
+    dy = dy.to(x.dtype)
+    grads = {grad_name("out"): dy[:, 0::2].contiguous(), grad_name(ODD_OUT): dy[:, 1::2].contiguous()}
+    # nothing to multiply: a K = 0 GEMM is CODA's kernel running only the epilogue (dacc = R(-theta) dy)
+    dacc = gemm(x[:, :0], weight[:, :0], epilogue=bwd, out_dtype=x.dtype, pos=positions, freq=freqs, **grads)
+    if need_x:
+        dx = backward_gemm(dacc, weight.t(), ENTRY)  # dX = dacc W: W^T is an MN-major view
+    if need_w:
+        dw = backward_gemm(dacc.t(), x.t(), ENTRY)  # dW = dacc^T X: both transposed views
+    return dx, dw
+
+
+@_backward_op.register_fake
+def _(dy, x, weight, positions, freqs, need_x, need_w):
+    return (torch.empty_like(x) if need_x else x.new_empty(0),
+            torch.empty_like(weight) if need_w else weight.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _autograd_backward(ctx, dy):
+    x, weight, positions, freqs = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[:2]
+    dx, dw = torch.ops.coda.linear_rope_backward(dy, x, weight, positions, freqs, need_x, need_w)
+    return (dx if need_x else None), (dw if need_w else None), None, None
+
+
+_rope_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------ public entry
+def linear_rope(x: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
+    """``x @ weight.T`` with each column pair (2j, 2j+1) of row m rotated by ``positions[m] * freqs[j]``, in one
+    fused GEMM, autograd included (see the module docstring).
+
+    ``x``: (..., K), bfloat16 or float16; ``weight``: (N, K) of x's dtype (W_q / W_k rows in the adjacent-pairs
+    order: ``permute_half_split`` converts Hugging Face weights once); ``positions``: x.shape[:-1] (or broadcastable
+    to it, e.g. (S,) for x (B, S, K)), int64 / int32 / float32 integer positions below 2^24 (converted to fp32,
+    exact); ``freqs``: (N/2,) float32, one frequency per pair (``rope_freqs``; 0 = not rotated). N and K multiples
+    of 8. Returns (..., N) in x's dtype. Positions and frequencies get no gradient."""
+    _check(x, weight, positions, freqs)
+    lead, K = x.shape[:-1], x.shape[-1]
+    M = math.prod(lead)
+    pos = torch.broadcast_to(positions, lead).reshape(M).to(torch.float32).contiguous()
+    y = torch.ops.coda.linear_rope(x.reshape(M, K), weight, pos, freqs)
+    return y.reshape(*lead, weight.shape[0])
