@@ -349,6 +349,34 @@ def test_select_config_memory_disk_and_tuning_on_miss(cache, monkeypatch):
     assert at.store.get(at.key_for(prob, IDENTITY)) is None  # nothing stored for a failed tuning
 
 
+def test_runoff_retimes_finalists_and_keeps_the_default_within_the_noise_margin():
+    from coda.autotune import tuner
+    from coda.config import GemmConfig
+    cfgs = [GemmConfig(tile_m=128, tile_n=256, pingpong=False, cluster_m=cm, cluster_n=cn)
+            for cm, cn in ((2, 1), (1, 1), (1, 2))] + [GemmConfig(tile_m=128, tile_n=128, pingpong=True)]
+    default = cfgs[0]
+
+    def rows(first):
+        return [tuner.Row(c, ms=t) for c, t in zip(cfgs, first)] + [tuner.Row(cfgs[0], ms=None, status="bad")]
+
+    # one lucky first timing (cfgs[1]: 0.90) does not win: its re-timings are 1.10, the median decides
+    true = {cfgs[0]: 1.00, cfgs[1]: 1.10, cfgs[2]: 1.20, cfgs[3]: 1.30}
+    calls = []
+    timer = lambda c: calls.append(c) or true[c]  # noqa: E731
+    best = tuner.runoff(rows([1.0, 0.90, 1.2, 1.3]), default, timer, top=2, rounds=3)
+    assert best.config == default and best.ms == 1.0
+    assert sorted(calls, key=cfgs.index) == [cfgs[0]] * 3 + [cfgs[1]] * 3  # top 2 only, 3 rounds each
+    # a challenger 0.5 % faster than the default: inside the margin, the default stays
+    true[cfgs[2]] = 0.995
+    assert tuner.runoff(rows([1.0, 1.1, 0.995, 1.3]), default, lambda c: true[c], margin=0.01).config == default
+    # 5 % faster: it wins; the default is a finalist even when it is not among the fastest
+    true[cfgs[2]] = 0.95
+    r = rows([1.0, 1.1, 0.95, 1.3])
+    best = tuner.runoff(r, default, lambda c: true[c], top=1, margin=0.01)
+    assert best.config == cfgs[2] and r[0].ms == 1.0
+    assert tuner.runoff([tuner.Row(default, ms=None, status="failed")], default, timer) is None
+
+
 def test_tuner_helpers():
     import io
 

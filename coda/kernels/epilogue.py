@@ -62,8 +62,21 @@ class EpiEnv:
     """What ``visit`` sees of one accumulator element: its coordinates and operand values (loaded lazily)."""
 
     def __init__(self, row, col, loaders: Mapping[str, Callable[[], Any]]):
-        self.row, self.col = row, col
+        # row / col may be zero-argument callables: coordinates are then only computed (traced) when used
+        self._row, self._col = row, col
         self._loaders, self._cache = loaders, {}
+
+    @property
+    def row(self):
+        if callable(self._row):
+            self._row = self._row()
+        return self._row
+
+    @property
+    def col(self):
+        if callable(self._col):
+            self._col = self._col()
+        return self._col
 
     def __getitem__(self, name: str):
         if name not in self._cache:

@@ -345,7 +345,10 @@ class GemmSm90:
                                                 (cfg.tile_m, cfg.tile_n), (m, n, l)), self.epi_tile)
         # thread 0's static sub-tile coordinates tell which registers share a row / a column (same for all threads)
         c_sub = epi["tiled"].get_slice(0).partition_S(cute.make_identity_tensor(self.epi_tile))
+        c_sub = self._static_coords(c_sub, n_v)  # read once: each read of a coordinate tensor is traced IR
         rows_of, cols_of = self._groups(c_sub, n_v)
+        if cutlass.const_expr(needs_coords):
+            self._check_affine(epi, c_sub, n_v)
         acc_of = self._acc_map(epi["tiled_mma"], c_sub, n_v, n_epi)
         bar = pipeline.NamedBarrier(barrier_id=BAR_EPI + (cwg if pp else 0), num_threads=self.epi_threads)
         buf_base = cwg * self.epi_stages if pp else 0
@@ -363,7 +366,7 @@ class GemmSm90:
                 if cutlass.const_expr(e == 0):
                     cSub0 = cSub
                 results = (self._visit_pairs(rD, cSub, c_sub, n_v, op_tensors, M, N) if self.pair_mode
-                           else self._visit_all(rD, cSub, n_v, op_tensors, M, N))
+                           else self._visit_all(rD, cSub, c_sub, n_v, op_tensors, M, N))
             else:
                 results = {"out": [rD[v] for v in range(n_v)]}
             # per-row (axis n) reductions: one row's registers combined in-thread, carried across sub-tiles
@@ -497,8 +500,13 @@ class GemmSm90:
             where[(int(r), int(c))] = j
         out = []
         for e in range(n_epi):
-            out.append([where[(int(c_sub[v][0]), int(c_sub[v][1]) + e * self.cfg.epi_n)] for v in range(n_v)])
+            out.append([where[(c_sub[v][0], c_sub[v][1] + e * self.cfg.epi_n)] for v in range(n_v)])
         return out
+
+    @staticmethod
+    def _static_coords(c, n_v):
+        """[(row, col)] of a static coordinate tensor's first n_v registers, as Python ints."""
+        return [(int(c[v][0]), int(c[v][1])) for v in range(n_v)]
 
     @staticmethod
     def _groups(c_static, n_v):
@@ -510,16 +518,63 @@ class GemmSm90:
             cols.setdefault(int(c), []).append(v)
         return [rows[k] for k in sorted(rows)], [cols[k] for k in sorted(cols)]
 
-    def _visit_all(self, rD, cSub, n_v, op_tensors, M, N):
+    class _Lazy:
+        """Coordinates and operand values of one epilogue sub-tile, traced only when an epilogue uses them and
+        once per distinct value: register v's coordinates are register 0's (one coordinate computation per
+        sub-tile) plus v's static offset, read from thread 0's static coordinates. That holds for every thread
+        because the coordinate partition of an identity tensor is affine in (thread, register) -- checked on a
+        few threads at trace time. VecN values are shared by the registers of one column, VecM by one row
+        (most of the epilogue's IR was per-element coordinate and clamp arithmetic before)."""
+
+        def __init__(self, kernel, cSub, c_static, op_tensors, M, N):
+            self.k, self.cSub, self.c_static, self.M, self.N = kernel, cSub, c_static, M, N
+            self.ops = list(zip(kernel.epi.operands, op_tensors))
+            self.memo = {}
+
+        def _get(self, key, make):
+            if key not in self.memo:
+                self.memo[key] = make()
+            return self.memo[key]
+
+        def coord(self, v, i):
+            """Mode i (0 row, 1 column, 2 batch) of register v's global coordinate."""
+            base = self._get(("base",), lambda: self.cSub[0])
+            d = 0 if i == 2 else self.c_static[v][i] - self.c_static[0][i]
+            return base[i] if d == 0 else self._get(("c", i, d), lambda: base[i] + d)
+
+        def env(self, v, pair: bool = False):
+            """The EpiEnv of register v (of the pair starting at v: column index j = col // 2)."""
+            rs, cs = self.c_static[v]
+            row = lambda: self.coord(v, 0)  # noqa: E731
+            col = ((lambda: self._get(("j", cs), lambda: self.coord(v, 1) // 2)) if pair
+                   else (lambda: self.coord(v, 1)))
+            n_cols = self.N // 2 if pair else self.N
+            loaders = {}
+            for op, t in self.ops:
+                key = {"vec_n": (cs,), "vec_m": (rs,), "scalar": ()}.get(op.kind, (rs, cs))
+                loaders[op.name] = (lambda op=op, t=t, key=key: self._get(
+                    ("op", op.name) + key,
+                    lambda: GemmSm90._load(op.kind, t, row, col, lambda: self.coord(v, 2), self.M, n_cols)))
+            return EpiEnv(row, col, loaders)
+
+    def _check_affine(self, epi, c_static, n_v):
+        ident = cute.make_identity_tensor(self.epi_tile)
+        for t in sorted({1, 31, 32, 63, self.epi_threads - 1}):
+            c_t = self._static_coords(epi["tiled"].get_slice(t).partition_S(ident), n_v)
+            for v in range(n_v):
+                for i in (0, 1):
+                    if c_t[v][i] - c_t[0][i] != c_static[v][i] - c_static[0][i]:
+                        raise RuntimeError(f"epilogue coordinates are not affine in (thread, register): "
+                                           f"thread {t}, register {v}")
+
+    def _visit_all(self, rD, cSub, c_static, n_v, op_tensors, M, N):
         """Call the hook on every element; returns {key: [value per register]}."""
+        lazy = self._Lazy(self, cSub, c_static, op_tensors, M, N)
         out = {}
         for v in range(n_v):
-            row, col, l = cSub[v]
-            loaders = {op.name: self._loader(op.kind, t, row, col, l, M, N)
-                       for op, t in zip(self.epi.operands, op_tensors)}
-            res = self.epi.visit(rD[v], EpiEnv(row, col, loaders))
+            res = self.epi.visit(rD[v], lazy.env(v))
             if cutlass.const_expr(len(self.epi.reductions) > 0):
-                inside = (row < M) & (col < N)  # out-of-range elements must not reach a reduction
+                inside = (lazy.coord(v, 0) < M) & (lazy.coord(v, 1) < N)  # out-of-range elements: no reduction
                 for r in self.epi.reductions:
                     neutral = cutlass.Float32(0.0 if r.op == "sum" else -math.inf)
                     res[r.name] = cutlass.select_(inside, cutlass.Float32(res[r.name]), neutral)
@@ -532,16 +587,13 @@ class GemmSm90:
         of a pair in consecutive registers (checked on thread 0's static coordinates). Operands are indexed by the
         pair j (VecN of N/2, TileMN of M x N/2). Returns {key: [one value per pair]}, or for a 2 -> 2 epilogue
         {"out": [one value per register]}."""
+        lazy = self._Lazy(self, cSub, c_static, op_tensors, M, N)
         out = {}
         for p in range(n_v // 2):
             (r0, c0), (r1, c1) = c_static[2 * p], c_static[2 * p + 1]
-            if int(r0) != int(r1) or int(c1) != int(c0) + 1 or int(c0) % 2:
+            if r0 != r1 or c1 != c0 + 1 or c0 % 2:
                 raise RuntimeError(f"registers {2 * p}, {2 * p + 1} are not a column pair: {(r0, c0)}, {(r1, c1)}")
-            row, col, l = cSub[2 * p]
-            j = col // 2
-            loaders = {op.name: self._loader(op.kind, t, row, j, l, M, N // 2)
-                       for op, t in zip(self.epi.operands, op_tensors)}
-            res = self.epi.visit((rD[2 * p], rD[2 * p + 1]), EpiEnv(row, j, loaders))
+            res = self.epi.visit((rD[2 * p], rD[2 * p + 1]), lazy.env(2 * p, pair=True))
             if cutlass.const_expr(self.pair_mode == "full"):
                 out.setdefault("out", []).extend([res["out"], res[ODD_OUT]])
             else:
@@ -550,14 +602,13 @@ class GemmSm90:
         return out
 
     @staticmethod
-    def _loader(kind, t, row, col, l, M, N):
-        # clamped indices: out-of-range elements are computed but never stored
-        rc = cutlass.min(row, M - 1)
-        cc = cutlass.min(col, N - 1)
-        if kind == "vec_n":
-            return lambda: t[cc].to(cutlass.Float32)
-        if kind == "vec_m":
-            return lambda: t[rc, l].to(cutlass.Float32)
+    def _load(kind, t, row, col, l, M, N):
+        """One operand value; row / col / l are callables (traced only for the kinds that index by them).
+        Clamped indices: out-of-range elements are computed but never stored."""
         if kind == "scalar":
-            return lambda: t[0].to(cutlass.Float32)
-        return lambda: t[rc, cc, l].to(cutlass.Float32)
+            return t[0].to(cutlass.Float32)
+        if kind == "vec_n":
+            return t[cutlass.min(col(), N - 1)].to(cutlass.Float32)
+        if kind == "vec_m":
+            return t[cutlass.min(row(), M - 1), l()].to(cutlass.Float32)
+        return t[cutlass.min(row(), M - 1), cutlass.min(col(), N - 1), l()].to(cutlass.Float32)
