@@ -42,7 +42,7 @@ def cpu_plan(a, b, out, epi=None, cfg=GemmConfig(), operands=None, max_clusters=
     cute_args = [*ts[:3], cuda.CUstream(FAKE_STREAM), *ts[3:]]
     fn, _ = compile_cache.compile_kernel(cfg, e, prob.in_dtype, prob.out_dtype, key[-1], cute_args, max_clusters,
                                          "sm_90a", options="--gpu-arch=sm_90a")
-    plan = gemm_mod._make_plan(fn, cute_args, views, FAKE_STREAM, prob, cfg, e, (a, b, out), 0)
+    plan = gemm_mod._make_plan(fn, cute_args, views, FAKE_STREAM, prob, cfg, e, (a, b, out), 0, operands)
     if plan is None:
         raise _launch.PlanError("the plan did not match the DSL's marshalling")
     return gemm_mod._plan_key(a, b, epi, out, None, cfg, operands), plan, cute_args, views, leads

@@ -149,7 +149,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
     fn = _compiled(key, cfg, epi, prob, cute_args)
     plan = None
     if pkey is not None and not prob.zero_k and os.environ.get("CODA_LAUNCH_PLANS", "1") != "0":
-        plan = _make_plan(fn, cute_args, views, handle, prob, cfg, epi, (a, b, out), device_index)
+        plan = _make_plan(fn, cute_args, views, handle, prob, cfg, epi, (a, b, out), device_index, operands)
     if plan is not None:
         if len(_plans) >= _PLAN_LIMIT:
             _plans.clear()
@@ -241,13 +241,21 @@ def _plan_key(a, b, epilogue, out, out_dtype, config, operands):
     return _launch.plan_key(a, b, ek, out, out_dtype, config, operands)
 
 
-def _make_plan(fn, cute_args, views, handle, prob, cfg, epi, tensors, device_index):
+def _make_plan(fn, cute_args, views, handle, prob, cfg, epi, tensors, device_index, operands):
     """A launch plan checked against the DSL's marshalling of this call (None if it does not match)."""
     try:
         plan = _launch.Plan(fn, cute_args, views, handle)
     except _launch.PlanError:
         return None
     plan.prob, plan.cfg, plan.epi, plan.device_index = prob, cfg, epi, device_index
+    # an epilogue with tensor operands only (no extra outputs, no reductions, no scalars) whose kernel arguments
+    # are the operands' own memory (views): a repeated call only needs the operands' data pointers
+    plan.operand_names = None
+    if (plan.has_epi_args and epi.stores_out and not epi.outputs and not epi.kernel_reductions()
+            and all(op.kind != "scalar" and isinstance(operands.get(op.name), torch.Tensor)
+                    and v.data_ptr() == operands[op.name].data_ptr() for op, v in zip(epi.operands, views[3:]))
+            and len(views) == 3 + len(epi.operands)):
+        plan.operand_names = tuple(op.name for op in epi.operands)
     a, b, out = tensors
     plan.extents = (_launch.byte_extent(a), _launch.byte_extent(b), 0 if out is None else _launch.byte_extent(out))
     return plan
@@ -271,6 +279,10 @@ def _run_plan(plan, a, b, out, operands):
             return None
         res = out
     epi = plan.epi
+    if plan.operand_names is not None:  # operands only, each passed as is: just their pointers
+        plan.launch((pa, pb, po, *(operands[n].data_ptr() for n in plan.operand_names)),
+                    _launch.stream_handle(plan.device_index))
+        return res
     if plan.has_epi_args:
         out3 = res if res.dim() == 3 else res.unsqueeze(0)
         if prob.b_broadcast:

@@ -473,22 +473,33 @@ def _epi_tensors(M, N, L=None):
             "s": 0.5}
 
 
-@pytest.mark.parametrize("epi_name", ["identity", "many"])
+@coda.epilogue
+def _operands_only(acc, bias: coda.VecN, rs: coda.VecM, res: coda.TileMN):
+    return acc * rs + bias + res
+
+
+@pytest.mark.parametrize("epi_name", ["identity", "many", "operands"])
 def test_gemm_repeated_call_takes_the_plan_and_writes_the_right_pointers(kernel_cache, monkeypatch, epi_name):
     from coda.bench_launch import NullRun, cpu_plan
-    epi = None if epi_name == "identity" else Everything()
+    epi = {"identity": None, "many": Everything(), "operands": _operands_only}[epi_name]
     L, M, N, K = 2, 200, 136, 64
     a, b, out = torch.randn(L, M, K, dtype=BF16), torch.randn(L, N, K, dtype=BF16), torch.empty(L, M, N, dtype=BF16)
-    ops = {} if epi is None else _epi_tensors(M, N, L)
+
+    def _ops():
+        t = {} if epi is None else _epi_tensors(M, N, L)
+        return {k: v for k, v in t.items() if k in {o.name for o in epi.operands}} if epi is not None else t
+    ops = _ops()
     pkey, plan, _, _, _ = cpu_plan(a, b, out, epi, GemmConfig(), ops)
+    # operands only (no scalar, extra output, reduction): the repeated call just swaps the operands' pointers
+    assert plan.operand_names == (("bias", "rs", "res") if epi_name == "operands" else None)
     plan.run = NullRun()
     monkeypatch.setitem(gemm_mod._plans, pkey, plan)
     monkeypatch.setattr(_launch, "stream_handle", lambda index: 0xABC)
     a2, b2, out2 = torch.randn_like(a), torch.randn_like(b), torch.empty_like(out)
-    ops2 = {} if epi is None else _epi_tensors(M, N, L)
+    ops2 = _ops()
     res = coda.gemm(a2, b2, epilogue=epi, out=out2, config=GemmConfig(), **ops2)
     assert plan.run.calls == 1
-    if epi is None:
+    if epi_name != "many":
         assert res is out2
     else:
         assert res["out"] is out2 and set(res) == {"out", "pre", "ss", "cs", "mx"}
@@ -508,6 +519,7 @@ def test_gemm_repeated_call_takes_the_plan_and_writes_the_right_pointers(kernel_
     assert int.from_bytes(ours[2][:8], "little") == out2.data_ptr()
     if epi is not None:
         assert int.from_bytes(ours[4][:8], "little") == ops2["rs"].data_ptr()
+        assert int.from_bytes(ours[5][:8], "little") == ops2["res"].data_ptr()
 
 
 def test_plan_misses_fall_back_to_the_checked_path(kernel_cache, monkeypatch):
@@ -558,28 +570,46 @@ def _gpu_script(tmp, body):
                           env={**os.environ, "CODA_CACHE_DIR": str(tmp)})
 
 
+@coda.epilogue
+def _bias_gelu(acc, bias: coda.VecN):
+    return coda.gelu(acc + bias)
+
+
 @pytest.mark.gpu
-def test_gpu_plan_path_matches_the_full_path_and_is_cheap(cache, monkeypatch):
+@pytest.mark.parametrize("epi_name", ["identity", "bias_gelu", "operands"])
+def test_gpu_plan_path_matches_the_full_path_and_is_cheap(cache, monkeypatch, epi_name):
     a, b = torch.randn(512, 256, device="cuda", dtype=BF16), torch.randn(384, 256, device="cuda", dtype=BF16)
+    epi = {"identity": None, "bias_gelu": _bias_gelu, "operands": _operands_only}[epi_name]
+
+    def fresh():
+        t = {"bias": torch.randn(384, device="cuda"), "rs": torch.rand(512, device="cuda"),
+             "res": torch.randn(512, 384, device="cuda", dtype=BF16)}
+        return {k: v for k, v in t.items() if epi is not None and k in {o.name for o in epi.operands}}
+    ops = fresh()
     cfg = GemmConfig(tile_m=128, tile_n=128, cluster_m=1, pingpong=True)
     monkeypatch.setenv("CODA_LAUNCH_PLANS", "0")
-    ref = coda.gemm(a, b, config=cfg)
+    ref = coda.gemm(a, b, epilogue=epi, config=cfg, **ops)
     monkeypatch.setenv("CODA_LAUNCH_PLANS", "1")
-    first = coda.gemm(a, b, config=cfg)
-    again = coda.gemm(a.clone(), b.clone(), config=cfg)
+    first = coda.gemm(a, b, epilogue=epi, config=cfg, **ops)
+    again = coda.gemm(a.clone(), b.clone(), epilogue=epi, config=cfg, **{k: v.clone() for k, v in ops.items()})
     assert torch.equal(first, ref) and torch.equal(again, ref)
+    ops2 = fresh()  # other operand values through the plan: the pointers are swapped, not the first call's kept
+    monkeypatch.setenv("CODA_LAUNCH_PLANS", "0")
+    ref2 = coda.gemm(a, b, epilogue=epi, config=cfg, **ops2)
+    monkeypatch.setenv("CODA_LAUNCH_PLANS", "1")
+    assert torch.equal(coda.gemm(a, b, epilogue=epi, config=cfg, **ops2), ref2)
     out = torch.empty_like(ref)
     for _ in range(200):
-        coda.gemm(a, b, out=out, config=cfg)
+        coda.gemm(a, b, epilogue=epi, out=out, config=cfg, **ops)
     torch.cuda.synchronize()
     times = []
     for _ in range(2000):
         t = time.perf_counter()
-        coda.gemm(a, b, out=out, config=cfg)
+        coda.gemm(a, b, epilogue=epi, out=out, config=cfg, **ops)
         times.append(time.perf_counter() - t)
     torch.cuda.synchronize()
     med = sorted(times)[len(times) // 2] * 1e6
-    print(f"warm coda.gemm call (Python to launch): median {med:.1f} us")
+    print(f"warm coda.gemm call (Python to launch), epilogue {epi_name}: median {med:.1f} us")
     assert torch.equal(out, ref)
     assert med <= 20.0, f"warm-call overhead {med:.1f} us > 20 us"
 
