@@ -112,15 +112,10 @@ def backward_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilog
     def G(z):
         return sp.Add(*[w * derivative(e, z) for w, e in terms])
 
-    if epi.pair_mode:
-        # dacc is a 2 -> 2 pairs epilogue over the recomputed pairs; upstream gradients are per-pair tiles
-        # (one per pair, or two -- even and odd columns -- for a 2 -> 2 forward)
-        if needs:
-            raise NotImplementedError(f"epilogue {epi.name!r}: gradients of the operands of a pairs epilogue are "
-                                      f"not supported yet (asked for {list(needs)})")
-        return DslEpilogue(f"{epi.name}_bwd", tuple(ops), {"out": G(ACC_EVEN), ODD_OUT: G(ACC_ODD)}, {},
-                           pair_mode="full")
-    outputs = {"out": G(ACC)}
+    # pairs: dacc is a 2 -> 2 pairs epilogue over the recomputed pairs; upstream gradients are per-pair tiles
+    # (one per pair, or two -- even and odd columns -- for a 2 -> 2 forward); operand values and their gradients
+    # are per pair too (VecN of N/2: reduce_m per pair; VecM / Scalar: reduce_n over the pairs of a row)
+    outputs = {"out": G(ACC_EVEN), ODD_OUT: G(ACC_ODD)} if epi.pair_mode else {"out": G(ACC)}
     reductions = {}
     kinds = {o.name: o.kind for o in epi.operands}
     for name in needs:
@@ -128,13 +123,18 @@ def backward_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilog
             raise ValueError(f"epilogue {epi.name!r} has no operand {name!r}")
         gz = G(operand_symbol(name))
         kind = kinds[name]
+        if kind == "tile" and epi.pair_mode:
+            # an M x N/2 gradient next to the M x N dacc would need half- and full-width stores in one kernel
+            raise NotImplementedError(f"epilogue {epi.name!r}: the gradient of TileMN operand {name!r} of a pairs "
+                                      "epilogue is not supported (VecN / VecM / Scalar operands are)")
         if kind == "tile":
             outputs[DGRAD + name] = gz
         elif kind == "vec_n":
             reductions[DGRAD + name] = ("m", "sum", gz)
         else:  # vec_m, scalar (the scalar's per-row sums are added up on the host)
             reductions[DGRAD + name] = ("n", "sum", gz)
-    return DslEpilogue(f"{epi.name}_bwd", tuple(ops), outputs, reductions)
+    return DslEpilogue(f"{epi.name}_bwd", tuple(ops), outputs, reductions,
+                       pair_mode="full" if epi.pair_mode else None)
 
 
 def with_preact(epi: DslEpilogue) -> DslEpilogue:

@@ -465,8 +465,6 @@ class DslEpilogue(Epilogue):
             where = f"epilogue {name!r}"
             if ACC in self.symbols:
                 raise EpilogueError(f"{where}: uses both coda.pairs(acc) and acc itself; use the pair values")
-            if reductions:
-                raise EpilogueError(f"{where}: reductions in a pairs epilogue are not supported yet")
             if self.pair_mode == "full" and (self.outputs or not self.stores_out):
                 raise EpilogueError(f"{where}: a 2 -> 2 pairs epilogue returns exactly two values")
         elif ODD_OUT in outputs:

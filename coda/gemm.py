@@ -101,11 +101,13 @@ def epilogue_tensors(epi: Epilogue, prob, operands: dict, out3: torch.Tensor, cf
         outs[name] = o
         args.append((_mnl(o), 1))
     partials = {}
-    tiles_n = -(-N // cfg.tile_n)
+    tiles_n = -(-prob.N // cfg.tile_n)  # N-tiles of the accumulator (N = out3's columns, N/2 for "half" pairs)
     tiles_m = -(-M // cfg.tile_m)
     for r in epi.kernel_reductions():
-        # per-row: one partial per N-tile; per-column: one partial per warp of each M-tile
-        tiles, length = (tiles_n, M) if r.axis == "n" else (tiles_m * cfg.warps_per_tile, N)
+        # per-row: one partial per N-tile; per-column: one partial per warp of each M-tile, for each column (each
+        # column pair j in a pairs epilogue)
+        tiles, length = ((tiles_n, M) if r.axis == "n"
+                         else (tiles_m * cfg.warps_per_tile, epi.operand_cols(prob.N)))
         p = _new_partial((L, tiles, length), out3.device)
         args.append((p.permute(2, 1, 0), 0))
         partials[r.name] = (p, r.op)

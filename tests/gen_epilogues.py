@@ -133,7 +133,7 @@ def specs(draw, allow_row_col=True):
                     main_odd=draw(programs(leaves)))
     extras = {f"x{i}": draw(programs(leaves)) for i in range(draw(st.integers(0, 1)))}
     reds = {}
-    for i in range(0 if pairs else draw(st.integers(0, 2))):  # no reductions in pairs epilogues yet
+    for i in range(draw(st.integers(0, 2))):  # in a pairs epilogue: one value per pair reduced
         axis_op = draw(st.sampled_from([("n", "sum"), ("n", "max"), ("n", "logsumexp"), ("m", "sum")]))
         reds[f"r{i}"] = (*axis_op, draw(programs(leaves)))
     return dict(kinds=dict(zip(names, kinds)), main=main, extras=extras, reds=reds, pairs=pairs)

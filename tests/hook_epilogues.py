@@ -26,3 +26,12 @@ def rotate(acc, c: coda.TileMN, s: coda.TileMN):
     """A 2 -> 2 pairs epilogue: each column pair rotated by the angle whose cos / sin are c / s (per pair)."""
     x, y = coda.pairs(acc)
     return x * c - y * s, x * s + y * c
+
+
+@coda.epilogue
+def scaled_swiglu_stats(acc, s: coda.VecN, r: coda.VecM):
+    """SwiGLU with a per-pair scale and a per-row scale, plus per-row and per-pair statistics."""
+    g, u = coda.pairs(acc)
+    y = coda.silu(g) * u * s * r
+    return {"out": y, "ss": coda.reduce_n(y * y, "sum"), "mx": coda.reduce_n(g, "max"),
+            "cs": coda.reduce_m(u * s, "sum"), "lse": coda.reduce_n(g * r, "logsumexp")}

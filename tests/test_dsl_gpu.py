@@ -184,3 +184,44 @@ def test_linear_rotation_backward():
     ref, theirs = torch_model(torch.float64), torch_model(torch.bfloat16)
     for name, o, r_, t in zip("xw", ours, ref, theirs):
         assert rel(o, r_) <= 2 * rel(t, r_) + 1e-3, (name, rel(o, r_), rel(t, r_))
+
+
+@pytest.mark.parametrize("cfg", PAIR_CFGS, ids=lambda c: c.name)
+def test_pairs_reductions_fused(cfg):
+    """Reductions in a pairs epilogue (per row: sum, max, logsumexp; per pair column: sum) next to the half-width
+    output, with VecN (per pair) and VecM operands, vs float64; ragged and batched shapes."""
+    from hook_epilogues import scaled_swiglu_stats as epi
+    for (M, N, K), L in (((333, 528, 264), None), ((1000, 1040, 512), None), ((200, 272, 128), 2)):
+        lead = (L,) if L else ()
+        ops = {"s": torch.rand(N // 2, dtype=torch.float64) + 0.5, "r": torch.rand(*lead, M, dtype=torch.float64) + 0.5}
+        _check_fused(epi, M, N, K, ops, cfg=cfg, L=L)
+
+
+def test_linear_pairs_operand_gradients():
+    """coda.ops.linear over a pairs epilogue with reductions: gradients of x, w and the VecN / VecM operands (the
+    backward is a 2 -> 2 pairs epilogue with per-pair reduce_m / per-row reduce_n) vs float64 autograd."""
+    from hook_epilogues import scaled_swiglu_stats as epi
+    M, N, K = 384, 1040, 256
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.05).requires_grad_()
+    s = (torch.rand(N // 2, device=DEV) + 0.5).requires_grad_()
+    r = (torch.rand(M, device=DEV) + 0.5).requires_grad_()
+    res = coda.ops.linear(x, w, epilogue=epi, s=s, r=r)
+    ups = {k: torch.randn(v.shape, device=DEV, dtype=torch.float64) for k, v in res.items() if k != "mx"}
+    ours = torch.autograd.grad(sum((res[k].double() * u).sum() for k, u in ups.items()), [x, w, s, r])
+
+    def torch_model(dt):
+        x_, w_ = (t.detach().to(dt).requires_grad_() for t in (x, w))
+        s_, r_ = (t.detach().double().requires_grad_() for t in (s, r))
+        h = (x_ @ w_.T).double()
+        g, u = h[:, 0::2], h[:, 1::2]
+        y = torch.nn.functional.silu(g) * u * s_ * r_.unsqueeze(-1)
+        if dt != torch.float64:
+            y = y.to(dt).double()
+        outs = {"out": y, "ss": (y * y).sum(-1), "cs": (u * s_).sum(-2),
+                "lse": torch.logsumexp(g * r_.unsqueeze(-1), -1)}
+        return torch.autograd.grad(sum((outs[k] * u_).sum() for k, u_ in ups.items()), [x_, w_, s_, r_])
+
+    ref, theirs = torch_model(torch.float64), torch_model(torch.bfloat16)
+    for name, o, r_, t in zip("xwsr", ours, ref, theirs):
+        assert rel(o, r_) <= 2 * rel(t, r_) + 1e-3, (name, rel(o, r_), rel(t, r_))

@@ -235,7 +235,7 @@ def empty_reductions(epi: Epilogue, prob) -> dict:
     M = prob.M * (prob.L if prob.b_broadcast else 1)
     res = {}
     for r in epi.reductions:
-        length = M if r.axis == "n" else prob.N
+        length = M if r.axis == "n" else epi.operand_cols(prob.N)  # per column, or per pair j
         fill = 0.0 if r.op == "sum" else -math.inf
         res[r.name] = torch.full((L, length), fill, dtype=torch.float32, device=prob.device)
     return res

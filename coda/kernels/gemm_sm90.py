@@ -382,7 +382,7 @@ class GemmSm90:
                         row_acc[ri][g] = val if e == 0 else self._combine(r.op, row_acc[ri][g], val)
             # per-column (axis m) reductions: over the tile's rows, through shared memory
             if cutlass.const_expr(len(self.red_m) > 0):
-                self._reduce_m(results, cols_of, cSub, red_tensors, m, l, M, N)
+                self._reduce_m(results, cols_of, c_sub, cSub, red_tensors, m, l, M, N)
             # tile outputs: convert, stmatrix into this sub-tile's buffer, then one warp TMA-stores them
             buf = buf_base + (tiles_done * n_epi + e) % self.epi_stages
             for i in cutlass.range_constexpr(len(epi["parts"])):
@@ -428,23 +428,29 @@ class GemmSm90:
                                (lane % 4 == 0) & (row < M) & (n * cfg.tile_n < N))
 
     @cute.jit
-    def _reduce_m(self, results, cols_of, cSub, red_tensors, m, l, M, N):
+    def _reduce_m(self, results, cols_of, c_static, cSub, red_tensors, m, l, M, N):
         """Per-column partials of this sub-tile: in-thread over a column's registers, then across the 8 lanes that
-        share the column; lanes 0-3 of each warp write one partial per (column, warp slot of the M-tile)."""
+        share the column; lanes 0-3 of each warp write one partial per (column, warp slot of the M-tile). In a
+        pairs epilogue a reduction has one value per pair, held by the even column's registers (the odd
+        column's hold the neutral element and are skipped): the partial of pair j = column // 2."""
         lane = cute.arch.lane_idx()
         warps = self.cfg.warps_per_tile
         warp_slot = m * warps + cute.arch.warp_idx() % warps  # warps 4..11 (coop) or 4..7 / 8..11 (ping-pong)
         for ri, r in enumerate(self.red_m):
             for g, regs in enumerate(cols_of):
+                if cutlass.const_expr(self.pair_mode is not None and c_static[regs[0]][1] % 2 == 1):
+                    continue
                 val = results[r.name][regs[0]]
                 for v in regs[1:]:
                     val = self._combine(r.op, val, results[r.name][v])
                 for off in (4, 8, 16):  # lanes with the same lane % 4 hold the same columns
                     val = self._combine(r.op, val, cute.arch.shuffle_sync_bfly(val, offset=off))
-                col = cSub[regs[0]][1]
+                col, n_cols = cSub[regs[0]][1], N
+                if cutlass.const_expr(self.pair_mode is not None):
+                    col, n_cols = col // 2, N // 2
                 # padded M-tiles (cluster shape, swizzle) have no slot in the partial buffer
                 self._store_if(red_tensors[len(self.red_n) + ri], (col, warp_slot, l), val,
-                               (lane < 4) & (col < N) & (m * self.cfg.tile_m < M))
+                               (lane < 4) & (col < n_cols) & (m * self.cfg.tile_m < M))
 
     @cute.jit
     def _store_if(self, t, idx, val, pred):
@@ -594,6 +600,14 @@ class GemmSm90:
             if r0 != r1 or c1 != c0 + 1 or c0 % 2:
                 raise RuntimeError(f"registers {2 * p}, {2 * p + 1} are not a column pair: {(r0, c0)}, {(r1, c1)}")
             res = self.epi.visit((rD[2 * p], rD[2 * p + 1]), lazy.env(2 * p, pair=True))
+            if cutlass.const_expr(len(self.epi.reductions) > 0):
+                # one value per pair, kept in the even register, the neutral element in the odd one: the per-row
+                # and per-column reductions then run over registers as usual (_reduce_m skips odd columns)
+                inside = (lazy.coord(2 * p, 0) < M) & (lazy.coord(2 * p, 1) < N)
+                for r in self.epi.reductions:
+                    neutral = cutlass.Float32(0.0 if r.op == "sum" else -math.inf)
+                    val = cutlass.select_(inside, cutlass.Float32(res.pop(r.name)), neutral)
+                    out.setdefault(r.name, []).extend([val, neutral])
             if cutlass.const_expr(self.pair_mode == "full"):
                 out.setdefault("out", []).extend([res["out"], res[ODD_OUT]])
             else:
