@@ -94,7 +94,28 @@ def test_generated_epilogues_fused(spec):
     epi = make_epilogue(spec)
     M, N, K = 201, 144, 72  # N/2 = 72: a pairs epilogue's bf16 output rows stay 16-byte aligned
     g = torch.Generator().manual_seed(2)
-    _check_fused(epi, M, N, K, random_operands(spec, None, M, N, gen=g), floor=2e-3)
+    ops = random_operands(spec, None, M, N, gen=g)
+    _check_fused(epi, M, N, K, ops, floor=2e-3)
+    # the sympy-derived backward epilogue of the same program, fused, vs float64: upstream gradients of every
+    # output and reduction, operand gradients (not of TileMN operands of a pairs epilogue: unsupported)
+    from coda.autodiff import backward_epilogue, grad_name, value_name
+    from coda.dsl import ODD_OUT
+    pairs = spec.get("pairs")
+    needs = tuple(k for k, kind in spec["kinds"].items() if not (pairs and kind == "tile"))
+    keys = ["out", *epi.outputs, *(r.name for r in epi.reductions)]
+    bwd = backward_epilogue(epi, tuple(keys), needs)
+    bops = {k: (v.double() if torch.is_tensor(v) else v) for k, v in ops.items()}
+    nc = epi.operand_cols(N)
+    for k in ["out", *epi.outputs]:
+        bops[grad_name(k)] = torch.randn(M, nc, generator=g, dtype=torch.float64)
+    if pairs == "full":
+        bops[grad_name(ODD_OUT)] = torch.randn(M, nc, generator=g, dtype=torch.float64)
+    for r in epi.reductions:
+        n = M if r.axis == "n" else nc
+        bops[grad_name(r.name)] = torch.randn(n, generator=g, dtype=torch.float64)
+        if r.op != "sum":
+            bops[value_name(r.name)] = torch.randn(n, generator=g, dtype=torch.float64) + 4
+    _check_fused(bwd, M, N, K, bops, floor=2e-3)
 
 
 @pytest.mark.parametrize("save_preact", [False, True])
