@@ -278,6 +278,9 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
         it[0] = (it[0] + 1) % nbuf
         return As[it[0]], Bs[it[0]]
 
+    def time_cfg(cfg):
+        return bench(lambda: coda.gemm(*rot(), epilogue=epi, out=out, config=cfg, **operands), rep_ms)
+
     rows: list = []
     bar = Progress(len(cands), f"coda.autotune {prob.M}x{prob.N}x{prob.K} {device_info(prob.device).name}") \
         if progress else None
@@ -296,7 +299,7 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
                 else:
                     if unchecked:
                         row.status = "ok (unchecked: the fp32 reference would not fit in memory)"
-                    row.ms = bench(lambda: coda.gemm(*rot(), epilogue=epi, out=out, config=cfg, **operands), rep_ms)
+                    row.ms = time_cfg(cfg)
             except Exception as e:  # reported in the table; a faulting kernel may still poison the context
                 row.status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             rows.append(row)
@@ -320,9 +323,6 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
     finally:
         if bar is not None:
             bar.close()
-    def time_cfg(cfg):
-        return bench(lambda: coda.gemm(*rot(), epilogue=epi, out=out, config=cfg, **operands), rep_ms)
-
     best_row = runoff(rows, default, time_cfg)
     default_row = next((r for r in rows if r.config == default), None)
     return TuneResult(best=best_row.config if best_row else default, best_ms=best_row.ms if best_row else None,

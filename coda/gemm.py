@@ -253,10 +253,9 @@ def _make_plan(fn, cute_args, views, handle, prob, cfg, epi, tensors, device_ind
     # an epilogue with tensor operands only (no extra outputs, no reductions, no scalars) whose kernel arguments
     # are the operands' own memory (views): a repeated call only needs the operands' data pointers
     plan.operand_names = None
-    if (plan.has_epi_args and epi.stores_out and not epi.outputs and not epi.kernel_reductions()
+    if (plan.has_epi_args and not epi.outputs and not epi.kernel_reductions()
             and all(op.kind != "scalar" and isinstance(operands.get(op.name), torch.Tensor)
-                    and v.data_ptr() == operands[op.name].data_ptr() for op, v in zip(epi.operands, views[3:]))
-            and len(views) == 3 + len(epi.operands)):
+                    and v.data_ptr() == operands[op.name].data_ptr() for op, v in zip(epi.operands, views[3:]))):
         plan.operand_names = tuple(op.name for op in epi.operands)
     a, b, out = tensors
     plan.extents = (_launch.byte_extent(a), _launch.byte_extent(b), 0 if out is None else _launch.byte_extent(out))

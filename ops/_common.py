@@ -37,6 +37,15 @@ def backward_gemm(a: torch.Tensor, b: torch.Tensor, entry: str = "coda.ops") -> 
     return gemm_for(a.device, entry)(a, b)
 
 
+def linear_grads(dacc: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool,
+                 entry: str = "coda.ops"):
+    """(dX, dW) of a linear layer from the gradient of its accumulator: dX = dacc W (W^T an MN-major view) and
+    dW = dacc^T X (both operands transposed views), each through :func:`backward_gemm`; None where not needed."""
+    dx = backward_gemm(dacc, weight.t(), entry) if need_x else None
+    dw = backward_gemm(dacc.t(), x.t(), entry) if need_w else None
+    return dx, dw
+
+
 def check_tensors(entry: str, named) -> None:
     """``TypeError`` naming the first of the (name, value) pairs that is not a tensor."""
     for name, t in named:

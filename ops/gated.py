@@ -37,7 +37,7 @@ from torch import Tensor
 from coda.autodiff import grad_name
 from coda.epilogues.gated import geglu, geglu_erf, swiglu
 
-from ._common import backward_gemm, check_last_dim_contiguous, check_tensors, gemm_for
+from ._common import check_last_dim_contiguous, check_tensors, gemm_for, linear_grads
 from .linear import _backward_of
 
 __all__ = ["linear_swiglu", "linear_geglu", "interleave_gate_up", "deinterleave_gate_up"]
@@ -143,11 +143,8 @@ def _backward_op(dy: Tensor, x: Tensor, weight_gu: Tensor, kind: str, need_x: bo
         return (torch.zeros_like(x) if need_x else dx), (torch.zeros_like(weight_gu) if need_w else dw)
     bwd = _backward_of(_EPILOGUES[kind], ("out",), ())  # the 2 -> 2 pairs epilogue (dg, du), as in ops.linear
     dacc = gemm(x, weight_gu, epilogue=bwd, out_dtype=x.dtype, **{grad_name("out"): dy.contiguous()})
-    if need_x:
-        dx = backward_gemm(dacc, weight_gu.t(), entry)  # dX = dacc W: W^T is an MN-major view
-    if need_w:
-        dw = backward_gemm(dacc.t(), x.t(), entry)  # dW = dacc^T X: both transposed views
-    return dx, dw
+    gx, gw = linear_grads(dacc, x, weight_gu, need_x, need_w, entry)
+    return (dx if gx is None else gx), (dw if gw is None else gw)
 
 
 @_backward_op.register_fake

@@ -24,7 +24,7 @@ import torch
 from coda.autodiff import DGRAD, backward_epilogue, grad_name, value_name, with_preact
 from coda.dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, operand_symbol
 
-from ._common import backward_gemm, gemm_for
+from ._common import gemm_for, linear_grads
 
 __all__ = ["linear"]
 
@@ -103,9 +103,7 @@ class _Linear(torch.autograd.Function):
             res["out"] = res["out"].to(x2.dtype)
         res = res if isinstance(res, dict) else {"out": res}
         dacc = res["out"]
-        # dX = dacc W: b = W^T viewed (K, N), N-contiguous; dW = dacc^T X: both operands transposed views
-        dx = backward_gemm(dacc, weight.t(), "coda.ops.linear") if need_x else None
-        dw = backward_gemm(dacc.t(), x2.t(), "coda.ops.linear") if need_w else None
+        dx, dw = linear_grads(dacc, x2, weight, need_x, need_w, "coda.ops.linear")
         dops = []
         kinds = {o.name: o.kind for o in epi.operands}
         for n, t in zip(names, tensors):

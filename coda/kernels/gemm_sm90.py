@@ -533,7 +533,7 @@ class GemmSm90:
         (most of the epilogue's IR was per-element coordinate and clamp arithmetic before)."""
 
         def __init__(self, kernel, cSub, c_static, op_tensors, M, N):
-            self.k, self.cSub, self.c_static, self.M, self.N = kernel, cSub, c_static, M, N
+            self.cSub, self.c_static, self.M, self.N = cSub, c_static, M, N
             self.ops = list(zip(kernel.epi.operands, op_tensors))
             self.memo = {}
 
@@ -579,11 +579,7 @@ class GemmSm90:
         out = {}
         for v in range(n_v):
             res = self.epi.visit(rD[v], lazy.env(v))
-            if cutlass.const_expr(len(self.epi.reductions) > 0):
-                inside = (lazy.coord(v, 0) < M) & (lazy.coord(v, 1) < N)  # out-of-range elements: no reduction
-                for r in self.epi.reductions:
-                    neutral = cutlass.Float32(0.0 if r.op == "sum" else -math.inf)
-                    res[r.name] = cutlass.select_(inside, cutlass.Float32(res[r.name]), neutral)
+            self._mask_reductions(res, lazy, v, M, N)
             for key, val in res.items():
                 out.setdefault(key, []).append(val)
         return out
@@ -600,20 +596,28 @@ class GemmSm90:
             if r0 != r1 or c1 != c0 + 1 or c0 % 2:
                 raise RuntimeError(f"registers {2 * p}, {2 * p + 1} are not a column pair: {(r0, c0)}, {(r1, c1)}")
             res = self.epi.visit((rD[2 * p], rD[2 * p + 1]), lazy.env(2 * p, pair=True))
-            if cutlass.const_expr(len(self.epi.reductions) > 0):
-                # one value per pair, kept in the even register, the neutral element in the odd one: the per-row
-                # and per-column reductions then run over registers as usual (_reduce_m skips odd columns)
-                inside = (lazy.coord(2 * p, 0) < M) & (lazy.coord(2 * p, 1) < N)
-                for r in self.epi.reductions:
-                    neutral = cutlass.Float32(0.0 if r.op == "sum" else -math.inf)
-                    val = cutlass.select_(inside, cutlass.Float32(res.pop(r.name)), neutral)
-                    out.setdefault(r.name, []).extend([val, neutral])
+            self._mask_reductions(res, lazy, 2 * p, M, N)
+            # a reduction has one value per pair, kept in the even register, the neutral element in the odd one:
+            # the per-row and per-column reductions then run over registers as usual (_reduce_m skips odd columns)
+            for r in self.epi.reductions:
+                out.setdefault(r.name, []).extend([res.pop(r.name), self._neutral(r.op)])
             if cutlass.const_expr(self.pair_mode == "full"):
                 out.setdefault("out", []).extend([res["out"], res[ODD_OUT]])
             else:
                 for key, val in res.items():
                     out.setdefault(key, []).append(val)
         return out
+
+    @staticmethod
+    def _neutral(op):
+        return cutlass.Float32(0.0 if op == "sum" else -math.inf)
+
+    def _mask_reductions(self, res, lazy, v, M, N):
+        """Reduction values of out-of-range elements (register v: a padded row or column) -> the neutral element."""
+        if cutlass.const_expr(len(self.epi.reductions) > 0):
+            inside = (lazy.coord(v, 0) < M) & (lazy.coord(v, 1) < N)
+            for r in self.epi.reductions:
+                res[r.name] = cutlass.select_(inside, cutlass.Float32(res[r.name]), self._neutral(r.op))
 
     @staticmethod
     def _load(kind, t, row, col, l, M, N):
