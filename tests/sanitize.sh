@@ -1,26 +1,36 @@
 #!/usr/bin/env bash
-# compute-sanitizer memcheck and racecheck over a reduced tier of the GPU suite (run on the H100; ~6 minutes).
+# compute-sanitizer memcheck and racecheck over a reduced tier of the GPU suite (run on the H100; ~8-9 minutes).
 #
 #   tests/sanitize.sh              # both tools
 #   tests/sanitize.sh memcheck     # one tool
+#   tests/sanitize.sh --ids ...    # also list, per tool, the test ids that passed (or SANITIZE_IDS=1)
 #
 # CODA_TEST_TIER=small shrinks tests/test_reliability_gpu.py (shapes, configs, repetitions); the existing GPU files
 # have no tier, so a few small test ids are picked from them. Kernels run 10-100x slower under the sanitizer and
 # the CuTe DSL compiles ~1-2 s per kernel (the on-disk compile cache, ~/.cache/coda or $CODA_CACHE_DIR, makes a
 # second run faster). Each tool has a wall-clock budget (MEMCHECK_BUDGET / RACECHECK_BUDGET seconds); one line per
-# tool is printed at the end, and the full logs are kept (their paths are in that line).
+# tool is printed at the end, and the full logs are kept (their paths are in that line). With --ids, the ids that
+# passed under each tool are printed first (lines not starting with the tool's name); the summary lines stay last.
 # Exit status: 0 if every tool ran its tests green with 0 sanitizer errors, else 1.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 SANITIZER=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
 PYTHON=${PYTHON:-python}
-MEMCHECK_BUDGET=${MEMCHECK_BUDGET:-210}
-RACECHECK_BUDGET=${RACECHECK_BUDGET:-150}
+# estimate on the H100 (cold compile cache): memcheck ~300 s, racecheck ~200 s; budget + 20 s < a 600 s command
+MEMCHECK_BUDGET=${MEMCHECK_BUDGET:-480}
+RACECHECK_BUDGET=${RACECHECK_BUDGET:-360}
 LOGDIR=${LOGDIR:-$(mktemp -d /tmp/coda-sanitize.XXXXXX)}
 mkdir -p "$LOGDIR"
-TOOLS=("${@:-memcheck racecheck}")
-TOOLS=(${TOOLS[*]})
+LIST_IDS=${SANITIZE_IDS:-0}
+ARGS=()
+for arg in "$@"; do
+  case "$arg" in
+    --ids) LIST_IDS=1 ;;
+    *) ARGS+=("$arg") ;;
+  esac
+done
+read -r -a TOOLS <<<"${ARGS[*]:-memcheck racecheck}"
 
 export CODA_TEST_TIER=small
 export CODA_AUTOTUNE=0                      # heuristic configs: no tuning runs under the sanitizer
@@ -31,7 +41,8 @@ if [ ! -x "$SANITIZER" ]; then
 fi
 
 # memcheck: reliability (no cold-compile thread test: it only recompiles), plain GEMM edges, MN-major, batched /
-# broadcast, every epilogue-operand kind, reductions, and the partial-buffer guard test.
+# broadcast, every epilogue-operand kind, reductions, and the partial-buffer guard test; then each library epilogue
+# and each op of coda.ops, forward and backward (one small shape, the heuristic config).
 MEMCHECK_TESTS=(
   "tests/test_reliability_gpu.py"
   "tests/test_gemm_gpu.py::test_shapes_default_config[dtype0-1-8-8]"
@@ -42,19 +53,53 @@ MEMCHECK_TESTS=(
   "tests/test_gemm_gpu.py::test_batched_broadcast_weight"
   "tests/test_epilogue_hook_gpu.py::test_everything[2-128x128_pp_c1x1_rm8-test_everything]"
   "tests/test_epilogue_hook_gpu.py::test_partials_stay_in_bounds[128x256_coop_c2x1_rm8]"
+  # coda.ops.linear fwd + bwd: every operand kind, extra output, n/m/max/logsumexp reductions, operand gradients
+  "tests/test_dsl_gpu.py::test_linear_forward_backward[False]"
+  # coda.ops.linear over pairs epilogues: half pairs + reductions (operand grads), 2 -> 2 rotation backward
+  "tests/test_dsl_gpu.py::test_linear_pairs_operand_gradients"
+  "tests/test_dsl_gpu.py::test_linear_rotation_backward"
+  # pairs-epilogue reductions (per row and per pair column), ragged + batched, 64x256 ping-pong 2x1 cluster
+  "tests/test_dsl_gpu.py::test_pairs_reductions_fused[64x256_pp_c2x1_rm8]"
+  # epilogues/rope.py + coda.ops.linear_rope fwd + bwd (K = 0 rotation GEMM, dX, dW), batched, V unrotated
+  "tests/test_rope_gpu.py::test_linear_rope_fwd_bwd[lead1-520-64-6-4-None]"
+  # epilogues/gated.py swiglu / geglu / geglu_erf + coda.ops.linear_swiglu / linear_geglu fwd + bwd (dX, dW)
+  "tests/test_gated_gpu.py::test_ragged_fwd_bwd[lead0-520-776-swiglu]"
+  "tests/test_gated_gpu.py::test_ragged_fwd_bwd[lead0-520-776-geglu_tanh]"
+  "tests/test_gated_gpu.py::test_ragged_fwd_bwd[lead0-520-776-geglu_none]"
+  # epilogues/cross_entropy.py + coda.ops.linear_cross_entropy: smoothing + z-loss (ce_*_smooth / _general, two
+  # vocab chunks -> accumulate, V tail, ragged M), then plain ce_forward / ce_backward with dW on the kernel
+  "tests/test_cross_entropy_gpu.py::test_matches_torch_2x_rule[0.1-0.001-mean-333-1003-256-512]"
+  "tests/test_cross_entropy_gpu.py::test_huge_logits"
+  # epilogues/rmsnorm.py (rmsnorm_scale, rmsnorm_dgrad, rmsnorm_dgrad_residual) + coda.ops.rmsnorm_linear fwd+bwd
+  "tests/test_rmsnorm_linear_gpu.py::test_ragged_fwd_bwd[lead0-520-776-False]"
+  "tests/test_rmsnorm_linear_gpu.py::test_ragged_fwd_bwd[lead0-520-776-True]"
+  # coda.nn / coda.fuse: rmsnorm_swiglu (rms_swiglu, the first GEMM of coda.ops.mlp), RMSNormLinear, LM-head CE
+  "tests/test_nn_gpu.py::test_fuse_matches_stock_on_cuda"
 )
+# not covered, no GPU test exists: epilogues/scale_bias.py (ScaleBias, ScaleBiasSumsq: only coda.bench and
+# examples/quickstart.py run them, at 8192^3) and coda.ops.mlp's second GEMM (residual_add).
 MEMCHECK_K="not cold"  # the explicit ids below do not contain "cold"
 
-# racecheck (shared-memory hazards): one cooperative cluster config, one ping-pong config, per-column reductions.
+# racecheck (shared-memory hazards): one cooperative cluster config, one ping-pong config, per-column reductions;
+# then one test per epilogue family, forward and backward.
 RACECHECK_TESTS=(
   "tests/test_reliability_gpu.py::test_bitwise_deterministic"
   "tests/test_gemm_gpu.py::test_shapes_default_config[dtype0-127-200-72]"
   "tests/test_epilogue_hook_gpu.py::test_three_reductions[128x256_coop_c2x1_rm8-True]"
+  # 2 -> 2 pairs: rope (coda.ops.linear_rope, ragged M)
+  "tests/test_rope_gpu.py::test_linear_rope_fwd_bwd[lead0-264-128-4-None-None]"
+  # half pairs: swiglu (coda.ops.linear_swiglu, M = 999)
+  "tests/test_gated_gpu.py::test_ragged_fwd_bwd[lead2-264-136-swiglu]"
+  # logsumexp reduction, no main output: cross entropy (coda.ops.linear_cross_entropy)
+  "tests/test_cross_entropy_gpu.py::test_huge_logits"
+  # axis-m (per pair column) and per-row reductions in a pairs epilogue, fwd + 2 -> 2 bwd (coda.ops.linear)
+  "tests/test_dsl_gpu.py::test_linear_pairs_operand_gradients"
 )
 RACECHECK_K=""
 
 status=0
 summaries=()
+idlists=()
 for tool in "${TOOLS[@]}"; do
   case "$tool" in
     memcheck) tests=("${MEMCHECK_TESTS[@]}"); kexpr="$MEMCHECK_K"; budget=$MEMCHECK_BUDGET ;;
@@ -67,7 +112,7 @@ for tool in "${TOOLS[@]}"; do
   [ -n "$kexpr" ] && kargs=(-k "$kexpr")
   timeout --signal=INT --kill-after=20 "$budget" \
     "$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 50 \
-    "$PYTHON" -m pytest -q -p no:cacheprovider -x "${kargs[@]}" "${tests[@]}" >"$log" 2>&1
+    "$PYTHON" -m pytest -q -p no:cacheprovider -x -rap "${kargs[@]}" "${tests[@]}" >"$log" 2>&1
   rc=$?
   secs=$(( $(date +%s) - start ))
   errs=$(grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$log" | awk '{s += $3} END {print (NR ? s : "n/a")}')
@@ -85,7 +130,15 @@ for tool in "${TOOLS[@]}"; do
   api=$(grep -c 'Program hit CUDA_ERROR' "$log")
   line="$tool: $verdict; sanitizer errors: $errs (memory access: $mem, host API: $api)${hazards:+; racecheck hazards: $hazards}; pytest: ${pyline:-no summary}; ${secs}s; log $log"
   summaries+=("$line")
+  if [ "$LIST_IDS" = 1 ]; then  # pytest -rap: one 'PASSED <id>' line per passed test in the short summary
+    passed=$(grep -E '^PASSED ' "$log" | sed 's/^PASSED /  /')
+    n=$(grep -cE '^PASSED ' "$log")
+    block="passed under $tool ($n):"
+    [ -n "$passed" ] && block+=$'\n'"$passed"
+    idlists+=("$block")
+  fi
   [ "$rc" = 0 ] && [ "$errs" = 0 ] || status=1
 done
+for block in "${idlists[@]}"; do echo "$block"; done
 for line in "${summaries[@]}"; do echo "$line"; done
 exit $status
