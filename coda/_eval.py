@@ -236,7 +236,8 @@ class CuteOps:
     def not_(self, a): return self.c.select_(a, self.c.Boolean(False), self.c.Boolean(True))
 
     def sigmoid(self, x):
-        return self.F(1.0) / (self.F(1.0) + self.cute.math.exp(-x, fastmath=True))
+        # rcp.approx (1 ulp) instead of an IEEE division: 1 + exp(-x) >= 1, so no cancellation; -> 0 for x -> -inf
+        return self.cute.arch.rcp_approx(self.F(1.0) + self.cute.math.exp(-x, fastmath=True))
 
     def cmp(self, op, a, b):
         if op == "<":

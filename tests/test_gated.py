@@ -2,6 +2,7 @@
 the derivative algebra checked with sympy on the library epilogues' traced expressions, fwd/bwd vs float64 autograd
 of the unfused projection (2x rule), the interleaved weight layout, torch.library.opcheck, torch.compile, errors."""
 import importlib
+import random
 
 import pytest
 import sympy as sp
@@ -40,14 +41,29 @@ def _explicit(e):
 def test_derivative_algebra(epi):
     act, dact = _documented()[epi]
     assert epi.pair_mode == "half"
-    assert sp.simplify(epi.exprs["out"] - act * U) == 0  # forward: a = act(g) u
+    assert _equal(epi.exprs["out"], act * U)  # forward: a = act(g) u
     # the documented derivative is the derivative (plain sympy diff of the unfused expression)
     assert sp.simplify(_explicit(DA * U * dact) - sp.diff(_explicit(DA * act * U), G)) == 0
     # the backward epilogue coda.autodiff derives (what the ops run) is dg = da u act'(g), du = da act(g)
     bwd = backward_epilogue(epi, ("out",), ())
     assert bwd.pair_mode == "full" and [o.name for o in bwd.operands] == [grad_name("out")]
-    assert sp.simplify(bwd.exprs["out"] - DA * U * dact) == 0
-    assert sp.simplify(bwd.exprs[ODD_OUT] - DA * act) == 0
+    assert _equal(bwd.exprs["out"], DA * U * dact)
+    assert _equal(bwd.exprs[ODD_OUT], DA * act)
+
+
+def _equal(a, b) -> bool:
+    """a == b as functions: sympy proves it, or (the tanh form of GELU vs the sigmoid form the epilogue uses,
+    which simplify does not always see through) they agree at random points to 1e-12 (the 15-digit sympy Float
+    0.044715 times 3 is rounded differently on the two sides)."""
+    d = _explicit(a - b)
+    if sp.simplify(d) == 0:
+        return True
+    rng = random.Random(0)
+    for _ in range(12):
+        pt = {s: sp.Rational(rng.randint(-3000, 3000), 1000) for s in d.free_symbols}
+        if abs(sp.N(d.subs(pt), 50)) > 1e-12:
+            return False
+    return True
 
 
 # ------------------------------------------------------------------------------ numerics vs float64 autograd
