@@ -174,6 +174,24 @@ class Epilogue:
 IDENTITY = Epilogue()
 
 
+def staged_operands(epi: Epilogue, cfg) -> list:
+    """[(operand index, values per tile)] of the VecN / VecM operands the kernel stages through shared memory: a
+    tile's values (tile_n columns -- tile_n / 2 pairs in a pairs epilogue -- or tile_m rows) are loaded from global
+    memory before the tile's mainloop and read by the epilogue at shared-memory latency."""
+    out = []
+    for i, o in enumerate(epi.operands):
+        if o.kind == "vec_n":
+            out.append((i, cfg.tile_n // 2 if epi.pair_mode else cfg.tile_n))
+        elif o.kind == "vec_m":
+            out.append((i, cfg.tile_m))
+    return out
+
+
+def staged_smem_bytes(epi: Epilogue, cfg) -> int:
+    """Shared memory of the staged operands: fp32, one buffer per consumer tile in flight, 16-byte aligned."""
+    return sum(4 * n + 16 for _, n in staged_operands(epi, cfg)) * (2 if cfg.pingpong else 1)
+
+
 def finish_reduction(partials, op: str):
     """Finish a tile-partial reduction: partials (L, tiles, len) -> (L, len). Deterministic (fixed order)."""
     if op == "sum":

@@ -39,7 +39,8 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ..config import GemmConfig
-from .epilogue import MAX_EPI_TENSORS, ODD_OUT, Epilogue, EpiEnv  # noqa: F401 (MAX_EPI_TENSORS: the x-slots)
+from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, EpiEnv, staged_operands,  # noqa: F401 (the x-slots)
+                       staged_smem_bytes)
 
 WG_THREADS = 128
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -63,6 +64,7 @@ class GemmSm90:
         self.epi_stages = 2
         self.red_n = [r for r in epi.reductions if r.axis == "n"]
         self.red_m = [r for r in epi.reductions if r.axis == "m"]
+        self.staged = staged_operands(epi, cfg)  # VecN / VecM operands read through shared memory (3b)
 
     # ------------------------------------------------------------------------------------------------ phase 0: host
     @cute.jit
@@ -103,6 +105,7 @@ class GemmSm90:
             self.acc_dtype, self.atom_layout, tiler_mn=(64, cfg.tile_n))
 
         self.ab_stage = cfg.derive_stages([d.width // 8 for d in out_dtypes],
+                                          extra_smem=staged_smem_bytes(self.epi, cfg),
                                           in_bytes=self.ab_dtype.width // 8)
         a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
@@ -186,6 +189,9 @@ class GemmSm90:
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sOuts = [smem.allocate_tensor(self.out_dtypes[i], sl.outer, byte_alignment=1024,
                                       swizzle=sl.inner) for i, sl in enumerate(epi_smems)]
+        # staged VecN / VecM operands: (values per tile, consumer tile in flight), fp32
+        sOps = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((n, self.num_tiles_in_flight)),
+                                     byte_alignment=16) for _, n in self.staged]
 
         gA = cute.local_tile(mA, (cfg.tile_m, cfg.tile_k), (None, None, None))  # (bM, bK, m, k, l)
         gB = cute.local_tile(mB, (cfg.tile_n, cfg.tile_k), (None, None, None))  # (bN, bK, n, k, l)
@@ -221,11 +227,11 @@ class GemmSm90:
         else:
             # ---- phase 3: consumers
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consumer(tidx, wg_idx - 1, mainloop, k_tiles, sA, sB, sOuts, tiled_mma, mD, store_atoms,
+            self.consumer(tidx, wg_idx - 1, mainloop, k_tiles, sA, sB, sOuts, sOps, tiled_mma, mD, store_atoms,
                           store_tensors, op_tensors, red_tensors, sched_params)
 
     @cute.jit
-    def consumer(self, tidx, cwg, mainloop, k_tiles, sA, sB, sOuts, tiled_mma, mD, store_atoms,
+    def consumer(self, tidx, cwg, mainloop, k_tiles, sA, sB, sOuts, sOps, tiled_mma, mD, store_atoms,
                  store_tensors, op_tensors, red_tensors, sched_params):
         cfg = self.cfg
         pp = cfg.pingpong
@@ -259,9 +265,15 @@ class GemmSm90:
             num_stages=self.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads))
         tiles_done = cutlass.Int32(0)
+        # run-time Scalar operands: read once per kernel
+        scalars = {o.name: op_tensors[i][0].to(cutlass.Float32)
+                   for i, o in enumerate(self.epi.operands) if o.kind == "scalar"}
 
         while work.is_valid_tile:
             m, n, l = work.tile_idx
+            # this tile's VecN / VecM operand values, loaded now so the global-memory latency hides under the
+            # mainloop; the epilogue writes them to shared memory
+            pre = self._prefetch(op_tensors, m, n, l, etidx)
             # ---- 3a mainloop
             if cutlass.const_expr(pp):
                 cute.arch.barrier(barrier_id=BAR_ORDER + cwg, number_of_threads=2 * WG_THREADS)
@@ -296,7 +308,7 @@ class GemmSm90:
 
             # ---- 3b epilogue
             self._epilogue(epi, acc, m, n, l, tiles_done, store_pipe, mD, store_atoms, store_tensors,
-                           op_tensors, red_tensors, cwg)
+                           op_tensors, red_tensors, cwg, dict(pre=pre, sOps=sOps, scalars=scalars))
             tiles_done += 1
             sched.advance_to_next_work(advance_count=tile_step)
             work = sched.get_current_work()
@@ -331,9 +343,28 @@ class GemmSm90:
         return dict(parts=parts, tiled=tiled0, thr=thr0, souts=sOuts, tiled_mma=tiled_mma, rshape=rshape,
                     cloc=cloc)
 
+    def _prefetch(self, op_tensors, m, n, l, etidx):
+        """[[(value, index in the tile's buffer, store predicate or None)] per staged operand]: each epilogue
+        thread loads every epi_threads-th value of the tile (clamped indices: padded rows / columns are computed,
+        never stored)."""
+        pre = []
+        for i, length in self.staged:
+            t, kind = op_tensors[i], self.epi.operands[i].kind
+            vals = []
+            for j in range((length + self.epi_threads - 1) // self.epi_threads):
+                c = etidx + j * self.epi_threads
+                pred = None if (j + 1) * self.epi_threads <= length else c < length
+                if cutlass.const_expr(kind == "vec_n"):
+                    v = t[cutlass.min(n * length + c, t.shape[0] - 1)]
+                else:
+                    v = t[cutlass.min(m * length + c, t.shape[0] - 1), l]
+                vals.append((v.to(cutlass.Float32), c, pred))
+            pre.append(vals)
+        return pre
+
     @cute.jit
     def _epilogue(self, epi, acc, m, n, l, tiles_done, store_pipe, mD, store_atoms, store_tensors, op_tensors,
-                  red_tensors, cwg):
+                  red_tensors, cwg, stage):
         cfg = self.cfg
         pp = cfg.pingpong
         M, N = mD.shape[0], mD.shape[1] * (2 if self.half else 1)  # N: the accumulator's columns
@@ -355,6 +386,19 @@ class GemmSm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         store_warp = warp == (4 + 4 * cwg if pp else 4)
         names = self.store_names
+        # staged operands -> this consumer tile's shared-memory buffer (the previous tile's epilogue finished
+        # reading it before its last barrier)
+        slot = cwg if pp else 0
+        for k in cutlass.range_constexpr(len(self.staged)):
+            for v, c, pred in stage["pre"][k]:
+                if cutlass.const_expr(pred is None):
+                    stage["sOps"][k][(c, slot)] = v
+                else:
+                    self._store_if(stage["sOps"][k], (c, slot), v, pred)
+        if cutlass.const_expr(len(self.staged) > 0):
+            bar.arrive_and_wait()
+        staged = {self.epi.operands[i].name: (stage["sOps"][k], slot) for k, (i, _) in enumerate(self.staged)}
+        lbase = epi["cloc"][0]  # this thread's register 0 in the sub-tile: (row, column) local to the tile
         row_acc = [[None] * len(rows_of) for _ in self.red_n]
         cSub0 = None
 
@@ -365,8 +409,9 @@ class GemmSm90:
                 cSub = epi["thr"].partition_S(cEpi[(None, None, 0, e)])
                 if cutlass.const_expr(e == 0):
                     cSub0 = cSub
-                results = (self._visit_pairs(rD, cSub, c_sub, n_v, op_tensors, M, N) if self.pair_mode
-                           else self._visit_all(rD, cSub, c_sub, n_v, op_tensors, M, N))
+                lazy = self._Lazy(self, cSub, c_sub, op_tensors, M, N,
+                                  (lbase, e * cfg.epi_n, staged, stage["scalars"]))
+                results = self._visit_pairs(rD, lazy, c_sub, n_v) if self.pair_mode else self._visit_all(rD, lazy, n_v)
             else:
                 results = {"out": [rD[v] for v in range(n_v)]}
             # per-row (axis n) reductions: one row's registers combined in-thread, carried across sub-tiles
@@ -532,9 +577,12 @@ class GemmSm90:
         few threads at trace time. VecN values are shared by the registers of one column, VecM by one row
         (most of the epilogue's IR was per-element coordinate and clamp arithmetic before)."""
 
-        def __init__(self, kernel, cSub, c_static, op_tensors, M, N):
+        def __init__(self, kernel, cSub, c_static, op_tensors, M, N, local):
             self.cSub, self.c_static, self.M, self.N = cSub, c_static, M, N
             self.ops = list(zip(kernel.epi.operands, op_tensors))
+            # (register 0's tile-local coordinates, the sub-tile's first column, staged {name: (smem, slot)},
+            # run-time scalars {name: value})
+            self.lbase, self.col0, self.staged, self.scalars = local
             self.memo = {}
 
         def _get(self, key, make):
@@ -548,6 +596,23 @@ class GemmSm90:
             d = 0 if i == 2 else self.c_static[v][i] - self.c_static[0][i]
             return base[i] if d == 0 else self._get(("c", i, d), lambda: base[i] + d)
 
+        def local(self, v, i):
+            """Mode i (0 row, 1 column) of register v's coordinate inside the CTA tile."""
+            d = self.c_static[v][i] - self.c_static[0][i] + (self.col0 if i == 1 else 0)
+            return self.lbase[i] if d == 0 else self._get(("l", i, d), lambda: self.lbase[i] + d)
+
+        def operand(self, op, t, v, pair, row, col, n_cols):
+            """Operand ``op``'s value at register v: staged in shared memory, a scalar, or loaded from global."""
+            if op.kind == "scalar":
+                return self.scalars[op.name]
+            if op.name in self.staged:
+                sT, slot = self.staged[op.name]
+                if op.kind == "vec_m":
+                    return sT[(self.local(v, 0), slot)]
+                c = self.local(v, 1)
+                return sT[(c // 2 if pair else c, slot)]
+            return GemmSm90._load_tile(t, row, col, lambda: self.coord(v, 2), self.M, n_cols)
+
         def env(self, v, pair: bool = False):
             """The EpiEnv of register v (of the pair starting at v: column index j = col // 2)."""
             rs, cs = self.c_static[v]
@@ -559,8 +624,7 @@ class GemmSm90:
             for op, t in self.ops:
                 key = {"vec_n": (cs,), "vec_m": (rs,), "scalar": ()}.get(op.kind, (rs, cs))
                 loaders[op.name] = (lambda op=op, t=t, key=key: self._get(
-                    ("op", op.name) + key,
-                    lambda: GemmSm90._load(op.kind, t, row, col, lambda: self.coord(v, 2), self.M, n_cols)))
+                    ("op", op.name) + key, lambda: self.operand(op, t, v, pair, row, col, n_cols)))
             return EpiEnv(row, col, loaders)
 
     def _check_affine(self, epi, c_static, n_v):
@@ -573,30 +637,28 @@ class GemmSm90:
                         raise RuntimeError(f"epilogue coordinates are not affine in (thread, register): "
                                            f"thread {t}, register {v}")
 
-    def _visit_all(self, rD, cSub, c_static, n_v, op_tensors, M, N):
+    def _visit_all(self, rD, lazy, n_v):
         """Call the hook on every element; returns {key: [value per register]}."""
-        lazy = self._Lazy(self, cSub, c_static, op_tensors, M, N)
         out = {}
         for v in range(n_v):
             res = self.epi.visit(rD[v], lazy.env(v))
-            self._mask_reductions(res, lazy, v, M, N)
+            self._mask_reductions(res, lazy, v)
             for key, val in res.items():
                 out.setdefault(key, []).append(val)
         return out
 
-    def _visit_pairs(self, rD, cSub, c_static, n_v, op_tensors, M, N):
+    def _visit_pairs(self, rD, lazy, c_static, n_v):
         """Call the hook once per column pair (2j, 2j+1): in the accumulator fragment a thread holds both columns
         of a pair in consecutive registers (checked on thread 0's static coordinates). Operands are indexed by the
         pair j (VecN of N/2, TileMN of M x N/2). Returns {key: [one value per pair]}, or for a 2 -> 2 epilogue
         {"out": [one value per register]}."""
-        lazy = self._Lazy(self, cSub, c_static, op_tensors, M, N)
         out = {}
         for p in range(n_v // 2):
             (r0, c0), (r1, c1) = c_static[2 * p], c_static[2 * p + 1]
             if r0 != r1 or c1 != c0 + 1 or c0 % 2:
                 raise RuntimeError(f"registers {2 * p}, {2 * p + 1} are not a column pair: {(r0, c0)}, {(r1, c1)}")
             res = self.epi.visit((rD[2 * p], rD[2 * p + 1]), lazy.env(2 * p, pair=True))
-            self._mask_reductions(res, lazy, 2 * p, M, N)
+            self._mask_reductions(res, lazy, 2 * p)
             # a reduction has one value per pair, kept in the even register, the neutral element in the odd one:
             # the per-row and per-column reductions then run over registers as usual (_reduce_m skips odd columns)
             for r in self.epi.reductions:
@@ -612,21 +674,15 @@ class GemmSm90:
     def _neutral(op):
         return cutlass.Float32(0.0 if op == "sum" else -math.inf)
 
-    def _mask_reductions(self, res, lazy, v, M, N):
+    def _mask_reductions(self, res, lazy, v):
         """Reduction values of out-of-range elements (register v: a padded row or column) -> the neutral element."""
         if cutlass.const_expr(len(self.epi.reductions) > 0):
-            inside = (lazy.coord(v, 0) < M) & (lazy.coord(v, 1) < N)
+            inside = (lazy.coord(v, 0) < lazy.M) & (lazy.coord(v, 1) < lazy.N)
             for r in self.epi.reductions:
                 res[r.name] = cutlass.select_(inside, cutlass.Float32(res[r.name]), self._neutral(r.op))
 
     @staticmethod
-    def _load(kind, t, row, col, l, M, N):
-        """One operand value; row / col / l are callables (traced only for the kinds that index by them).
-        Clamped indices: out-of-range elements are computed but never stored."""
-        if kind == "scalar":
-            return t[0].to(cutlass.Float32)
-        if kind == "vec_n":
-            return t[cutlass.min(col(), N - 1)].to(cutlass.Float32)
-        if kind == "vec_m":
-            return t[cutlass.min(row(), M - 1), l()].to(cutlass.Float32)
+    def _load_tile(t, row, col, l, M, N):
+        """One TileMN operand value; row / col / l are callables. Clamped indices: out-of-range elements are
+        computed but never stored."""
         return t[cutlass.min(row(), M - 1), cutlass.min(col(), N - 1), l()].to(cutlass.Float32)
