@@ -1,27 +1,62 @@
-"""``coda.ops.mlp``: the Llama MLP sub-block ``x + down(SwiGLU(gate_up(RMSNorm(x))))`` from CODA's fused GEMMs.
+"""``coda.ops.mlp``: the Llama MLP sub-block ``x + down(SwiGLU(gate_up(RMSNorm(x))))`` from CODA's fused GEMMs, and
+``coda.ops.rmsnorm_swiglu``, its first half (``silu(gate(n)) * up(n)``, n = RMSNorm(x) * norm_weight).
 
-- :func:`rmsnorm_swiglu`: RMSNorm, the gate/up projection and ``silu(g) * u`` as ONE GEMM -- ``coda.ops.linear``
-  with the pairs epilogue :func:`rms_swiglu` (``silu(g r) (u r)``, r = rsqrt(mean(x^2) + eps) a per-row operand
-  from a light fp32 pre-pass, gamma folded into the interleaved gate/up weight). Neither the normalised activation
-  (M x H) nor gate/up (M x 2I) is written.
-- :func:`mlp`: then the down projection with the residual added in its epilogue (:func:`residual_add`: one M x H
-  write; its backward needs no recompute GEMM since d(acc + x)/d acc = 1).
+Forward (h = x, r = rsqrt(mean(h^2) + eps) per row, W' = w_gate_up diag(gamma), gate/up rows interleaved)
+    1. r: a light fp32 pre-pass in torch (``ops.rmsnorm_linear``'s; one read of x, M floats).
+    2. W' = w_gate_up * norm_weight: one 2I x H elementwise product per call, rounded once (not saved).
+    3. GEMM x W'^T with the pairs epilogue :func:`rms_swiglu`: a = silu(g r) (u r), M x I. Neither the normalised
+       activation (M x H) nor gate/up (M x 2I) is written.
+    4. (mlp) GEMM a W_down^T with the epilogue :func:`residual_add`: y = acc + x, one M x H write.
 
-Gaps (composed around): ``coda.ops.linear`` gives no gradient to operands of pairs epilogues, so the norm's radial
-term is :class:`_RMSNormGrad`, a torch row reduction on the bf16 dX rather than inside the dX GEMM's epilogue.
-Not a ``torch.library`` custom op itself (its pieces are autograd Functions), so ``torch.compile`` may graph-break.
+Backward (dy the gradient of y; for rmsnorm_swiglu, dy is da and steps 1-2 and the residual are skipped)
+    1. da = dy W_down (GEMM, ``w_down.t()`` an MN-major view; d(acc + x)/d acc = 1, so nothing is recomputed).
+    2. dW_down = dy^T a (GEMM on transposed views).
+    3. W' recomputed (2I x H torch product).
+    4. GEMM x W'^T with the sympy backward of :func:`rms_swiglu` (with the VecM gradient of r; ``coda.ops.linear``'s
+       program): recomputes (g, u), writes dacc (M x 2I, transient) and d_r = sum_j da_j (partial a_j / partial r)
+       (per row, fp32).
+    5. dX GEMM dacc W' with the epilogue :func:`rms_radial_residual`: the norm's radial term (dr/dh = -r^3 h / H)
+       and the residual gradient in the epilogue: dx = acc - r^3 d_r h / H + dy; one M x H write, no torch pass.
+    6. dW' = dacc^T x (GEMM on transposed views), then dw_gate_up = dW' gamma and dgamma = sum_n dW' w_gate_up
+       (2I x H torch products, fp32 sum).
+    GEMMs on transposed views whose contraction (M) is not a multiple of 8 run ``torch.matmul``
+    (``ops._common.backward_gemm``). Double backward is not supported. sm_90a compile (``coda.check``, not timed):
+    step 4's epilogue spills 8 bytes at the default 128x256 2x1 config and 68 at 128x128 ping-pong (where
+    ``ops.rmsnorm_linear``'s dX epilogue spills 256); step 5's spills none at 128x256, 156 bytes at ping-pong.
+
+Saved for the backward: x, norm_weight, w_gate_up, w_down (the inputs themselves), r (M floats) and (mlp) the
+activation a (M x I, the dW_down operand, as the earlier composition of ``ops.linear`` calls saved it). Not saved:
+gate/up (M x 2I, recomputed by step 4), W' (2I x H, recomputed by step 3), the normalised activation.
+
+torch integration: custom ops ``torch.ops.coda.mlp`` (2-D x; returns (y, a, r)) and ``coda::rmsnorm_swiglu``
+(returns (a, r)) with fake implementations; autograd through the custom op ``coda::mlp_backward``; so
+``torch.compile(fullgraph=True)`` keeps them as opaque nodes and ``torch.library.opcheck`` passes.
+
+Device: on a Hopper GPU the fused kernels run; on CPU tensors the same epilogue programs run through
+``coda.reference.gemm`` (torch ops, fp32 math); other GPUs raise (``ops/_common.py``).
 """
 from __future__ import annotations
+
+import math
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 import coda
+from coda.autodiff import DGRAD, grad_name
 
-from ._common import check_tensors
-from .linear import linear
+from ._common import backward_gemm, check_last_dim_contiguous, check_tensors, gemm_for, linear_grads
+from .gated import _check as _check_x_weight_gu
+from .linear import _backward_of
+from .rmsnorm_linear import _GAMMA_DTYPES, _rstd
+
+__all__ = ["mlp", "rmsnorm_swiglu", "rms_swiglu", "residual_add"]
+
+_ENTRY = "coda.ops.mlp"
 
 
+# ------------------------------------------------------------------------------------------------ epilogues
 @coda.epilogue
 def rms_swiglu(acc, r: coda.VecM):
     """RMSNorm + SwiGLU on the gate/up accumulator acc = h W'^T (W' = weight_gu diag(gamma), rows interleaved):
@@ -30,60 +65,183 @@ def rms_swiglu(acc, r: coda.VecM):
     return coda.silu(g * r) * (u * r)
 
 
-class _RMSNormGrad(torch.autograd.Function):
-    """Identity on h in forward; in backward adds the gradient through r = rsqrt(mean(h^2) + eps), which the GEMM
-    treated as a constant: with d the gradient of h at fixed r (the dX GEMM's output), the total is
-    dh = d - (r^2 / H) <d, h> h per row (fp32 math, one read of d and h)."""
-
-    @staticmethod
-    def forward(ctx, h, r):
-        ctx.save_for_backward(h, r)
-        return h.view_as(h)
-
-    @staticmethod
-    def backward(ctx, d):
-        h, r = ctx.saved_tensors
-        hf, df = h.float(), d.float()
-        c = (df * hf).sum(-1, keepdim=True) * (r * r).unsqueeze(-1) / h.shape[-1]
-        return (df - c * hf).to(d.dtype), None
-
-
-def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, weight_gu: Tensor, eps: float = 1e-6) -> Tensor:
-    """``silu(n W_gate^T) * (n W_up^T)`` with ``n = RMSNorm(x) * norm_weight``, as ONE fused GEMM (forward), autograd
-    included. ``x`` (..., H) bfloat16/float16; ``weight_gu`` (2I, H) interleaved (``coda.ops.interleave_gate_up``),
-    x's dtype; ``norm_weight`` (H,). Returns (..., I).
-
-    Composition: r (fp32, per row) in torch; W' = weight_gu * norm_weight (one N x K elementwise product per call,
-    like ``coda.ops.rmsnorm_linear``); ``coda.ops.linear(x, W', epilogue=rms_swiglu, r=r)``. Backward: ops.linear's
-    (recompute GEMM -> dacc, dX GEMM, dW' GEMM), torch autograd of the fold (dweight_gu = dW' gamma,
-    dgamma = sum_n dW' weight_gu) and :class:`_RMSNormGrad` for the radial term.
-
-    Gaps in the ops (reported, not patched here): ``coda.ops.rmsnorm_linear`` takes no ``epilogue=`` (so it
-    cannot apply the SwiGLU pairs), and ``coda.ops.linear`` gives no gradient to operands of pairs epilogues (so the
-    norm's radial term is this torch step, on the bf16 dX rather than inside the dX GEMM's fp32 epilogue)."""
-    r = torch.rsqrt(x.detach().float().pow(2).mean(-1) + eps)
-    w = torch.mul(weight_gu, norm_weight).to(x.dtype)
-    return linear(_RMSNormGrad.apply(x, r), w, epilogue=rms_swiglu, r=r)
-
-
 @coda.epilogue
 def residual_add(acc, res: coda.TileMN):
     """``acc + res``: a projection that writes straight into the residual stream."""
     return acc + res
 
 
+@coda.epilogue
+def rms_radial(acc, r: coda.VecM, dr: coda.VecM, inv_h: coda.Scalar, h: coda.TileMN):
+    """dX GEMM of the gate/up projection (acc = dacc W', the gradient of h at fixed r) plus the gradient through r:
+    dh = acc + dr * dr/dh = acc - r^3 dr h / H (``inv_h`` = 1/H)."""
+    return acc - r * r * r * dr * inv_h * h
+
+
+@coda.epilogue
+def rms_radial_residual(acc, r: coda.VecM, dr: coda.VecM, inv_h: coda.Scalar, h: coda.TileMN, dres: coda.TileMN):
+    """:func:`rms_radial` plus the gradient arriving through the residual (mlp: y = x + ...): + dres."""
+    return acc - r * r * r * dr * inv_h * h + dres
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def _check(entry: str, named, eps) -> None:
+    """Every argument rule, before anything is computed; each message names the argument. ``named``: (name, value)
+    of x, norm_weight, the interleaved gate/up weight and (mlp) w_down."""
+    (_, x), (_, norm_weight), (gu_name, w_gate_up), *down = named
+    check_tensors(entry, named)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{entry}: eps must be a Python number, got {type(eps).__name__}")
+    if not 0 < eps < math.inf:  # also rejects nan
+        raise ValueError(f"{entry}: eps must be a finite number > 0, got {eps}")
+    try:  # the rules of x and the interleaved gate/up weight are coda.ops.linear_swiglu's
+        _check_x_weight_gu(entry, x, w_gate_up)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("weight_gu", gu_name)) from None
+    H, inter = x.shape[-1], w_gate_up.shape[0] // 2
+    if tuple(norm_weight.shape) != (H,):
+        raise ValueError(f"{entry}: norm_weight must have shape ({H},) (x's last dim), got "
+                         f"{tuple(norm_weight.shape)}")
+    if norm_weight.dtype not in _GAMMA_DTYPES:
+        raise TypeError(f"{entry}: norm_weight must be float32, bfloat16 or float16, got {norm_weight.dtype}")
+    for name, t in named[1:]:
+        if t.device != x.device:
+            raise ValueError(f"{entry}: {name} is on {t.device} but x is on {x.device}")
+    for _, w_down in down:
+        if tuple(w_down.shape) != (H, inter):
+            raise ValueError(f"{entry}: w_down must be (H, I) = ({H}, {inter}) (x's last dim, half of "
+                             f"{gu_name}'s rows), got {tuple(w_down.shape)}")
+        if w_down.dtype != x.dtype:
+            raise TypeError(f"{entry}: w_down must have x's dtype {x.dtype}, got {w_down.dtype}")
+        check_last_dim_contiguous(entry, (("w_down", w_down),))
+
+
+# ------------------------------------------------------------------------------------------------ custom ops (2-D)
+def _fold(w_gate_up: Tensor, norm_weight: Tensor) -> Tensor:
+    """W' = w_gate_up diag(norm_weight): the product in fp32 when gamma is, rounded once to the weight's dtype."""
+    return torch.mul(w_gate_up, norm_weight, out=torch.empty_like(w_gate_up, memory_format=torch.contiguous_format))
+
+
+def _gate_up(x, norm_weight, w_gate_up, eps, gemm):
+    r = _rstd(x, eps)
+    return gemm(x, _fold(w_gate_up, norm_weight), epilogue=rms_swiglu, r=r), r
+
+
+@torch.library.custom_op("coda::rmsnorm_swiglu", mutates_args=())
+def _rmsnorm_swiglu_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """x (M, H), w_gate_up (2I, H) interleaved; returns a (M, I) and r (M,) fp32."""
+    return _gate_up(x, norm_weight, w_gate_up, eps, gemm_for(x.device, "coda.ops.rmsnorm_swiglu"))
+
+
+@torch.library.custom_op("coda::mlp", mutates_args=())
+def _mlp_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor,
+            eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """x (M, H); returns y (M, H), the activation a (M, I) and r (M,) fp32."""
+    gemm = gemm_for(x.device, _ENTRY)
+    a, r = _gate_up(x, norm_weight, w_gate_up, eps, gemm)
+    return gemm(a, w_down, epilogue=residual_add, res=x), a, r
+
+
+@_rmsnorm_swiglu_op.register_fake
+def _(x, norm_weight, w_gate_up, eps):
+    return x.new_empty(x.shape[0], w_gate_up.shape[0] // 2), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@_mlp_op.register_fake
+def _(x, norm_weight, w_gate_up, w_down, eps):
+    M = x.shape[0]
+    return x.new_empty(M, x.shape[1]), x.new_empty(M, w_gate_up.shape[0] // 2), x.new_empty(M, dtype=torch.float32)
+
+
+@torch.library.custom_op("coda::mlp_backward", mutates_args=())
+def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Optional[Tensor],
+                 a: Optional[Tensor], r: Tensor, need_x: bool, need_gamma: bool, need_gu: bool,
+                 need_down: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dnorm_weight, dw_gate_up, dw_down) of ``mlp`` (w_down, a given; dy (M, H) the gradient of y) or of
+    ``rmsnorm_swiglu`` (w_down = a = None; dy (M, I) the gradient of a); a gradient not needed is an empty tensor."""
+    gemm = gemm_for(x.device, _ENTRY)
+    residual = w_down is not None
+    dy = dy.contiguous()  # autograd may hand over expanded (stride-0) gradients
+    grads = [x.new_empty(0), norm_weight.new_empty(0), w_gate_up.new_empty(0),
+             (w_down if residual else x).new_empty(0)]
+    if x.numel() == 0 or w_gate_up.shape[0] == 0:  # nothing to launch: zeros, and dy through the residual
+        full = (dy.clone() if residual else torch.zeros_like(x), torch.zeros_like(norm_weight),
+                torch.zeros_like(w_gate_up), torch.zeros_like(w_down) if residual else None)
+        return tuple(f if need else g for f, g, need in zip(full, grads, (need_x, need_gamma, need_gu, need_down)))
+    need_gate_up = need_x or need_gamma or need_gu
+    da, dw_down = linear_grads(dy, a, w_down, need_gate_up, need_down, _ENTRY) if residual else (dy, None)
+    if dw_down is not None:
+        grads[3] = dw_down
+    if not need_gate_up:
+        return tuple(grads)
+    w_fold = _fold(w_gate_up, norm_weight)
+    bwd = _backward_of(rms_swiglu, ("out",), ("r",) if need_x else ())  # as coda.ops.linear(..., r=r) would run
+    res = gemm(x, w_fold, epilogue=bwd, out_dtype=x.dtype, r=r, **{grad_name("out"): da})
+    dacc = res["out"] if isinstance(res, dict) else res
+    if need_x:
+        ops = dict(r=r, dr=res[DGRAD + "r"], inv_h=1.0 / x.shape[1], h=x)
+        if residual:
+            ops["dres"] = dy
+        grads[0] = gemm(dacc, w_fold.t(), epilogue=rms_radial_residual if residual else rms_radial,
+                        out_dtype=x.dtype, **ops)
+    if need_gamma or need_gu:
+        dw_fold = backward_gemm(dacc.t(), x.t(), _ENTRY)  # dW' = dacc^T x
+        if need_gu:
+            grads[2] = torch.mul(dw_fold, norm_weight, out=torch.empty_like(w_gate_up))
+        if need_gamma:
+            grads[1] = (dw_fold.float() * w_gate_up).sum(0).to(norm_weight.dtype)
+    return tuple(grads)
+
+
+@_backward_op.register_fake
+def _(dy, x, norm_weight, w_gate_up, w_down, a, r, need_x, need_gamma, need_gu, need_down):
+    like = (x, norm_weight, w_gate_up, x if w_down is None else w_down)
+    return tuple(t.new_empty(t.shape if need else (0,))
+                 for t, need in zip(like, (need_x, need_gamma, need_gu, need_down and w_down is not None)))
+
+
+def _setup_context(ctx, inputs, output):
+    x, norm_weight, w_gate_up, *rest = inputs
+    ctx.residual = len(rest) == 2  # mlp: (w_down, eps); rmsnorm_swiglu: (eps,)
+    ctx.set_materialize_grads(False)  # a and r are not differentiable outputs: no zero M x I gradients
+    ctx.mark_non_differentiable(*output[1:])
+    saved = (rest[0], output[1], output[2]) if ctx.residual else (None, None, output[1])
+    ctx.save_for_backward(x, norm_weight, w_gate_up, *saved)
+
+
+def _autograd_backward(ctx, dy, *_):
+    x, norm_weight, w_gate_up, w_down, a, r = ctx.saved_tensors
+    n = len(ctx.needs_input_grad) - 1  # the tensor inputs (eps is last): 4 for mlp, 3 for rmsnorm_swiglu
+    needs = ctx.needs_input_grad[:n] + (False,) * (4 - n)
+    if dy is None or not any(needs):
+        return (None,) * (n + 1)
+    grads = torch.ops.coda.mlp_backward(dy, x, norm_weight, w_gate_up, w_down, a, r, *needs)
+    return tuple(g if need else None for g, need in zip(grads[:n], needs)) + (None,)
+
+
+_mlp_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+_rmsnorm_swiglu_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------ public entries
+def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, weight_gu: Tensor, eps: float = 1e-6) -> Tensor:
+    """``silu(n W_gate^T) * (n W_up^T)`` with ``n = RMSNorm(x) * norm_weight``, as ONE fused GEMM, autograd
+    included (module docstring). ``x`` (..., H) bfloat16/float16; ``norm_weight`` (H,) float32/bfloat16/float16;
+    ``weight_gu`` (2I, H) interleaved (``coda.ops.interleave_gate_up``), x's dtype. H, I multiples of 8. Returns
+    (..., I)."""
+    _check("rmsnorm_swiglu", (("x", x), ("norm_weight", norm_weight), ("weight_gu", weight_gu)), eps)
+    lead, H = x.shape[:-1], x.shape[-1]
+    a, _ = torch.ops.coda.rmsnorm_swiglu(x.reshape(math.prod(lead), H), norm_weight, weight_gu, float(eps))
+    return a.reshape(*lead, weight_gu.shape[0] // 2)
+
+
 def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float = 1e-6) -> Tensor:
     """``x + down(silu(gate(n)) * up(n))`` with ``n = RMSNorm(x) * norm_weight``: two fused GEMMs, autograd included.
 
-    ``x`` (..., H) bfloat16 / float16; ``norm_weight`` (H,); ``w_gate_up`` (2I, H) with gate/up rows interleaved
-    (``coda.ops.interleave_gate_up``); ``w_down`` (H, I). Returns (..., H)."""
-    check_tensors("mlp", (("x", x), ("norm_weight", norm_weight), ("w_gate_up", w_gate_up), ("w_down", w_down)))
-    H = x.shape[-1]
-    if norm_weight.shape != (H,) or w_gate_up.dim() != 2 or w_gate_up.shape[1] != H or w_gate_up.shape[0] % 2:
-        raise ValueError(f"mlp: expected norm_weight ({H},) and w_gate_up (2I, {H}); got norm_weight "
-                         f"{tuple(norm_weight.shape)}, w_gate_up {tuple(w_gate_up.shape)}")
-    inter = w_gate_up.shape[0] // 2
-    if w_down.shape != (H, inter):
-        raise ValueError(f"mlp: expected w_down ({H}, {inter}) (H, I); got {tuple(w_down.shape)}")
-    a = rmsnorm_swiglu(x, norm_weight, w_gate_up, eps)
-    return linear(a, w_down, epilogue=residual_add, res=x)
+    ``x`` (..., H) bfloat16 / float16; ``norm_weight`` (H,) float32 / bfloat16 / float16; ``w_gate_up`` (2I, H)
+    with gate/up rows interleaved (``coda.ops.interleave_gate_up``); ``w_down`` (H, I); weights in x's dtype; H and
+    I multiples of 8. Returns (..., H). Gradients flow to all four tensors (module docstring)."""
+    _check("mlp", (("x", x), ("norm_weight", norm_weight), ("w_gate_up", w_gate_up), ("w_down", w_down)), eps)
+    lead, H = x.shape[:-1], x.shape[-1]
+    y, _, _ = torch.ops.coda.mlp(x.reshape(math.prod(lead), H), norm_weight, w_gate_up, w_down, float(eps))
+    return y.reshape(*lead, H)

@@ -1,52 +1,262 @@
-"""coda.ops.mlp (the Llama MLP sub-block from two fused GEMMs) on the reference path vs float64 autograd."""
+"""coda.ops.mlp / coda.ops.rmsnorm_swiglu on the CPU (the reference path: the same epilogue programs as torch ops):
+forward and every gradient vs float64 autograd of the unfused formula (2x rule against plain torch in the input
+dtype), what the backward saves and launches, torch.library.opcheck, torch.compile(fullgraph=True), errors, and the
+sm_90a compile of the backward's epilogues. ``check_against_fp64`` is shared with tests/test_mlp_gpu.py."""
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import coda.ops
+import coda.reference
+
+mlp_mod = importlib.import_module("coda.ops.mlp")  # coda.ops.mlp is the function
 
 
-def _stock(x, gamma, wg, wu, wd, eps):
-    xf = x.double()
-    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * gamma.double()
-    return xf + F.linear(F.silu(F.linear(n, wg.double())) * F.linear(n, wu.double()), wd.double())
+# ------------------------------------------------------------------------------------------------ vs float64
+def unfused(x, gamma, w_gate_up, w_down, eps):
+    """``x + down(silu(gate(n)) * up(n))``, n = RMSNorm(x) * gamma (``w_down`` None: ``silu(gate(n)) * up(n)``), in
+    the leaves' dtype. Below float64 it is what a plain torch model does: statistics in fp32, n rounded to x's dtype."""
+    w_gate, w_up = w_gate_up[0::2], w_gate_up[1::2]
+    if x.dtype == torch.float64:
+        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma
+    else:
+        xf = x.float()
+        n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * gamma.to(x.dtype)
+    a = F.silu(F.linear(n, w_gate)) * F.linear(n, w_up)
+    return a if w_down is None else x + F.linear(a, w_down)
 
 
-def _rel(a, b):
-    return ((a.double() - b).norm() / b.norm()).item()
+def rel(a, ref):
+    a, ref = a.double(), ref.double()
+    return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("lead", [(37,), (2, 13)])
-def test_mlp_matches_float64(lead):
-    g = torch.Generator().manual_seed(0)
-    H, inter, eps = 64, 48, 1e-6
-    x = torch.randn(*lead, H, generator=g).bfloat16().requires_grad_()
-    gamma = (1 + 0.1 * torch.randn(H, generator=g)).bfloat16().requires_grad_()
-    wg, wu = (torch.randn(inter, H, generator=g) * H ** -0.5 for _ in range(2))
-    wd = (torch.randn(H, inter, generator=g) * inter ** -0.5).bfloat16().requires_grad_()
-    wg, wu = wg.bfloat16().requires_grad_(), wu.bfloat16().requires_grad_()
-    y = coda.ops.mlp(x, gamma, coda.ops.interleave_gate_up(wg, wu), wd, eps)
-    up = torch.randn(y.shape, generator=g, dtype=torch.float64)
-    leaves = [x, gamma, wg, wu, wd]
-    ours = torch.autograd.grad((y.double() * up).sum(), leaves)
-    l64 = [t.detach().double().requires_grad_() for t in leaves]
-    y64 = _stock(*l64, eps)
-    ref = torch.autograd.grad((y64 * up).sum(), l64)
-    lbf = [t.detach().requires_grad_() for t in leaves]  # plain torch in bf16: the 2x rule's yardstick
-    xb, gb, wgb, wub, wdb = lbf
-    nb = (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + eps)).bfloat16() * gb
-    yb = xb + F.linear(F.silu(F.linear(nb, wgb)) * F.linear(nb, wub), wdb)
-    theirs = torch.autograd.grad((yb.double() * up).sum(), lbf)
-    assert _rel(y, y64) <= 2 * _rel(yb, y64) + 1e-4
-    for name, o, r, t in zip(["x", "gamma", "w_gate", "w_up", "w_down"], ours, ref, theirs):
-        assert _rel(o, r) <= 2 * _rel(t, r) + 1e-4, (name, _rel(o, r), _rel(t, r))
+def check_against_fp64(lead, H, I, *, down=True, device="cpu", dtype=torch.bfloat16, gamma_dtype=torch.float32,
+                       eps=1e-6, floor=1e-4, seed=0, poison=None):
+    """Forward and the gradients of x, norm_weight, w_gate_up (and w_down) of ``coda.ops.mlp`` (``down=False``:
+    ``coda.ops.rmsnorm_swiglu``) vs float64 autograd of :func:`unfused`: error(ours) <= 2 * error(plain torch in
+    ``dtype``) + floor, each against float64. ``poison``: called before our forward and our backward (the GPU test
+    fills the allocator's cached blocks with NaN there, so that an unwritten output element shows)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dt)
+
+    x, wgu = rnd(*lead, H), rnd(2 * I, H, scale=H ** -0.5)
+    gamma = (1 + 0.5 * torch.randn(H, generator=g)).to(device=device, dtype=gamma_dtype)
+    wd = rnd(H, I, scale=I ** -0.5) if down else None
+    dy = rnd(*lead, H if down else I)
+    names = ["x", "norm_weight", "w_gate_up", "w_down"][:4 if down else 3]
+
+    def run(fn, fp64=False):
+        leaves = [t.detach().to(torch.float64 if fp64 else t.dtype).requires_grad_()
+                  for t in (x, gamma, wgu, wd) if t is not None]
+        if poison is not None and fn is not unfused:
+            poison()
+        y = fn(*leaves[:3], leaves[3] if down else None, eps)
+        if poison is not None and fn is not unfused:
+            poison()
+        grads = torch.autograd.grad(y, leaves, dy.to(y.dtype))
+        return dict(zip(["y"] + ["d" + n for n in names], [y, *grads]))
+
+    def ours(x_, gamma_, wgu_, wd_, eps_):
+        return coda.ops.mlp(x_, gamma_, wgu_, wd_, eps_) if down else coda.ops.rmsnorm_swiglu(x_, gamma_, wgu_, eps_)
+
+    got, want, theirs = run(ours), run(unfused, fp64=True), run(unfused)
+    assert got["y"].shape == (*lead, H if down else I) and got["y"].dtype == dtype
+    report = {}
+    for k, ref in want.items():
+        assert got[k].shape == ref.shape and got[k].dtype == theirs[k].dtype, k
+        assert torch.isfinite(got[k]).all(), f"{k}: non-finite elements (unwritten output?)"
+        e_ours, e_torch = rel(got[k], ref), rel(theirs[k], ref)
+        report[k] = (e_ours, e_torch)
+        assert e_ours <= 2 * e_torch + floor, (k, e_ours, e_torch)
+    return report
 
 
-def test_mlp_errors():
-    x = torch.randn(4, 64).bfloat16()
-    with pytest.raises(ValueError, match="w_down"):
-        coda.ops.mlp(x, torch.ones(64), torch.randn(96, 64).bfloat16(), torch.randn(64, 40).bfloat16())
-    with pytest.raises(ValueError, match="w_gate_up"):
-        coda.ops.mlp(x, torch.ones(64), torch.randn(95, 64).bfloat16(), torch.randn(64, 48).bfloat16())
-    with pytest.raises(TypeError, match="norm_weight"):
-        coda.ops.mlp(x, None, torch.randn(96, 64).bfloat16(), torch.randn(64, 48).bfloat16())
+@pytest.mark.parametrize("lead,H,I", [((37,), 64, 48), ((2, 13), 64, 48), ((3, 127), 200, 136)])
+def test_mlp_matches_float64(lead, H, I):
+    check_against_fp64(lead, H, I)
+
+
+@pytest.mark.parametrize("dtype,gamma_dtype", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.bfloat16)])
+def test_mlp_dtypes(dtype, gamma_dtype):
+    check_against_fp64((2, 13), 64, 48, dtype=dtype, gamma_dtype=gamma_dtype)
+
+
+@pytest.mark.parametrize("lead", [(37,), (3, 127)])
+def test_rmsnorm_swiglu_matches_float64(lead):
+    check_against_fp64(lead, 200, 136, down=False)
+
+
+def _inputs(M=24, H=64, I=48, seed=0, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    t = [torch.randn(M, H, generator=g).bfloat16(), 1 + 0.1 * torch.randn(H, generator=g),
+         (torch.randn(2 * I, H, generator=g) * H ** -0.5).bfloat16(),
+         (torch.randn(H, I, generator=g) * I ** -0.5).bfloat16()]
+    return [x.requires_grad_(grad) for x in t]
+
+
+@pytest.mark.parametrize("need", [(True, False, False, False), (False, True, False, False),
+                                  (False, False, True, False), (False, False, False, True),
+                                  (False, True, True, True)])
+def test_partial_gradients(need):
+    """Only the gradients asked for are formed; they equal those of the full backward."""
+    leaves = _inputs()
+    full = torch.autograd.grad(coda.ops.mlp(*leaves).float().square().sum(), leaves)
+    for t, n in zip(leaves, need):
+        t.requires_grad_(n)
+    wanted = [t for t in leaves if t.requires_grad]
+    got = torch.autograd.grad(coda.ops.mlp(*leaves).float().square().sum(), wanted)
+    want = [f for f, n in zip(full, need) if n]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
+
+
+def test_empty_rows():
+    x, gamma, wgu, wd = _inputs(M=0)
+    y = coda.ops.mlp(x.reshape(2, 0, 64), gamma, wgu, wd)
+    assert y.shape == (2, 0, 64)
+    grads = torch.autograd.grad(y.sum(), (x, gamma, wgu, wd), allow_unused=True)
+    assert [g.abs().sum().item() for g in grads[1:]] == [0.0, 0.0, 0.0] and grads[0].shape == (0, 64)
+
+
+# ------------------------------------------------------------------------------------------------ saved / launched
+def test_backward_saves_only_what_it_needs():
+    """Saved: x, norm_weight, w_gate_up, w_down, a (M x I), r (M); never gate/up (M x 2I) nor W' (2I x H)."""
+    M, H, I = 24, 64, 48
+    x, gamma, wgu, wd = _inputs(M, H, I)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = coda.ops.mlp(x, gamma, wgu, wd)
+    shapes = sorted(tuple(t.shape) for t in saved)
+    assert shapes == sorted([(M, H), (H,), (2 * I, H), (H, I), (M, I), (M,)]), shapes
+    assert sum(t.data_ptr() == p.data_ptr() for t in saved for p in (x, gamma, wgu, wd)) == 4  # the inputs as given
+    y.float().sum().backward()
+
+
+def test_backward_launches(monkeypatch):
+    """Forward: 2 GEMMs (rms_swiglu; residual_add). Backward: da = dy W_down, dW_down = dy^T a, the recompute GEMM
+    with rms_swiglu's backward epilogue (dacc and d_r), the dX GEMM with the radial + residual epilogue, dW' =
+    dacc^T x: five GEMMs, no other M-sized GEMM."""
+    log = []
+    real = coda.reference.gemm
+
+    def gemm(a, b, *, epilogue=None, **kw):
+        log.append((getattr(epilogue, "name", None), tuple(a.shape), tuple(b.shape)))
+        return real(a, b, epilogue=epilogue, **kw)
+
+    monkeypatch.setattr(coda.reference, "gemm", gemm)
+    M, H, I = 24, 64, 48
+    leaves = _inputs(M, H, I)
+    y = coda.ops.mlp(*leaves)
+    assert log == [("rms_swiglu", (M, H), (2 * I, H)), ("residual_add", (M, I), (H, I))]
+    log.clear()
+    torch.autograd.grad(y.float().sum(), leaves)
+    assert log == [(None, (M, H), (I, H)), (None, (H, M), (I, M)), ("rms_swiglu_bwd", (M, H), (2 * I, H)),
+                   ("rms_radial_residual", (M, 2 * I), (H, 2 * I)), (None, (2 * I, M), (H, M))], log
+
+
+# ------------------------------------------------------------------------------------------------ torch integration
+def test_opcheck():
+    x, gamma, wgu, wd = (t.detach() for t in _inputs(M=16))
+    torch.library.opcheck(torch.ops.coda.mlp.default, (x, gamma, wgu, wd, 1e-5))
+    torch.library.opcheck(torch.ops.coda.rmsnorm_swiglu.default, (x, gamma.bfloat16(), wgu, 1e-5))
+    y, a, r = torch.ops.coda.mlp(x, gamma, wgu, wd, 1e-5)
+    dy, da = torch.randn_like(y), torch.randn_like(a)
+    for need in ((True, True, True, True), (True, False, False, False), (False, True, True, False),
+                 (False, False, False, True)):
+        torch.library.opcheck(torch.ops.coda.mlp_backward.default, (dy, x, gamma, wgu, wd, a, r, *need))
+        torch.library.opcheck(torch.ops.coda.mlp_backward.default, (da, x, gamma, wgu, None, None, r, *need[:3],
+                                                                    False))
+
+
+def test_torch_compile_fullgraph():
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+
+    def block(x, gamma, wgu, wd):
+        return coda.ops.mlp(x, gamma, wgu, wd).float().square().sum() + \
+            coda.ops.rmsnorm_swiglu(x, gamma, wgu).float().sum()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, fullgraph=True, backend=counter)
+    for m in (24, 40):
+        leaves = _inputs(M=m, seed=m)
+        loss = compiled(*leaves)
+        grads = torch.autograd.grad(loss, leaves)
+        loss_eager = block(*leaves)
+        want = torch.autograd.grad(loss_eager, leaves)
+        torch.testing.assert_close(loss, loss_eager)
+        for a, b in zip(grads, want):
+            torch.testing.assert_close(a, b)
+    code = counter.graphs[0].code
+    assert "torch.ops.coda.mlp" in code and "torch.ops.coda.rmsnorm_swiglu" in code  # opaque nodes
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def _bf(*shape):
+    return torch.randn(*shape).bfloat16()
+
+
+@pytest.mark.parametrize("args,exc,match", [
+    (dict(x=[1.0]), TypeError, "x must be a torch.Tensor"),
+    (dict(norm_weight=None), TypeError, "norm_weight must be a torch.Tensor"),
+    (dict(w_gate_up="w"), TypeError, "w_gate_up must be a torch.Tensor"),
+    (dict(w_down=None), TypeError, "w_down must be a torch.Tensor"),
+    (dict(eps="1e-6"), TypeError, "eps must be a Python number"),
+    (dict(eps=0.0), ValueError, "eps must be a finite number > 0"),
+    (dict(x=torch.randn(4, 64)), TypeError, "x must be bfloat16 or float16"),
+    (dict(w_gate_up=_bf(96, 64).half()), TypeError, "w_gate_up must have x's dtype"),
+    (dict(w_gate_up=_bf(96, 32)), ValueError, r"w_gate_up must be \(2I, H\) with H=64"),
+    (dict(w_gate_up=_bf(95, 64)), ValueError, "w_gate_up has 95 rows"),
+    (dict(w_gate_up=_bf(40, 64), w_down=_bf(64, 20)), ValueError, r"w_gate_up has 40 rows.*I % 8 == 0"),
+    (dict(w_gate_up=_bf(96, 64).to("meta")), ValueError, "w_gate_up is on meta"),
+    (dict(x=_bf(4, 12), norm_weight=torch.ones(12), w_gate_up=_bf(96, 12), w_down=_bf(12, 48)), ValueError,
+     r"x: H = x.shape\[-1\] = 12 must be a multiple of 8"),
+    (dict(x=_bf(64, 4).t()), ValueError, "x: the last dim must be contiguous"),
+    (dict(norm_weight=torch.ones(63)), ValueError, r"norm_weight must have shape \(64,\)"),
+    (dict(norm_weight=torch.ones(64, dtype=torch.float64)), TypeError, "norm_weight must be float32, bfloat16"),
+    (dict(norm_weight=torch.ones(64, device="meta")), ValueError, "norm_weight is on meta"),
+    (dict(w_down=_bf(64, 40)), ValueError, r"w_down must be \(H, I\) = \(64, 48\)"),
+    (dict(w_down=_bf(48, 64).t()), ValueError, "w_down: the last dim must be contiguous"),
+    (dict(w_down=_bf(64, 48).half()), TypeError, "w_down must have x's dtype"),
+    (dict(w_down=_bf(64, 48).to("meta")), ValueError, "w_down is on meta"),
+])
+def test_mlp_errors_before_compute(monkeypatch, args, exc, match):
+    calls = []
+    monkeypatch.setattr(mlp_mod, "gemm_for", lambda *a: calls.append(a))
+    kw = dict(x=_bf(4, 64), norm_weight=torch.ones(64), w_gate_up=_bf(96, 64), w_down=_bf(64, 48), eps=1e-6)
+    kw.update(args)
+    with pytest.raises(exc, match=match) as e:
+        coda.ops.mlp(**kw)
+    assert str(e.value).startswith("mlp: ") and not calls
+
+
+def test_rmsnorm_swiglu_errors_name_weight_gu():
+    with pytest.raises(ValueError, match="rmsnorm_swiglu: weight_gu has 95 rows"):
+        coda.ops.rmsnorm_swiglu(_bf(4, 64), torch.ones(64), _bf(95, 64))
+    with pytest.raises(TypeError, match="rmsnorm_swiglu: norm_weight must be a torch.Tensor"):
+        coda.ops.rmsnorm_swiglu(_bf(4, 64), None, _bf(96, 64))
+
+
+# ------------------------------------------------------------------------------------------------ sm_90a compile
+def test_backward_epilogues_compile_for_sm90():
+    """The two GEMMs the backward adds (rms_swiglu's sympy backward with the VecM gradient of r; the dX GEMM's
+    radial + residual epilogue on the MN-major W' view) compile for sm_90a with WGMMA (coda.check, CPU)."""
+    pytest.importorskip("cutlass")
+    from coda.check import compile_variant
+    from coda.config import default_config
+    from coda.ops.linear import _backward_of
+    cfg = default_config(8192, 8192, 8192)
+    for epi, majors in ((_backward_of(mlp_mod.rms_swiglu, ("out",), ("r",)), ("k", "k")),
+                        (mlp_mod.rms_radial_residual, ("k", "mn")), (mlp_mod.rms_radial, ("k", "mn"))):
+        row = compile_variant(cfg, epi, majors=majors)
+        assert row["wgmma"] > 0 and (row["ok"] or "spill" in row["error"]), (epi.name, row["error"])

@@ -1,0 +1,58 @@
+"""coda.ops.mlp / coda.ops.rmsnorm_swiglu fused on a Hopper GPU vs float64 autograd of the unfused formula, with the
+2x rule against plain torch in the same dtype (tests/test_mlp.py's ``check_against_fp64``): forward (gate/up GEMM with
+the rms_swiglu pairs epilogue, down GEMM with residual_add) and backward (da and dW_down GEMMs, the recompute GEMM
+whose 2 -> 2 pairs epilogue writes dacc and the per-row d_r, the dX GEMM with the radial + residual epilogue on the
+MN-major W' view, the dW' GEMM), every gradient (x, norm_weight, w_gate_up, w_down). Our calls allocate their
+outputs from NaN-poisoned memory, so an element a kernel never writes shows as a non-finite value."""
+import pytest
+import torch
+
+import coda.ops
+from test_mlp import check_against_fp64
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _poison():
+    """Fill the caching allocator's free memory with NaN: NaN blocks of the small pool (allocations <= 1 MiB) and
+    of the large one are made and released (they stay cached), so the next allocations are carved from NaN."""
+    blocks = [torch.full((n,), float("nan"), device=DEV) for n in [1 << 16] * 64 + [1 << 22] * 4 + [1 << 24] * 2]
+    del blocks
+
+
+@pytest.mark.parametrize("down", [True, False], ids=["mlp", "rmsnorm_swiglu"])
+@pytest.mark.parametrize("lead,H,I", [((3, 127), 200, 136), ((127,), 200, 136), ((1000,), 520, 776),
+                                      ((4, 250), 520, 776)])
+def test_ragged_fwd_bwd(lead, H, I, down):
+    """M = 381 / 127 (not multiples of 8: the dW products fall back to torch.matmul) and M = 1000 (CODA's dW GEMMs);
+    H and I not multiples of any tile."""
+    check_against_fp64(lead, H, I, down=down, device=DEV, poison=_poison)
+
+
+def test_fp16_bf16_gamma():
+    check_against_fp64((3, 127), 200, 136, device=DEV, dtype=torch.float16, gamma_dtype=torch.bfloat16,
+                       poison=_poison)
+
+
+def test_llama3_8b_dims():
+    """M = 2048 tokens, H = 4096, I = 14336 (Llama-3-8B's MLP: w_gate_up is 28672 x 4096)."""
+    check_against_fp64((2048,), 4096, 14336, device=DEV, poison=_poison)
+
+
+def test_torch_compile_fullgraph_cuda():
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(381, 200, generator=g).to(DEV, torch.bfloat16).requires_grad_()
+    gamma = (1 + 0.1 * torch.randn(200, generator=g)).to(DEV).requires_grad_()
+    wgu = (torch.randn(272, 200, generator=g) / 200 ** 0.5).to(DEV, torch.bfloat16).requires_grad_()
+    wd = (torch.randn(200, 136, generator=g) / 136 ** 0.5).to(DEV, torch.bfloat16).requires_grad_()
+
+    def f(*leaves):
+        return coda.ops.mlp(*leaves).float().square().sum()
+
+    got = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(x, gamma, wgu, wd),
+                              (x, gamma, wgu, wd))
+    want = torch.autograd.grad(f(x, gamma, wgu, wd), (x, gamma, wgu, wd))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
