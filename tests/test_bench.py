@@ -371,3 +371,33 @@ def test_commit_override(monkeypatch):
     from coda import bench
     monkeypatch.setenv("CODA_COMMIT", "abc1234")
     assert bench._git() == ("abc1234", False)
+
+
+def test_bench_epilogue_measures_what_it_names():
+    """The epilogues timed by ``python -m coda.bench_epilogue`` compute what their names say (reference path),
+    and the table renders the ratios to our plain GEMM."""
+    import torch.nn.functional as F
+
+    import coda
+    from coda import bench_epilogue as be
+    torch.manual_seed(0)
+    M, N, K = 6, 8, 16
+    a, b = torch.randn(M, K, dtype=torch.bfloat16), torch.randn(N, K, dtype=torch.bfloat16)
+    acc = a.float() @ b.float().T
+    want = {"bias_gelu": lambda o: F.gelu(acc + o["bias"], approximate="tanh"),
+            "sumsq": lambda o: {"out": acc, "ss": (acc * acc).sum(-1)},
+            "scale_bias": lambda o: acc * o["s"][:, None] + o["bias"],
+            "residual": lambda o: acc + o["res"].float(),
+            "swiglu": lambda o: F.silu(acc[:, 0::2]) * acc[:, 1::2]}
+    assert set(want) == set(be.EPILOGUES)
+    for name, epi in be.EPILOGUES.items():
+        ops = be.operands(name, M, N, device="cpu")
+        got = coda.reference.gemm(a, b, epilogue=epi, out_dtype=torch.float32, **ops)
+        ref = want[name](ops)
+        for k, v in (ref.items() if isinstance(ref, dict) else [("out", ref)]):
+            g = got[k] if isinstance(got, dict) else got
+            torch.testing.assert_close(g.float().reshape(v.shape), v, rtol=1e-5, atol=1e-5)
+    rows = [{"shape": "1x2x3", "ms": {"cublas": 2.0, "identity": 1.0}, "vs_ours": {"cublas": 2.0, "identity": 1.0},
+             "vs_cublas": {"cublas": 1.0, "identity": 0.5}}]
+    t = be.table(rows)
+    assert "| / our plain GEMM | 2.000 | 1.000 |" in t and "| / cuBLAS | 1.000 | 0.500 |" in t
