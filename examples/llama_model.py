@@ -137,4 +137,6 @@ class LlamaForCausalLM(nn.Module):
         if labels is None:
             return logits
         shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
-        return F.cross_entropy(logits.flatten(0, -2).float(), shift.flatten(), ignore_index=-100)
+        logits = logits.flatten(0, -2)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 (Hugging Face's upcast); fp64 stays
+        return F.cross_entropy(logits, shift.flatten(), ignore_index=-100)
