@@ -12,6 +12,10 @@ The backward epilogue runs on the recomputed accumulator (a second GEMM of the s
 ``out`` = dacc = G(acc) (then dX = dacc W and dW = dacc^T X), and per operand ``p``: TileMN -> G(p) as an extra
 M x N output, VecN -> reduce_m(G(p)), VecM -> reduce_n(G(p)), Scalar -> reduce_n(G(p)) (summed on the host).
 Common subexpressions of all of these are eliminated together when the epilogue is built.
+
+Pairs epilogues (``coda.pairs``): dacc is a 2 -> 2 pairs epilogue (G(acc_2j), G(acc_2j+1): M x N); a TileMN
+operand holds one value per pair, so its gradient G(p) is M x N/2 -- a "half" pairs epilogue of the same terms
+(:func:`pair_tile_grad_epilogue`), run as a second launch (the kernel stores either half- or full-width tiles).
 """
 from __future__ import annotations
 
@@ -72,11 +76,10 @@ def derivative(expr: sp.Expr, z: sp.Symbol) -> sp.Expr:
     return d(expr)
 
 
-def backward_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilogue:
-    """The backward epilogue of ``epi``.
-
-    ``grads``: names of the forward outputs / reductions that have an upstream gradient (others are zero);
-    ``needs``: names of the operands whose gradient is wanted. Output keys: ``out`` (dacc) and ``d_<operand>``."""
+def _gradient_terms(epi: DslEpilogue, grads: tuple) -> tuple[list, list]:
+    """What every backward program of ``epi`` shares: the operands it reads (the forward's, then the upstream
+    gradients of ``grads`` and the forward values of max / logsumexp reductions) and the terms ``(w, e)`` of
+    ``G(z) = sum w * de/dz`` (see the module docstring)."""
     for o in epi.operands:
         if o.name.startswith((GRAD, VALUE)):
             raise ValueError(f"epilogue {epi.name!r}: operand names starting with {GRAD!r} / {VALUE!r} are "
@@ -108,25 +111,53 @@ def backward_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilog
             terms.append((w, e))
         else:
             raise ValueError(f"epilogue {epi.name!r} has no output or reduction {k!r}")
+    return ops, terms
 
-    def G(z):
-        return sp.Add(*[w * derivative(e, z) for w, e in terms])
 
-    # pairs: dacc is a 2 -> 2 pairs epilogue over the recomputed pairs; upstream gradients are per-pair tiles
-    # (one per pair, or two -- even and odd columns -- for a 2 -> 2 forward); operand values and their gradients
-    # are per pair too (VecN of N/2: reduce_m per pair; VecM / Scalar: reduce_n over the pairs of a row)
-    outputs = {"out": G(ACC_EVEN), ODD_OUT: G(ACC_ODD)} if epi.pair_mode else {"out": G(ACC)}
-    reductions = {}
+def _gradient(terms: list, z: sp.Symbol) -> sp.Expr:
+    """G(z) = sum_t w_t * de_t/dz."""
+    return sp.Add(*[w * derivative(e, z) for w, e in terms])
+
+
+def _operand_kinds(epi: DslEpilogue, needs: tuple) -> dict:
     kinds = {o.name: o.kind for o in epi.operands}
     for name in needs:
         if name not in kinds:
             raise ValueError(f"epilogue {epi.name!r} has no operand {name!r}")
-        gz = G(operand_symbol(name))
+    return kinds
+
+
+def pair_tile_operands(epi: DslEpilogue, needs: tuple) -> tuple:
+    """The operands of ``needs`` whose gradient comes from :func:`pair_tile_grad_epilogue` (TileMN operands of a
+    pairs epilogue); the others come from :func:`backward_epilogue`."""
+    kinds = _operand_kinds(epi, needs)
+    return tuple(n for n in needs if epi.pair_mode and kinds[n] == "tile")
+
+
+def backward_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilogue:
+    """The backward epilogue of ``epi``.
+
+    ``grads``: names of the forward outputs / reductions that have an upstream gradient (others are zero);
+    ``needs``: names of the operands whose gradient is wanted. Output keys: ``out`` (dacc) and ``d_<operand>``.
+    The TileMN operands of a pairs epilogue are not among them (:func:`pair_tile_grad_epilogue`)."""
+    ops, terms = _gradient_terms(epi, grads)
+    kinds = _operand_kinds(epi, needs)
+    # pairs: dacc is a 2 -> 2 pairs epilogue over the recomputed pairs; upstream gradients are per-pair tiles
+    # (one per pair, or two -- even and odd columns -- for a 2 -> 2 forward); operand values and their gradients
+    # are per pair too (VecN of N/2: reduce_m per pair; VecM / Scalar: reduce_n over the pairs of a row)
+    if epi.pair_mode:
+        outputs = {"out": _gradient(terms, ACC_EVEN), ODD_OUT: _gradient(terms, ACC_ODD)}
+    else:
+        outputs = {"out": _gradient(terms, ACC)}
+    reductions = {}
+    for name in needs:
         kind = kinds[name]
         if kind == "tile" and epi.pair_mode:
             # an M x N/2 gradient next to the M x N dacc would need half- and full-width stores in one kernel
             raise NotImplementedError(f"epilogue {epi.name!r}: the gradient of TileMN operand {name!r} of a pairs "
-                                      "epilogue is not supported (VecN / VecM / Scalar operands are)")
+                                      "epilogue (one value per pair, M x N/2) cannot come out of the M x N dacc "
+                                      "kernel; it is a second, half-mode epilogue: pair_tile_grad_epilogue")
+        gz = _gradient(terms, operand_symbol(name))
         if kind == "tile":
             outputs[DGRAD + name] = gz
         elif kind == "vec_n":
@@ -135,6 +166,27 @@ def backward_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilog
             reductions[DGRAD + name] = ("n", "sum", gz)
     return DslEpilogue(f"{epi.name}_bwd", tuple(ops), outputs, reductions,
                        pair_mode="full" if epi.pair_mode else None)
+
+
+def pair_tile_grad_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilogue:
+    """The gradients of TileMN operands ``needs`` of the pairs epilogue ``epi``: a "half" pairs epilogue (one
+    value per pair, M x N/2 outputs) over the same accumulator pairs and operands as :func:`backward_epilogue`'s.
+
+    ``G(p)`` of a per-pair operand ``p`` sums, over the pair's forward values (one, or two for a 2 -> 2 forward)
+    and the pair's reduction contributions, the upstream weight times the derivative: one value per pair, i.e.
+    exactly a half-mode output. The first operand's gradient is the main output ``out``, the others are extra
+    outputs ``d_<operand>`` (one launch for all of them). It is a second launch next to the dacc kernel (which
+    writes M x N and cannot also write half-width tiles): in ``coda.ops.linear`` one more GEMM recomputes the
+    accumulator for it, unless the gradients do not depend on the accumulator."""
+    if not epi.pair_mode:
+        raise ValueError(f"epilogue {epi.name!r} is not a pairs epilogue; its TileMN gradients are outputs of "
+                         "backward_epilogue")
+    kinds = _operand_kinds(epi, needs)
+    if not needs or any(kinds[n] != "tile" for n in needs):
+        raise ValueError(f"epilogue {epi.name!r}: pair_tile_grad_epilogue takes TileMN operands, got {needs!r}")
+    ops, terms = _gradient_terms(epi, grads)
+    outputs = {("out" if i == 0 else DGRAD + n): _gradient(terms, operand_symbol(n)) for i, n in enumerate(needs)}
+    return DslEpilogue(f"{epi.name}_bwd_tiles", tuple(ops), outputs, {}, pair_mode="half")
 
 
 def with_preact(epi: DslEpilogue) -> DslEpilogue:

@@ -10,6 +10,15 @@ dX = dacc W and dW = dacc^T X are plain GEMMs of CODA's kernel on transposed vie
 ``x.t()``: MN-major operands, read by TMA without copies); shapes the kernel cannot align (N or M not a multiple
 of 8) use ``torch.matmul`` for these two products (``ops/_common.backward_gemm``).
 
+Pairs epilogues (``coda.pairs``): dacc is a 2 -> 2 pairs epilogue (M x N), with the VecN / VecM / Scalar operand
+gradients as its reductions. A TileMN operand holds one value per pair, so its gradient is M x N/2, which that
+kernel cannot store next to dacc: it comes from a second launch, a "half" pairs epilogue derived from the same terms
+(``coda.autodiff.pair_tile_grad_epilogue``; the gradients of all TileMN operands in one launch, the first as the
+main output, the others as extra outputs; fp32 or the operands' dtype). Cost, only when a TileMN operand of a pairs
+epilogue requires grad: one more GEMM recomputing the accumulator (M x N x K, as the forward) plus an M x N/2 store
+per TileMN gradient -- none when those gradients do not depend on the accumulator (then: elementwise torch ops) --
+and the dacc kernel is skipped when neither x, W nor another operand needs a gradient.
+
 Device: on a Hopper GPU the fused kernels run; on CPU tensors the same programs run through ``coda.reference.gemm``
 (torch ops, fp32 math) -- the documented reference path, useful for tests and debugging; other GPUs raise
 (``ops/_common.py``).
@@ -21,7 +30,8 @@ import threading
 
 import torch
 
-from coda.autodiff import DGRAD, backward_epilogue, grad_name, value_name, with_preact
+from coda.autodiff import (DGRAD, backward_epilogue, grad_name, pair_tile_grad_epilogue, pair_tile_operands,
+                           value_name, with_preact)
 from coda.dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, operand_symbol
 
 from ._common import gemm_for, linear_grads
@@ -32,11 +42,12 @@ _bwd_cache: dict = {}
 _bwd_lock = threading.Lock()
 
 
-def _backward_of(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilogue:
-    key = (epi.key(), grads, needs)
+def _backward_of(epi: DslEpilogue, grads: tuple, needs: tuple, tiles: bool = False) -> DslEpilogue:
+    """The (cached) dacc backward epilogue, or with ``tiles`` the pairs TileMN-gradient one."""
+    key = (epi.key(), grads, needs, tiles)
     with _bwd_lock:
         if key not in _bwd_cache:
-            _bwd_cache[key] = backward_epilogue(epi, grads, needs)
+            _bwd_cache[key] = (pair_tile_grad_epilogue if tiles else backward_epilogue)(epi, grads, needs)
         return _bwd_cache[key]
 
 
@@ -72,7 +83,9 @@ class _Linear(torch.autograd.Function):
         none = (None,) * (6 + len(names))
         if not present:
             return none
-        bwd = _backward_of(epi, present, needs)
+        # TileMN operands of a pairs epilogue: M x N/2 gradients, a second (half-mode) launch; the rest come with dacc
+        tile_needs = pair_tile_operands(epi, needs)
+        main_needs = tuple(n for n in needs if n not in tile_needs)
         ops = dict(zip(names, tensors), **ctx.scalars)
         for k, g in zip(ctx.keys, grads):
             if g is None:
@@ -84,26 +97,18 @@ class _Linear(torch.autograd.Function):
                 ops[grad_name(k)] = g.detach().contiguous()
             if k in vals:
                 ops[value_name(k)] = vals[k]
-        if not bwd.symbols & {ACC, ACC_EVEN, ACC_ODD} and not bwd.reductions:
-            # the derivative does not depend on the accumulator (identity, residual add, scales by operands): no
-            # recompute GEMM; dacc = the upstream gradient itself, or the program evaluated elementwise on it
-            if bwd.exprs["out"] == operand_symbol(grad_name("out")) and not bwd.outputs:
-                res = {"out": ops[grad_name("out")].to(x2.dtype)}
-            else:
-                acc0 = torch.zeros((), dtype=torch.float32, device=x2.device).expand(x2.shape[0], weight.shape[0])
-                res = bwd.reference(acc0, **ops)
-                res["out"] = res["out"].to(x2.dtype)
-        elif preact is None:
-            res = gemm_for(x2.device, "coda.ops.linear")(x2, weight, epilogue=bwd, out_dtype=x2.dtype, **ops)
-        else:  # the same derivative program on the saved pre-activation (torch ops)
-            if vals:  # max / logsumexp results of the rounded pre-activation, so that ties still match
-                fwd = epi.reference(preact.float(), **dict(zip(names, tensors), **ctx.scalars))
-                ops.update({value_name(k): fwd[k] for k in vals if value_name(k) in ops})
-            res = bwd.reference(preact.float(), **ops)
-            res["out"] = res["out"].to(x2.dtype)
-        res = res if isinstance(res, dict) else {"out": res}
-        dacc = res["out"]
-        dx, dw = linear_grads(dacc, x2, weight, need_x, need_w, "coda.ops.linear")
+        if preact is not None and any(value_name(k) in ops for k in vals):
+            # max / logsumexp results of the rounded pre-activation, so that ties still match
+            fwd = epi.reference(preact.float(), **dict(zip(names, tensors), **ctx.scalars))
+            ops.update({value_name(k): fwd[k] for k in vals if value_name(k) in ops})
+        res, dx, dw = {}, None, None
+        if need_x or need_w or main_needs:
+            res = _evaluate(_backward_of(epi, present, main_needs), x2, weight, ops, preact, x2.dtype)
+            dx, dw = linear_grads(res["out"], x2, weight, need_x, need_w, "coda.ops.linear")
+        if tile_needs:
+            dtype = functools.reduce(torch.promote_types, (ops[n].dtype for n in tile_needs))
+            tiles = _evaluate(_backward_of(epi, present, tile_needs, tiles=True), x2, weight, ops, preact, dtype)
+            res.update({DGRAD + n: tiles["out" if i == 0 else DGRAD + n] for i, n in enumerate(tile_needs)})
         dops = []
         kinds = {o.name: o.kind for o in epi.operands}
         for n, t in zip(names, tensors):
@@ -115,6 +120,26 @@ class _Linear(torch.autograd.Function):
                 d = d.sum().reshape(t.shape)
             dops.append(d.to(t.dtype))
         return (dx, dw, None, None, None, None, *dops)
+
+
+def _evaluate(bwd: DslEpilogue, x2, weight, ops: dict, preact, out_dtype) -> dict:
+    """The results of the backward epilogue ``bwd`` (dacc and operand gradients, or a pairs epilogue's TileMN
+    gradients), ``out`` cast to ``out_dtype``: computed on a recomputed accumulator (one GEMM of x and W), on the
+    saved pre-activation (torch ops), or -- when they do not depend on the accumulator -- elementwise (torch ops;
+    nothing at all when ``out`` is one of the tile operands, e.g. dacc = the upstream gradient)."""
+    if not bwd.symbols & {ACC, ACC_EVEN, ACC_ODD} and not bwd.reductions:
+        tiles = {operand_symbol(o.name): o.name for o in bwd.operands if o.kind == "tile"}
+        if set(bwd.exprs) == {"out"} and bwd.exprs["out"] in tiles:
+            return {"out": ops[tiles[bwd.exprs["out"]]].to(out_dtype)}
+        acc0 = torch.zeros((), dtype=torch.float32, device=x2.device).expand(x2.shape[0], weight.shape[0])
+        res = bwd.reference(acc0, **ops)
+    elif preact is None:
+        res = gemm_for(x2.device, "coda.ops.linear")(x2, weight, epilogue=bwd, out_dtype=out_dtype, **ops)
+    else:  # the same derivative program on the saved pre-activation (torch ops)
+        res = bwd.reference(preact.float(), **ops)
+    res = dict(res) if isinstance(res, dict) else {"out": res}
+    res["out"] = res["out"].to(out_dtype)
+    return res
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact: bool = False, **operands):

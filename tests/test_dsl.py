@@ -329,3 +329,209 @@ def test_generated_epilogue_compiles_for_sm90(spec):
     row = compile_variant(GemmConfig(tile_m=128, tile_n=128, cluster_m=1, pingpong=False), epi)
     # spills are allowed for heavy random epilogues (coda.check reports them); a failed build is not
     assert row["wgmma"] > 0, row["error"]
+
+
+# ------------------------------------------------------------------------------- TileMN gradients of pairs epilogues
+@coda.epilogue
+def gated_tiles(acc, p: coda.TileMN, q: coda.TileMN, s: coda.VecN, r: coda.VecM):
+    """Half-mode pairs epilogue with two per-pair TileMN operands next to VecN / VecM ones, an extra output and
+    reductions (sum, logsumexp per row; sum per pair column)."""
+    g, u = coda.pairs(acc)
+    y = coda.silu(g * p) * u * s + q * r
+    return {"out": y, "gate": coda.sigmoid(g + q), "ss": coda.reduce_n(y * y),
+            "lse": coda.reduce_n(u * p, "logsumexp"), "cs": coda.reduce_m(g * q)}
+
+
+def _gated_tiles64(h, p, q, s, r):
+    g, u = h[..., 0::2], h[..., 1::2]
+    y = torch.nn.functional.silu(g * p) * u * s + q * r.unsqueeze(-1)
+    return {"out": y, "gate": torch.sigmoid(g + q), "ss": (y * y).sum(-1), "lse": torch.logsumexp(u * p, -1),
+            "cs": (g * q).flatten(0, -2).sum(0)}  # per pair column, over every row (of every batch)
+
+
+@coda.epilogue
+def _plain_tile(acc, t: coda.TileMN):
+    return acc * t
+
+
+def _rotate64(h, c, s):
+    a, b = h[..., 0::2], h[..., 1::2]
+    return {"out": torch.stack((a * c - b * s, a * s + b * c), -1).reshape(h.shape)}
+
+
+def test_pairs_tile_operand_gradients(monkeypatch):
+    """TileMN operands of pairs epilogues (one value per pair, M x N/2) get gradients: a second, "half" pairs
+    epilogue derived by sympy (coda.autodiff.pair_tile_grad_epilogue) next to the 2 -> 2 dacc epilogue. Half mode
+    (with VecN / VecM operands, an extra output, reductions) and 2 -> 2 (rotation): the derived program in float64
+    vs autograd; coda.ops.linear on the CPU reference path (which runs the derived program: checked by spying on
+    the GEMMs) vs float64 autograd; the preact branch; the derived epilogues compile for sm_90a."""
+    import sys
+
+    from coda.autodiff import pair_tile_grad_epilogue, pair_tile_operands
+    from coda.check import compile_variant
+    from coda.config import GemmConfig
+    from hook_epilogues import rotate
+
+    mod = sys.modules["coda.ops.linear"]
+    real = mod.gemm_for
+    assert pair_tile_operands(gated_tiles, ("p", "s", "q", "r")) == ("p", "q")
+    with pytest.raises(ValueError, match="takes TileMN operands"):
+        pair_tile_grad_epilogue(gated_tiles, ("out",), ("s",))
+    with pytest.raises(ValueError, match="not a pairs epilogue"):
+        pair_tile_grad_epilogue(_plain_tile, ("out",), ("t",))
+    gen = torch.Generator().manual_seed(3)
+    M, N = 6, 32
+    cases = [
+        (gated_tiles, _gated_tiles64, ("p", "q", "s", "r"),
+         {"p": torch.randn(2, M, N // 2, generator=gen), "q": torch.randn(2, M, N // 2, generator=gen),
+          "s": torch.rand(N // 2, generator=gen) + 0.5, "r": torch.rand(2, M, generator=gen) + 0.5}),
+        (rotate, _rotate64, ("c", "s"),
+         {"c": (th := torch.rand(2, M, N // 2, generator=gen) * 6).cos(), "s": th.sin()}),
+    ]
+    for epi, model, names, ops in cases:
+        tiles = pair_tile_operands(epi, names)
+        # 1. the derived program itself, float64, vs autograd (acc as a float64 "pre-activation")
+        # (unbatched: a batched reduce_m is per batch, its upstream gradient no VecN)
+        acc = torch.randn(M, N, generator=gen, dtype=torch.float64, requires_grad=True)
+        t64 = {k: (v[0] if v.dim() > 1 else v).double().requires_grad_() for k, v in ops.items()}
+        outs = model(acc, **t64)
+        ups = {k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in outs.items()}
+        want = torch.autograd.grad(sum((outs[k] * ups[k]).sum() for k in outs), [t64[n] for n in tiles])
+        tepi = pair_tile_grad_epilogue(epi, tuple(outs), tiles)
+        assert tepi.pair_mode == "half" and tepi.stores_out and tepi.outputs == tuple("d_" + n for n in tiles[1:])
+        bops = {k: v.detach() for k, v in t64.items()}
+        for k, u in ups.items():
+            if epi.pair_mode == "full":
+                bops[grad_name(k)], bops[grad_name(ODD_OUT)] = u[..., 0::2], u[..., 1::2]
+            else:
+                bops[grad_name(k)] = u
+        for red in epi.reductions:
+            if red.op != "sum":
+                bops[value_name(red.name)] = outs[red.name].detach()
+        got = tepi.reference(acc.detach(), **bops)
+        for i, (n, w_) in enumerate(zip(tiles, want)):
+            torch.testing.assert_close(got["out" if i == 0 else "d_" + n], w_, rtol=1e-9, atol=1e-9)
+        # 2. coda.ops.linear (CPU: coda.reference.gemm runs the derived programs) vs float64 autograd
+        launched = []
+
+        def spy(*a, **k):
+            gemm = real(*a, **k)
+            return lambda *x, **y: launched.append(y["epilogue"]) or gemm(*x, **y)
+        monkeypatch.setattr(mod, "gemm_for", spy)
+        x = torch.randn(2, M, 32, generator=gen).bfloat16().requires_grad_()
+        w = (torch.randn(N, 32, generator=gen) * 0.3).bfloat16().requires_grad_()
+        leaves = {k: v.clone().requires_grad_() for k, v in ops.items()}
+        res = coda.ops.linear(x, w, epilogue=epi, **leaves)
+        res = res if isinstance(res, dict) else {"out": res}
+        ups = {k: torch.randn(v.shape, generator=gen).bfloat16().double() for k, v in res.items()}  # exact in bf16
+        loss = sum((res[k].double() * ups[k]).sum() for k in res)
+        got = torch.autograd.grad(loss, [x, w, *leaves.values()])
+        x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        l64 = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
+        outs = model(x64 @ w64.T, **l64)
+        want = torch.autograd.grad(sum((outs[k] * ups[k]).sum() for k in outs), [x64, w64, *l64.values()])
+        for n, a_, b_ in zip(["x", "w", *leaves], got, want):
+            assert a_.shape == b_.shape, n
+            # tile gradients: fp32 math on the exact inputs; x / w: from dacc rounded to bf16
+            tol = 1e-5 if n in tiles else 1e-2
+            assert ((a_.double() - b_).norm() / b_.norm()).item() < tol, n
+        # forward, dacc (a recompute GEMM unless linear in acc: the rotation's dacc is elementwise), tile gradients
+        dacc = [(f"{epi.name}_bwd", "full")] if epi is gated_tiles else []
+        kinds = [(e.name, e.pair_mode) for e in launched]
+        assert kinds == [(epi.name, epi.pair_mode), *dacc, (f"{epi.name}_bwd_tiles", "half")]
+        # only a TileMN operand needs a gradient: the tile launch alone (no dacc kernel)
+        launched.clear()
+        c = leaves[tiles[0]].detach().requires_grad_()
+        y = coda.ops.linear(x.detach(), w.detach(), epilogue=epi,
+                            **{k: (c if k == tiles[0] else v.detach()) for k, v in leaves.items()})
+        y = y if isinstance(y, dict) else {"out": y}
+        d = torch.autograd.grad(sum((y[k].double() * ups[k]).sum() for k in y), [c])[0]
+        torch.testing.assert_close(d, got[2 + list(leaves).index(tiles[0])], rtol=1e-6, atol=1e-6)
+        assert [e.name for e in launched] == [epi.name, f"{epi.name}_bwd_tiles"]
+        monkeypatch.setattr(mod, "gemm_for", real)
+        # 3. the saved-pre-activation branch (torch ops on the pre-activation) gives what the recompute gives
+        acc32 = (x.detach().float() @ w.detach().float().T).reshape(2 * M, N)
+        bops = {k: (v.reshape(2 * M, -1) if k in tiles else v.reshape(2 * M) if v.dim() == 2 else v)
+                for k, v in ops.items()}
+        for k, u in ups.items():
+            u = u.float()
+            u = u.reshape(2 * M, -1) if u.dim() == 3 else u.reshape(2 * M) if u.dim() == 2 else u  # flat rows
+            if epi.pair_mode == "full":
+                bops[grad_name(k)], bops[grad_name(ODD_OUT)] = u[..., 0::2].contiguous(), u[..., 1::2].contiguous()
+            else:
+                bops[grad_name(k)] = u
+        for red in epi.reductions:
+            if red.op != "sum":
+                bops[value_name(red.name)] = epi.reference(acc32, **{k: bops[k] for k in ops})[red.name]
+        x2, w2 = x.detach().reshape(2 * M, 32), w.detach()
+        a_ = mod._evaluate(tepi, x2, w2, bops, None, torch.float32)
+        b_ = mod._evaluate(tepi, x2, w2, bops, acc32, torch.float32)
+        assert set(a_) == set(b_) == {"out", *tepi.outputs}
+        for k in a_:
+            torch.testing.assert_close(a_[k], b_[k], rtol=1e-6, atol=1e-6)
+        # 4. the derived epilogue compiles for sm_90a (fp32 gradient tiles, as coda.ops.linear launches it)
+        row = compile_variant(GemmConfig(tile_m=128, tile_n=128, cluster_m=1, pingpong=False), tepi, out_dtype="fp32")
+        assert row["wgmma"] > 0, row["error"]
+    with pytest.raises(ValueError, match="save_preact"):  # (pairs epilogues do not save the pre-activation yet)
+        coda.ops.linear(x, w, epilogue=rotate, save_preact=True, **ops)
+
+
+def _pair_tile_specs():
+    """Generated pairs epilogues (half and 2 -> 2) with at least one TileMN operand."""
+    return specs().filter(lambda s: s.get("pairs") is not None and "tile" in s["kinds"].values())
+
+
+@settings(max_examples=int(os.environ.get("CODA_DSL_EXAMPLES", 200)),
+          **{**SETTINGS, "suppress_health_check": SETTINGS["suppress_health_check"] + [HealthCheck.filter_too_much]})
+@given(spec=_pair_tile_specs())
+def test_generated_pair_tile_gradients_match_autograd(spec):
+    """The sympy-derived TileMN gradients of generated pairs epilogues (pair_tile_grad_epilogue: one value per
+    pair) vs float64 autograd, upstream gradients of every output and reduction."""
+    from coda.autodiff import pair_tile_grad_epilogue, pair_tile_operands
+    assume(all(op != "max" for (_, op, _) in spec["reds"].values()))  # (ties: see the test above)
+    epi = make_epilogue(spec)
+    g = torch.Generator().manual_seed(4)
+    M, N = 5, 6
+    acc = torch.randn(M, N, generator=g, dtype=torch.float64)
+    ops = random_operands(spec, None, M, N, gen=g)
+    tens = {k: (torch.tensor(v, dtype=torch.float64) if spec["kinds"][k] == "scalar" else v).requires_grad_()
+            for k, v in ops.items()}
+    outs = torch_eval(spec, acc, tens)
+    ups = {k: torch.randn(v.shape, generator=g, dtype=torch.float64) for k, v in outs.items()}
+    tiles = pair_tile_operands(epi, tuple(tens))
+    assert tiles and set(tiles) == {k for k, kind in spec["kinds"].items() if kind == "tile"}
+    want = torch.autograd.grad(sum((outs[k] * ups[k]).sum() for k in outs) + 0 * sum(t.sum() for t in tens.values()),
+                               [tens[n] for n in tiles], allow_unused=True)
+    tepi = pair_tile_grad_epilogue(epi, tuple(outs), tiles)
+    assert tepi.pair_mode == "half"
+    bops = dict(ops)
+    for k, u in ups.items():
+        if spec["pairs"] == "full":
+            bops[grad_name(k)], bops[grad_name(ODD_OUT)] = u[..., 0::2], u[..., 1::2]
+        else:
+            bops[grad_name(k)] = u
+    fwd = epi.reference(acc, **ops)
+    for r in epi.reductions:
+        if r.op != "sum":
+            bops[value_name(r.name)] = fwd[r.name]
+    got = tepi.reference(acc, **bops)
+    for i, (n, w) in enumerate(zip(tiles, want)):
+        d = got["out" if i == 0 else "d_" + n]
+        assert d.shape == (M, N // 2)
+        torch.testing.assert_close(d, torch.zeros_like(d) if w is None else w, rtol=1e-7, atol=1e-9,
+                                   msg=lambda m: f"d_{n}: {m}")
+
+
+@settings(max_examples=int(os.environ.get("CODA_DSL_COMPILE_EXAMPLES", 200)) // 8,
+          **{**SETTINGS, "suppress_health_check": SETTINGS["suppress_health_check"] + [HealthCheck.filter_too_much]})
+@given(spec=_pair_tile_specs())
+def test_generated_pair_tile_gradients_compile_for_sm90(spec):
+    """The TileMN-gradient epilogues of generated pairs epilogues build for sm_90a (fp32 gradient tiles)."""
+    from coda.autodiff import pair_tile_grad_epilogue, pair_tile_operands
+    from coda.check import compile_variant
+    from coda.config import GemmConfig
+    epi = make_epilogue(spec)
+    grads = ("out", *epi.outputs, *(r.name for r in epi.reductions))
+    tepi = pair_tile_grad_epilogue(epi, grads, pair_tile_operands(epi, tuple(spec["kinds"])))
+    row = compile_variant(GemmConfig(tile_m=128, tile_n=128, cluster_m=1, pingpong=False), tepi, out_dtype="fp32")
+    assert row["wgmma"] > 0, row["error"]

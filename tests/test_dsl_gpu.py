@@ -41,12 +41,14 @@ def _check_fused(epi, M, N, K, ops64, cfg=None, L=None, floor=1e-5):
     lead = (L,) if L else ()
     a = torch.randn(*lead, M, K, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(*lead, N, K, device=DEV, dtype=torch.bfloat16)
+    acc64 = torch.matmul(a.double(), b.double().transpose(-1, -2))
+    if callable(ops64):  # operands that depend on the accumulator (a backward's forward reduction values)
+        ops64 = ops64(acc64.cpu())
     ops = {k: (v.to(DEV, torch.float32) if torch.is_tensor(v) else v) for k, v in ops64.items()}
     n_out = epi.out_cols(N)
     out = torch.full((*lead, M, n_out), float("nan"), device=DEV, dtype=torch.bfloat16) if epi.stores_out else None
     got = coda.gemm(a, b, epilogue=epi, out=out, config=cfg, **ops)
     got = got if isinstance(got, dict) else {"out": got}
-    acc64 = torch.matmul(a.double(), b.double().transpose(-1, -2))
     ref = epi.reference(acc64, **{k: (v.to(DEV) if torch.is_tensor(v) else v) for k, v in ops64.items()})
     accbf = torch.matmul(a, b.transpose(-1, -2)).double()  # torch in the same dtype: a bf16 GEMM, then the math
     theirs = epi.reference(accbf, **{k: (v.to(DEV) if torch.is_tensor(v) else v) for k, v in ops64.items()})
@@ -113,9 +115,14 @@ def test_generated_epilogues_fused(spec):
     for r in epi.reductions:
         n = M if r.axis == "n" else nc
         bops[grad_name(r.name)] = torch.randn(n, generator=g, dtype=torch.float64)
-        if r.op != "sum":
-            bops[value_name(r.name)] = torch.randn(n, generator=g, dtype=torch.float64) + 4
-    _check_fused(bwd, M, N, K, bops, floor=2e-3)
+    fwd_ops = {k: v for k, v in bops.items() if k in ops}
+
+    def with_values(acc64):
+        """max / logsumexp reductions: the backward reads the forward's value (exp(x - lse) <= 1 only with the
+        real one; a random stand-in overflows for large x)."""
+        vals = epi.reference(acc64, **fwd_ops)
+        return {**bops, **{value_name(r.name): vals[r.name].reshape(-1) for r in epi.reductions if r.op != "sum"}}
+    _check_fused(bwd, M, N, K, with_values, floor=2e-3)
 
 
 @pytest.mark.parametrize("save_preact", [False, True])
@@ -246,3 +253,88 @@ def test_linear_pairs_operand_gradients():
     ref, theirs = torch_model(torch.float64), torch_model(torch.bfloat16)
     for name, o, r_, t in zip("xwsr", ours, ref, theirs):
         assert rel(o, r_) <= 2 * rel(t, r_) + 1e-3, (name, rel(o, r_), rel(t, r_))
+
+
+@coda.epilogue
+def gated_tiles(acc, p: coda.TileMN, q: coda.TileMN, s: coda.VecN, r: coda.VecM):
+    """Half-mode pairs epilogue with two per-pair TileMN operands, VecN / VecM operands, an extra output and
+    reductions (as in tests/test_dsl.py)."""
+    g, u = coda.pairs(acc)
+    y = coda.silu(g * p) * u * s + q * r
+    return {"out": y, "gate": coda.sigmoid(g + q), "ss": coda.reduce_n(y * y),
+            "lse": coda.reduce_n(u * p, "logsumexp"), "cs": coda.reduce_m(g * q)}
+
+
+def _gated_tiles64(h, p, q, s, r):
+    g, u = h[..., 0::2], h[..., 1::2]
+    y = torch.nn.functional.silu(g * p) * u * s + q * r.unsqueeze(-1)
+    return {"out": y, "gate": torch.sigmoid(g + q), "ss": (y * y).sum(-1), "lse": torch.logsumexp(u * p, -1),
+            "cs": (g * q).flatten(0, -2).sum(0)}
+
+
+def _rotate64(h, c, s):
+    a, b = h[..., 0::2], h[..., 1::2]
+    return {"out": torch.stack((a * c - b * s, a * s + b * c), -1).reshape(h.shape)}
+
+
+@pytest.mark.parametrize("mode", ["half", "full"])
+def test_linear_pairs_tile_operand_gradients(mode):
+    """coda.ops.linear over a pairs epilogue with TileMN operands (one value per pair, M x N/2): fused forward,
+    fused backward (the 2 -> 2 dacc kernel, and a second, "half" pairs kernel for the TileMN gradients), gradients
+    of x, w and every operand vs float64 autograd; ragged, batched shape."""
+    L, Mb, N, K = 3, 111, 1040, 264  # M = 333; N/2 = 520 (16-byte rows in bf16)
+    x = torch.randn(L, Mb, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.05).requires_grad_()
+    if mode == "half":
+        epi, model = gated_tiles, _gated_tiles64
+        leaves = {"p": torch.randn(L, Mb, N // 2, device=DEV), "q": torch.randn(L, Mb, N // 2, device=DEV),
+                  "s": torch.rand(N // 2, device=DEV) + 0.5, "r": torch.rand(L, Mb, device=DEV) + 0.5}
+    else:
+        epi, model = rotate, _rotate64
+        th = torch.rand(L, Mb, N // 2, device=DEV) * 6.3
+        leaves = {"c": th.cos(), "s": th.sin()}
+    leaves = {k: v.requires_grad_() for k, v in leaves.items()}
+    res = coda.ops.linear(x, w, epilogue=epi, **leaves)
+    res = res if isinstance(res, dict) else {"out": res}
+    ups = {k: torch.randn(v.shape, device=DEV, dtype=torch.float64) for k, v in res.items()}
+    ours = torch.autograd.grad(sum((res[k].double() * u).sum() for k, u in ups.items()), [x, w, *leaves.values()])
+    tiled = [k for k in res if k == "out" or k in epi.outputs]  # bf16 outputs (reductions are fp32)
+
+    def torch_model(dt):
+        x_, w_ = (t.detach().to(dt).requires_grad_() for t in (x, w))
+        ls = {k: t.detach().double().requires_grad_() for k, t in leaves.items()}
+        outs = model((x_ @ w_.T).double(), **ls)
+        if dt != torch.float64:
+            outs = {k: (v.to(dt).double() if k in tiled else v) for k, v in outs.items()}
+        return torch.autograd.grad(sum((outs[k] * u).sum() for k, u in ups.items()), [x_, w_, *ls.values()])
+
+    ref, theirs = torch_model(torch.float64), torch_model(torch.bfloat16)
+    for name, o, r_, t in zip(["x", "w", *leaves], ours, ref, theirs):
+        assert o.shape == r_.shape, name
+        assert rel(o, r_) <= 2 * rel(t, r_) + 1e-3, (name, rel(o, r_), rel(t, r_))
+
+
+@settings(max_examples=int(os.environ.get("CODA_DSL_GPU_EXAMPLES", 40)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                 HealthCheck.filter_too_much])
+@given(spec=specs().filter(lambda s: s.get("pairs") is not None and "tile" in s["kinds"].values()))
+def test_generated_pair_tile_gradients_fused(spec):
+    """The TileMN-gradient epilogue (coda.autodiff.pair_tile_grad_epilogue: "half" pairs, one value per pair) of
+    generated pairs epilogues, fused, vs float64: upstream gradients of every output and reduction."""
+    from coda.autodiff import grad_name, pair_tile_grad_epilogue, pair_tile_operands, value_name
+    from coda.dsl import ODD_OUT
+    epi = make_epilogue(spec)
+    M, N, K = 201, 144, 72  # N/2 = 72: bf16 rows of the per-pair tiles stay 16-byte aligned
+    g = torch.Generator().manual_seed(5)
+    ops = random_operands(spec, None, M, N, gen=g)
+    keys = ["out", *epi.outputs, *(r.name for r in epi.reductions)]
+    tepi = pair_tile_grad_epilogue(epi, tuple(keys), pair_tile_operands(epi, tuple(spec["kinds"])))
+    bops = dict(ops)
+    for k in ["out", *epi.outputs] + ([ODD_OUT] if spec["pairs"] == "full" else []):
+        bops[grad_name(k)] = torch.randn(M, N // 2, generator=g, dtype=torch.float64)
+    for r in epi.reductions:
+        n = M if r.axis == "n" else N // 2
+        bops[grad_name(r.name)] = torch.randn(n, generator=g, dtype=torch.float64)
+        if r.op != "sum":
+            bops[value_name(r.name)] = torch.randn(n, generator=g, dtype=torch.float64) + 4
+    _check_fused(tepi, M, N, K, bops, floor=2e-3)
