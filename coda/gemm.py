@@ -56,6 +56,12 @@ def _canonical(t: torch.Tensor, leading: int) -> torch.Tensor:
     return t
 
 
+def tma_aligned(t: torch.Tensor) -> bool:
+    """Whether TMA can read ``t``: a 16-byte aligned address and every non-unit stride a multiple of 16 bytes."""
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in t.stride() if st != 1)
+
+
 def _cute(t: torch.Tensor, leading: int):
     """A cute view of ``t`` (already canonical, see :func:`_canonical`)."""
     from cutlass.cute.runtime import from_dlpack
@@ -191,9 +197,12 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
     sig = tuple((t.dtype, t.dim()) for t, _ in args)
     if la == 0 or lb == 0:  # MN-major operands compile their own kernel (K-major keys stay as they were)
         sig += (("major", la, lb),)
-    key = (cfg, epi.key(), prob.in_dtype, prob.out_dtype, sig)
     views = [_canonical(_mnl(a3), la), _canonical(_mnl(b3), lb), _canonical(_mnl(out3), 1)]
     views += [_canonical(t, lead) for t, lead in args]
+    tiles = [v for op, v in zip(epi.operands, views[3:]) if op.kind == "tile"]
+    if tiles:  # TileMN operands: TMA-loaded when 16-byte aligned, else read element by element
+        sig += (("tile_tma", tuple(tma_aligned(v) for v in tiles)),)
+    key = (cfg, epi.key(), prob.in_dtype, prob.out_dtype, sig)
     leads = [la, lb, 1] + [lead for _, lead in args]
     return res, key, views, leads, outs, partials
 
@@ -257,6 +266,8 @@ def _make_plan(fn, cute_args, views, handle, prob, cfg, epi, tensors, device_ind
             and all(op.kind != "scalar" and isinstance(operands.get(op.name), torch.Tensor)
                     and v.data_ptr() == operands[op.name].data_ptr() for op, v in zip(epi.operands, views[3:]))):
         plan.operand_names = tuple(op.name for op in epi.operands)
+    # TileMN operands the kernel reads by TMA: their address must stay 16-byte aligned (strides are in the key)
+    plan.tma_tiles = tuple(op.name for op, v in zip(epi.operands, views[3:]) if op.kind == "tile" and tma_aligned(v))
     a, b, out = tensors
     plan.extents = (_launch.byte_extent(a), _launch.byte_extent(b), 0 if out is None else _launch.byte_extent(out))
     return plan
@@ -267,7 +278,7 @@ def _run_plan(plan, a, b, out, operands):
     proper error). Shapes, strides, dtypes, devices and the epilogue are the plan's (its key); what is left to check
     per call is what depends on the data pointers: 16-byte alignment and ``out`` sharing memory with ``a``/``b``."""
     pa, pb = a.data_ptr(), b.data_ptr()
-    if (pa | pb) & 15:
+    if (pa | pb) & 15 or any(operands[n].data_ptr() & 15 for n in plan.tma_tiles):
         return None
     prob = plan.prob
     if out is None:

@@ -338,3 +338,37 @@ def test_generated_pair_tile_gradients_fused(spec):
         if r.op != "sum":
             bops[value_name(r.name)] = torch.randn(n, generator=g, dtype=torch.float64) + 4
     _check_fused(tepi, M, N, K, bops, floor=2e-3)
+
+
+@coda.epilogue
+def _residual(acc, res: coda.TileMN):
+    return acc + res
+
+
+@pytest.mark.parametrize("cfg", CFGS + [GemmConfig(tile_m=64, tile_n=256, pingpong=True, cluster_m=1)],
+                         ids=lambda c: c.name)
+def test_tile_operand_tma_and_element_paths(cfg):
+    """TileMN operands: TMA-loaded ring (aligned bf16 / fp32, batched, add-to-output where the operand is out)
+    and the element-wise path (a view whose address and row stride are not 16-byte aligned), vs float64."""
+    from coda.gemm import tma_aligned
+    M, N, K, L = 333, 200, 264, 2
+    a = torch.randn(L, M, K, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(L, N, K, device=DEV, dtype=torch.bfloat16)
+    acc = torch.matmul(a.double(), b.double().transpose(-1, -2))
+    big = torch.randn(L, M, N + 1, device=DEV, dtype=torch.bfloat16)
+    cases = {"bf16": torch.randn(L, M, N, device=DEV, dtype=torch.bfloat16),
+             "fp32": torch.randn(L, M, N, device=DEV, dtype=torch.float32),
+             "unaligned": big[..., 1:]}
+    assert tma_aligned(cases["bf16"]) and not tma_aligned(cases["unaligned"])
+    for name, res in cases.items():
+        out = torch.full((L, M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+        coda.gemm(a, b, epilogue=_residual, out=out, config=cfg, res=res)
+        ref = acc + res.double()
+        theirs = (torch.matmul(a, b.transpose(-1, -2)).double() + res.double()).to(torch.bfloat16)
+        assert not torch.isnan(out).any(), name
+        assert rel(out, ref) <= 2 * rel(theirs, ref) + 1e-5, (name, rel(out, ref), rel(theirs, ref))
+    out = torch.randn(L, M, N, device=DEV, dtype=torch.bfloat16)  # add-to-output: out += a @ b.T (TMA path)
+    ref = acc + out.double()
+    theirs = (torch.matmul(a, b.transpose(-1, -2)).double() + out.double()).to(torch.bfloat16)
+    coda.gemm(a, b, epilogue=_residual, out=out, config=cfg, res=out)
+    assert rel(out, ref) <= 2 * rel(theirs, ref) + 1e-5

@@ -468,3 +468,24 @@ def test_add_to_output_alias_allowed_only_exactly():
     with raises(ValueError, "out") as info:
         coda.reference.gemm(a, b, epilogue=_Add(), prev=big[1:], out=big[:4])
     assert "exactly out" in str(info.value)
+
+
+def test_tile_operands_choose_tma_or_element_loads_in_the_compile_key():
+    """A TileMN operand is TMA-loaded only when its address and strides are 16-byte aligned; the choice is part of
+    the compile key (so an unaligned view never reuses the TMA kernel)."""
+    from coda.config import GemmConfig
+    from coda.gemm import _kernel_views, tma_aligned
+    from coda._validate import check_gemm_args
+
+    @coda.epilogue
+    def res_add(acc, res: coda.TileMN):
+        return acc + res
+
+    a, b = torch.randn(16, 32, dtype=torch.bfloat16), torch.randn(24, 32, dtype=torch.bfloat16)
+    big = torch.randn(17, 25, dtype=torch.bfloat16)
+    assert tma_aligned(torch.randn(16, 24)) and not tma_aligned(big[1:, 1:]) and not tma_aligned(big[:16, :24])
+    keys = []
+    for res in (torch.randn(16, 24, dtype=torch.bfloat16), big[1:, 1:]):
+        prob = check_gemm_args(a, b)
+        keys.append(_kernel_views(prob, res_add, GemmConfig(), a, b, None, {"res": res})[1])
+    assert keys[0][-1][-1] == ("tile_tma", (True,)) and keys[1][-1][-1] == ("tile_tma", (False,))

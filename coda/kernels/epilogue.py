@@ -187,9 +187,23 @@ def staged_operands(epi: Epilogue, cfg) -> list:
     return out
 
 
-def staged_smem_bytes(epi: Epilogue, cfg) -> int:
-    """Shared memory of the staged operands: fp32, one buffer per consumer tile in flight, 16-byte aligned."""
-    return sum(4 * n + 16 for _, n in staged_operands(epi, cfg)) * (2 if cfg.pingpong else 1)
+def tile_operand_cols(epi: Epilogue, cfg) -> int:
+    """Columns of a TileMN operand's epilogue sub-tile (one value per column pair in a pairs epilogue)."""
+    return cfg.epi_n // 2 if epi.pair_mode else cfg.epi_n
+
+
+def staged_smem_bytes(epi: Epilogue, cfg, tile_bytes=None) -> int:
+    """Shared memory of the epilogue's operands besides the output buffers: staged VecN / VecM values (fp32) and
+    the TMA ring of TileMN operands (2 sub-tile buffers each, ``tile_bytes`` per element: the dtype of each
+    TMA-loaded TileMN operand; None assumes fp32 for every TileMN operand, the most it can take), per consumer
+    tile in flight, with alignment and the ring's mbarriers."""
+    in_flight = 2 if cfg.pingpong else 1
+    n = sum(4 * n + 16 for _, n in staged_operands(epi, cfg))
+    if tile_bytes is None:
+        tile_bytes = [4 for o in epi.operands if o.kind == "tile"]
+    if tile_bytes:
+        n += sum(cfg.tile_m * tile_operand_cols(epi, cfg) * 2 * b + 1024 for b in tile_bytes) + 16
+    return n * in_flight
 
 
 def finish_reduction(partials, op: str):

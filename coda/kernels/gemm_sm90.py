@@ -40,7 +40,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ..config import GemmConfig
 from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, EpiEnv, staged_operands,  # noqa: F401 (the x-slots)
-                       staged_smem_bytes)
+                       staged_smem_bytes, tile_operand_cols)
 
 WG_THREADS = 128
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -51,7 +51,9 @@ LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
 class GemmSm90:
-    def __init__(self, cfg: GemmConfig, epi: Epilogue):
+    def __init__(self, cfg: GemmConfig, epi: Epilogue, tile_tma=None):
+        """``tile_tma``: per TileMN operand (in declaration order), whether it is loaded by TMA (its address and
+        strides are 16-byte aligned) or element by element; None: all by TMA."""
         self.cfg = cfg.validate()
         self.epi = epi
         self.acc_dtype = cutlass.Float32
@@ -65,6 +67,13 @@ class GemmSm90:
         self.red_n = [r for r in epi.reductions if r.axis == "n"]
         self.red_m = [r for r in epi.reductions if r.axis == "m"]
         self.staged = staged_operands(epi, cfg)  # VecN / VecM operands read through shared memory (3b)
+        tiles = [i for i, o in enumerate(epi.operands) if o.kind == "tile"]
+        flags = (True,) * len(tiles) if tile_tma is None else tuple(tile_tma)
+        if len(flags) != len(tiles):
+            raise ValueError(f"tile_tma: {len(flags)} flags for {len(tiles)} TileMN operands")
+        self.tma_tiles = [i for i, f in zip(tiles, flags) if f]  # TileMN operands loaded by TMA (3b)
+        self.op_tile = (cfg.tile_m, tile_operand_cols(epi, cfg))
+        self.ld_bufs = 2 * self.num_tiles_in_flight  # a ring of 2 sub-tile buffers per consumer tile in flight
 
     # ------------------------------------------------------------------------------------------------ phase 0: host
     @cute.jit
@@ -104,8 +113,16 @@ class GemmSm90:
             self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
             self.acc_dtype, self.atom_layout, tiler_mn=(64, cfg.tile_n))
 
+        # TileMN operands read by TMA: per operand a ring of sub-tile buffers, one mbarrier per buffer
+        ld_ops = [op_tensors[i] for i in self.tma_tiles]
+        ld_smems = [sm90_utils.make_smem_layout_epi(t.element_type, LayoutEnum.from_tensor(t), self.op_tile,
+                                                    self.ld_bufs) for t in ld_ops]
+        lds = [cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), t, cute.slice_(sl, (None, None, 0)),
+                                           self.op_tile) for t, sl in zip(ld_ops, ld_smems)]
+        self.ld_tx = sum(self.op_tile[0] * self.op_tile[1] * t.element_type.width // 8 for t in ld_ops)
         self.ab_stage = cfg.derive_stages([d.width // 8 for d in out_dtypes],
-                                          extra_smem=staged_smem_bytes(self.epi, cfg),
+                                          extra_smem=staged_smem_bytes(self.epi, cfg,
+                                                                       [t.element_type.width // 8 for t in ld_ops]),
                                           in_bytes=self.ab_dtype.width // 8)
         a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
@@ -141,7 +158,8 @@ class GemmSm90:
         self.shared_storage = SharedStorage  # the epilogue buffers (one per tile output) follow the struct
 
         self.kernel(tma_a, tA, tma_b, tB, mD, [s[0] for s in stores], [s[1] for s in stores], op_tensors,
-                    red_tensors, self.tiled_mma, a_smem, b_smem, epi_smems, sched).launch(
+                    red_tensors, self.tiled_mma, a_smem, b_smem, epi_smems, sched,
+                    [x[0] for x in lds], [x[1] for x in lds], ld_smems).launch(
             grid=grid, block=[3 * WG_THREADS, 1, 1], cluster=(cfg.cluster_m, cfg.cluster_n, 1),
             min_blocks_per_mp=1, stream=stream)
 
@@ -156,7 +174,8 @@ class GemmSm90:
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                mD: cute.Tensor, store_atoms: list, store_tensors: list, op_tensors: list, red_tensors: list,
                tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
-               epi_smems: list, sched_params: utils.PersistentTileSchedulerParams):
+               epi_smems: list, sched_params: utils.PersistentTileSchedulerParams, ld_atoms: list,
+               ld_tensors: list, ld_smems: list):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -164,7 +183,7 @@ class GemmSm90:
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
-            for atom in store_atoms:
+            for atom in store_atoms + ld_atoms:
                 cpasync.prefetch_descriptor(atom)
 
         # ---- phase 1: shared memory, mainloop pipeline, cluster sync
@@ -176,6 +195,12 @@ class GemmSm90:
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        ld_mbar = None
+        if cutlass.const_expr(len(self.tma_tiles) > 0):  # fenced and synced by pipeline_init_arrive / _wait
+            ld_mbar = smem.allocate_array(cutlass.Int64, self.ld_bufs, byte_alignment=8)
+            if tidx == 0:
+                for j in cutlass.range_constexpr(self.ld_bufs):
+                    cute.arch.mbarrier_init(ld_mbar + j, 1)
         consumer_wgs = 1 if cfg.pingpong else 2  # warpgroups that read each stage
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(), num_stages=self.ab_stage,
@@ -192,6 +217,9 @@ class GemmSm90:
         # staged VecN / VecM operands: (values per tile, consumer tile in flight), fp32
         sOps = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((n, self.num_tiles_in_flight)),
                                      byte_alignment=16) for _, n in self.staged]
+        sLds = [smem.allocate_tensor(op_tensors[i].element_type, sl.outer, byte_alignment=1024, swizzle=sl.inner)
+                for i, sl in zip(self.tma_tiles, ld_smems)]
+        tile_ld = dict(atoms=ld_atoms, tensors=ld_tensors, smem=sLds, mbar=ld_mbar)
 
         gA = cute.local_tile(mA, (cfg.tile_m, cfg.tile_k), (None, None, None))  # (bM, bK, m, k, l)
         gB = cute.local_tile(mB, (cfg.tile_n, cfg.tile_k), (None, None, None))  # (bN, bK, n, k, l)
@@ -228,11 +256,11 @@ class GemmSm90:
             # ---- phase 3: consumers
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consumer(tidx, wg_idx - 1, mainloop, k_tiles, sA, sB, sOuts, sOps, tiled_mma, mD, store_atoms,
-                          store_tensors, op_tensors, red_tensors, sched_params)
+                          store_tensors, op_tensors, red_tensors, sched_params, tile_ld)
 
     @cute.jit
     def consumer(self, tidx, cwg, mainloop, k_tiles, sA, sB, sOuts, sOps, tiled_mma, mD, store_atoms,
-                 store_tensors, op_tensors, red_tensors, sched_params):
+                 store_tensors, op_tensors, red_tensors, sched_params, tile_ld):
         cfg = self.cfg
         pp = cfg.pingpong
         # thread index inside the group that shares a tile: the warpgroup (ping-pong) or both warpgroups
@@ -274,6 +302,9 @@ class GemmSm90:
             # this tile's VecN / VecM operand values, loaded now so the global-memory latency hides under the
             # mainloop; the epilogue writes them to shared memory
             pre = self._prefetch(op_tensors, m, n, l, etidx)
+            # and the TMA loads of its first two TileMN sub-tiles (into buffers the previous tile is done with)
+            for e in cutlass.range_constexpr(min(2, cfg.tile_n // cfg.epi_n)):
+                self._load_tiles(tile_ld, e, m, n, l, tiles_done, cwg, etidx)
             # ---- 3a mainloop
             if cutlass.const_expr(pp):
                 cute.arch.barrier(barrier_id=BAR_ORDER + cwg, number_of_threads=2 * WG_THREADS)
@@ -308,7 +339,8 @@ class GemmSm90:
 
             # ---- 3b epilogue
             self._epilogue(epi, acc, m, n, l, tiles_done, store_pipe, mD, store_atoms, store_tensors,
-                           op_tensors, red_tensors, cwg, dict(pre=pre, sOps=sOps, scalars=scalars))
+                           op_tensors, red_tensors, cwg, dict(pre=pre, sOps=sOps, scalars=scalars, ld=tile_ld,
+                                                              etidx=etidx))
             tiles_done += 1
             sched.advance_to_next_work(advance_count=tile_step)
             work = sched.get_current_work()
@@ -342,6 +374,29 @@ class GemmSm90:
         cloc = thr0.partition_S(cute.make_identity_tensor(self.epi_tile))
         return dict(parts=parts, tiled=tiled0, thr=thr0, souts=sOuts, tiled_mma=tiled_mma, rshape=rshape,
                     cloc=cloc)
+
+    def _ld_buf(self, tiles_done, e, cwg):
+        """(ring buffer, mbarrier phase) of TileMN sub-tile e of this consumer's tiles_done-th tile: the sub-tiles
+        u = tiles_done * n_epi + e alternate between the consumer's 2 buffers."""
+        u = tiles_done * (self.cfg.tile_n // self.cfg.epi_n) + e
+        return (2 * cwg if self.cfg.pingpong else 0) + u % 2, (u // 2) % 2
+
+    @cute.jit
+    def _load_tiles(self, ld, e, m, n, l, tiles_done, cwg, etidx):
+        """TMA-load sub-tile e of tile (m, n, l) of every TMA TileMN operand into its ring buffer: one thread
+        arms the buffer's mbarrier with the byte count and issues the copies (out-of-bounds rows / columns are
+        zero-filled); the epilogue waits on the mbarrier."""
+        if cutlass.const_expr(len(self.tma_tiles) > 0):
+            b, _ = self._ld_buf(tiles_done, e, cwg)
+            if etidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(ld["mbar"] + b, self.ld_tx)
+                for k in cutlass.range_constexpr(len(self.tma_tiles)):
+                    width = self.op_tile[1] * (self.cfg.tile_n // self.cfg.epi_n)
+                    gT = cute.local_tile(ld["tensors"][k], (self.cfg.tile_m, width), (m, n, l))
+                    sP, gP = cpasync.tma_partition(ld["atoms"][k], 0, cute.make_layout(1),
+                                                   cute.group_modes(ld["smem"][k], 0, 2),
+                                                   cute.zipped_divide(gT, self.op_tile))
+                    cute.copy(ld["atoms"][k], gP[(None, (0, e))], sP[(None, b)], tma_bar_ptr=ld["mbar"] + b)
 
     def _prefetch(self, op_tensors, m, n, l, etidx):
         """[[(value, index in the tile's buffer, store predicate or None)] per staged operand]: each epilogue
@@ -409,8 +464,14 @@ class GemmSm90:
                 cSub = epi["thr"].partition_S(cEpi[(None, None, 0, e)])
                 if cutlass.const_expr(e == 0):
                     cSub0 = cSub
+                tiles = {}
+                if cutlass.const_expr(len(self.tma_tiles) > 0):  # this sub-tile's TileMN values have landed
+                    b, phase = self._ld_buf(tiles_done, e, cwg)
+                    cute.arch.mbarrier_wait(stage["ld"]["mbar"] + b, phase)
+                    tiles = {self.epi.operands[i].name: (stage["ld"]["smem"][k], b)
+                             for k, i in enumerate(self.tma_tiles)}
                 lazy = self._Lazy(self, cSub, c_sub, op_tensors, M, N,
-                                  (lbase, e * cfg.epi_n, staged, stage["scalars"]))
+                                  (lbase, e * cfg.epi_n, staged, stage["scalars"], tiles))
                 results = self._visit_pairs(rD, lazy, c_sub, n_v) if self.pair_mode else self._visit_all(rD, lazy, n_v)
             else:
                 results = {"out": [rD[v] for v in range(n_v)]}
@@ -455,6 +516,8 @@ class GemmSm90:
                 store_pipe.producer_commit()
                 store_pipe.producer_acquire()
             bar.arrive_and_wait()
+            if cutlass.const_expr(e + 2 < n_epi):  # every thread is done with sub-tile e's TileMN buffer
+                self._load_tiles(stage["ld"], e + 2, m, n, l, tiles_done, cwg, stage["etidx"])
 
         # finish the per-row partials: the 4 lanes of a quad hold the same rows
         lane = cute.arch.lane_idx()
@@ -580,9 +643,9 @@ class GemmSm90:
         def __init__(self, kernel, cSub, c_static, op_tensors, M, N, local):
             self.cSub, self.c_static, self.M, self.N = cSub, c_static, M, N
             self.ops = list(zip(kernel.epi.operands, op_tensors))
-            # (register 0's tile-local coordinates, the sub-tile's first column, staged {name: (smem, slot)},
-            # run-time scalars {name: value})
-            self.lbase, self.col0, self.staged, self.scalars = local
+            # (register 0's sub-tile-local coordinates, the sub-tile's first column in the tile, staged
+            # {name: (smem, slot)}, run-time scalars {name: value}, TMA-loaded TileMN {name: (smem ring, buffer)})
+            self.lbase, self.col0, self.staged, self.scalars, self.tiles = local
             self.memo = {}
 
         def _get(self, key, make):
@@ -596,15 +659,19 @@ class GemmSm90:
             d = 0 if i == 2 else self.c_static[v][i] - self.c_static[0][i]
             return base[i] if d == 0 else self._get(("c", i, d), lambda: base[i] + d)
 
-        def local(self, v, i):
-            """Mode i (0 row, 1 column) of register v's coordinate inside the CTA tile."""
-            d = self.c_static[v][i] - self.c_static[0][i] + (self.col0 if i == 1 else 0)
+        def local(self, v, i, sub: bool = False):
+            """Mode i (0 row, 1 column) of register v's coordinate inside the CTA tile (the sub-tile: sub)."""
+            d = self.c_static[v][i] - self.c_static[0][i] + (self.col0 if i == 1 and not sub else 0)
             return self.lbase[i] if d == 0 else self._get(("l", i, d), lambda: self.lbase[i] + d)
 
         def operand(self, op, t, v, pair, row, col, n_cols):
             """Operand ``op``'s value at register v: staged in shared memory, a scalar, or loaded from global."""
             if op.kind == "scalar":
                 return self.scalars[op.name]
+            if op.name in self.tiles:
+                sT, b = self.tiles[op.name]
+                c = self.local(v, 1, sub=True)
+                return sT[(self.local(v, 0), c // 2 if pair else c, b)].to(cutlass.Float32)
             if op.name in self.staged:
                 sT, slot = self.staged[op.name]
                 if op.kind == "vec_m":
