@@ -195,14 +195,14 @@ def tile_operand_cols(epi: Epilogue, cfg) -> int:
 def staged_smem_bytes(epi: Epilogue, cfg, tile_bytes=None) -> int:
     """Shared memory of the epilogue's operands besides the output buffers: staged VecN / VecM values (fp32) and
     the TMA ring of TileMN operands (2 sub-tile buffers each, ``tile_bytes`` per element: the dtype of each
-    TMA-loaded TileMN operand; None assumes fp32 for every TileMN operand, the most it can take), per consumer
-    tile in flight, with alignment and the ring's mbarriers."""
+    TMA-loaded TileMN operand; None assumes fp32 for every TileMN operand, the most it can take) and its mbarriers,
+    per consumer tile in flight. Alignment padding is covered by ``GemmConfig.derive_stages``' reserve."""
     in_flight = 2 if cfg.pingpong else 1
-    n = sum(4 * n + 16 for _, n in staged_operands(epi, cfg))
+    n = sum(4 * n for _, n in staged_operands(epi, cfg))
     if tile_bytes is None:
         tile_bytes = [4 for o in epi.operands if o.kind == "tile"]
-    if tile_bytes:
-        n += sum(cfg.tile_m * tile_operand_cols(epi, cfg) * 2 * b + 1024 for b in tile_bytes) + 16
+    if tile_bytes:  # ring buffers are multiples of 1024 bytes (no alignment padding after the output buffers)
+        n += sum(cfg.tile_m * tile_operand_cols(epi, cfg) * 2 * b for b in tile_bytes) + 8 * 2
     return n * in_flight
 
 

@@ -195,12 +195,24 @@ class GemmSm90:
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sOuts = [smem.allocate_tensor(self.out_dtypes[i], sl.outer, byte_alignment=1024,
+                                      swizzle=sl.inner) for i, sl in enumerate(epi_smems)]
+        # TileMN rings (multiples of 1024 bytes, right after the output buffers: no padding), staged VecN / VecM
+        # operands (values per tile, consumer tile in flight; fp32), the rings' mbarriers
+        sLds = [smem.allocate_tensor(op_tensors[i].element_type, sl.outer, byte_alignment=1024, swizzle=sl.inner)
+                for i, sl in zip(self.tma_tiles, ld_smems)]
+        sOps = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((n, self.num_tiles_in_flight)),
+                                     byte_alignment=16) for _, n in self.staged]
         ld_mbar = None
-        if cutlass.const_expr(len(self.tma_tiles) > 0):  # fenced and synced by pipeline_init_arrive / _wait
+        if cutlass.const_expr(len(self.tma_tiles) > 0):  # fenced and synced by pipeline_init_arrive / _wait below
             ld_mbar = smem.allocate_array(cutlass.Int64, self.ld_bufs, byte_alignment=8)
             if tidx == 0:
                 for j in cutlass.range_constexpr(self.ld_bufs):
                     cute.arch.mbarrier_init(ld_mbar + j, 1)
+        tile_ld = dict(atoms=ld_atoms, tensors=ld_tensors, smem=sLds, mbar=ld_mbar)
+
         consumer_wgs = 1 if cfg.pingpong else 2  # warpgroups that read each stage
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(), num_stages=self.ab_stage,
@@ -209,17 +221,6 @@ class GemmSm90:
                 pipeline.Agent.Thread, (self.mcast_a + self.mcast_b - 1) * consumer_wgs * 4),
             tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, *cta_layout.shape)), defer_sync=True)
         pipeline_init_arrive(cluster_shape_mn=(cfg.cluster_m, cfg.cluster_n), is_relaxed=True)
-
-        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        sOuts = [smem.allocate_tensor(self.out_dtypes[i], sl.outer, byte_alignment=1024,
-                                      swizzle=sl.inner) for i, sl in enumerate(epi_smems)]
-        # staged VecN / VecM operands: (values per tile, consumer tile in flight), fp32
-        sOps = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((n, self.num_tiles_in_flight)),
-                                     byte_alignment=16) for _, n in self.staged]
-        sLds = [smem.allocate_tensor(op_tensors[i].element_type, sl.outer, byte_alignment=1024, swizzle=sl.inner)
-                for i, sl in zip(self.tma_tiles, ld_smems)]
-        tile_ld = dict(atoms=ld_atoms, tensors=ld_tensors, smem=sLds, mbar=ld_mbar)
 
         gA = cute.local_tile(mA, (cfg.tile_m, cfg.tile_k), (None, None, None))  # (bM, bK, m, k, l)
         gB = cute.local_tile(mB, (cfg.tile_n, cfg.tile_k), (None, None, None))  # (bN, bK, n, k, l)
@@ -383,13 +384,15 @@ class GemmSm90:
 
     @cute.jit
     def _load_tiles(self, ld, e, m, n, l, tiles_done, cwg, etidx):
-        """TMA-load sub-tile e of tile (m, n, l) of every TMA TileMN operand into its ring buffer: one thread
-        arms the buffer's mbarrier with the byte count and issues the copies (out-of-bounds rows / columns are
-        zero-filled); the epilogue waits on the mbarrier."""
+        """TMA-load sub-tile e of tile (m, n, l) of every TMA TileMN operand into its ring buffer: the first
+        epilogue warp issues the copies (the TMA copy elects one lane itself: the whole warp must execute it), one
+        elected lane arms the buffer's mbarrier with the byte count (out-of-bounds rows / columns are zero-filled
+        and counted); the epilogue waits on the mbarrier."""
         if cutlass.const_expr(len(self.tma_tiles) > 0):
             b, _ = self._ld_buf(tiles_done, e, cwg)
-            if etidx == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(ld["mbar"] + b, self.ld_tx)
+            if cute.arch.make_warp_uniform(etidx // 32) == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(ld["mbar"] + b, self.ld_tx)
                 for k in cutlass.range_constexpr(len(self.tma_tiles)):
                     width = self.op_tile[1] * (self.cfg.tile_n // self.cfg.epi_n)
                     gT = cute.local_tile(ld["tensors"][k], (self.cfg.tile_m, width), (m, n, l))
