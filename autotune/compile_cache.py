@@ -138,8 +138,8 @@ def compile_kernel(cfg: Any, epi: Any, in_dtype: Any, out_dtype: Any, arg_sig: t
 
     from coda.kernels.gemm_sm90 import GemmSm90
     kw = {"options": options} if options else {}
-    tile_tma = dict((x[0], x[1]) for x in arg_sig if isinstance(x[0], str) and len(x) == 2).get("tile_tma")
-    fn = cute.compile(host_entry(GemmSm90(cfg, epi, tile_tma=tile_tma), max_clusters), *args, **kw)
+    aligned = dict((x[0], x[1]) for x in arg_sig if isinstance(x[0], str) and len(x) == 2).get("tile_aligned")
+    fn = cute.compile(host_entry(GemmSm90(cfg, epi, tile_aligned=aligned), max_clusters), *args, **kw)
     if key is not None:
         save(key, fn)
     return fn, "compiled"

@@ -24,7 +24,7 @@ from coda.config import GemmConfig, all_configs
 
 from .keys import DTYPE_BYTES, dtype_name
 
-from coda.kernels.epilogue import MAX_EPI_TENSORS, staged_smem_bytes  # noqa: E402 (MAX: the x-slots of GemmSm90.__call__)
+from coda.kernels.epilogue import MAX_EPI_TENSORS, tile_tma_plan  # noqa: E402 (MAX: the x-slots of GemmSm90.__call__)
 INT32_MAX = 2**31 - 1
 
 TILE_M = (64, 128, 256)
@@ -76,13 +76,14 @@ def config_reason(cfg: GemmConfig, epi: Any = None, in_dtype: Any = "bfloat16",
     out_b = DTYPE_BYTES[dtype_name(out_dtype)]
     out_bytes = [out_b] * (1 + len(epi.outputs))
     in_b = DTYPE_BYTES[dtype_name(in_dtype)]
+    n_tiles = sum(o.kind == "tile" for o in getattr(epi, "operands", ()))
+    _, extra = tile_tma_plan(epi, cfg, [True] * n_tiles, [4] * n_tiles, out_bytes, in_b)  # fp32 TileMN: the most
     try:
-        stages = cfg.derive_stages(out_bytes, extra_smem=staged_smem_bytes(epi, cfg), in_bytes=in_b)
+        stages = cfg.derive_stages(out_bytes, extra_smem=extra, in_bytes=in_b)
     except ValueError as e:
         return f"shared memory: {e} (epilogue buffers {cfg.epi_smem_bytes(out_bytes)} B)"
     if cfg.stages is not None:
-        derived = dataclasses.replace(cfg, stages=None).derive_stages(out_bytes, extra_smem=staged_smem_bytes(epi, cfg),
-                                                                      in_bytes=in_b)
+        derived = dataclasses.replace(cfg, stages=None).derive_stages(out_bytes, extra_smem=extra, in_bytes=in_b)
         if stages == derived:
             return f"duplicate: stages={stages} is what stages=None derives"
     return None

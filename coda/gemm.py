@@ -200,8 +200,8 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
     views = [_canonical(_mnl(a3), la), _canonical(_mnl(b3), lb), _canonical(_mnl(out3), 1)]
     views += [_canonical(t, lead) for t, lead in args]
     tiles = [v for op, v in zip(epi.operands, views[3:]) if op.kind == "tile"]
-    if tiles:  # TileMN operands: TMA-loaded when 16-byte aligned, else read element by element
-        sig += (("tile_tma", tuple(tma_aligned(v) for v in tiles)),)
+    if tiles:  # TileMN operands: TMA-loaded when 16-byte aligned (and the smem allows), else element by element
+        sig += (("tile_aligned", tuple(tma_aligned(v) for v in tiles)),)
     key = (cfg, epi.key(), prob.in_dtype, prob.out_dtype, sig)
     leads = [la, lb, 1] + [lead for _, lead in args]
     return res, key, views, leads, outs, partials

@@ -485,7 +485,34 @@ def test_tile_operands_choose_tma_or_element_loads_in_the_compile_key():
     big = torch.randn(17, 25, dtype=torch.bfloat16)
     assert tma_aligned(torch.randn(16, 24)) and not tma_aligned(big[1:, 1:]) and not tma_aligned(big[:16, :24])
     keys = []
-    for res in (torch.randn(16, 24, dtype=torch.bfloat16), big[1:, 1:]):
+    for res in (torch.randn(16, 24, dtype=torch.bfloat16), big[:16, :24]):
         prob = check_gemm_args(a, b)
         keys.append(_kernel_views(prob, res_add, GemmConfig(), a, b, None, {"res": res})[1])
-    assert keys[0][-1][-1] == ("tile_tma", (True,)) and keys[1][-1][-1] == ("tile_tma", (False,))
+    assert keys[0][-1][-1] == ("tile_aligned", (True,)) and keys[1][-1][-1] == ("tile_aligned", (False,))
+
+
+def test_tile_tma_plan_falls_back_when_the_rings_do_not_fit():
+    """Rings of TMA-loaded TileMN operands never push the mainloop below min(3, its stages without them): the
+    operands that do not fit (or are not aligned) are read element by element."""
+    from coda.config import GemmConfig
+    from coda.kernels.epilogue import Epilogue, Operand, tile_tma_plan
+
+    class Tiles(Epilogue):
+        operands = tuple(Operand(f"t{i}", "tile") for i in range(4))
+    pp = GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1)
+    flags, extra = tile_tma_plan(Tiles(), pp, [True] * 4, [4] * 4, [2])
+    assert flags[0] and not all(flags) and pp.derive_stages([2], extra_smem=extra) >= 3
+    flags, _ = tile_tma_plan(Tiles(), GemmConfig(), [True, False, True, True], [2] * 4, [2])
+    assert flags[:2] == (True, False)
+
+
+def test_misaligned_operand_pointer_is_a_clear_error():
+    """An operand view starting mid-row (address not 16-byte aligned) is named in a ValueError before any launch
+    (it was a RuntimeError from inside the DSL's argument marshalling on the GPU)."""
+    @coda.epilogue
+    def bias_add(acc, bias: coda.VecN):
+        return acc + bias
+
+    a, b = torch.randn(16, 32, dtype=torch.bfloat16), torch.randn(24, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"operand 'bias': the data pointer must be 16-byte aligned"):
+        coda.reference.gemm(a, b, epilogue=bias_add, bias=torch.randn(25)[1:])

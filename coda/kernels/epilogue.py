@@ -158,6 +158,10 @@ class Epilogue:
                 raise TypeError(f"operand {o.name!r}: expected dtype float32, bfloat16 or float16, got {v.dtype}")
             if v.device != device:
                 raise ValueError(f"operand {o.name!r}: on {v.device}, expected {device} (the device of a)")
+            if v.numel() and v.data_ptr() % 16:
+                raise ValueError(f"operand {o.name!r}: the data pointer must be 16-byte aligned; got address "
+                                 f"{v.data_ptr():#x} (offset {v.data_ptr() % 16} bytes, e.g. a slice that starts "
+                                 "mid-row); CODA never copies an operand silently, call .contiguous()")
             if v.numel() and v.stride(-1) != 1 and v.shape[-1] > 1:
                 raise ValueError(f"operand {o.name!r}: the last dim must be contiguous (stride 1), got strides "
                                  f"{tuple(v.stride())}; CODA never copies an operand silently, call .contiguous()")
@@ -204,6 +208,25 @@ def staged_smem_bytes(epi: Epilogue, cfg, tile_bytes=None) -> int:
     if tile_bytes:  # ring buffers are multiples of 1024 bytes (no alignment padding after the output buffers)
         n += sum(cfg.tile_m * tile_operand_cols(epi, cfg) * 2 * b for b in tile_bytes) + 8 * 2
     return n * in_flight
+
+
+def tile_tma_plan(epi: Epilogue, cfg, aligned, tile_bytes, out_bytes, in_bytes: int = 2):
+    """``(flags, extra_smem)``: which TileMN operands (declaration order) the kernel TMA-loads, and the shared
+    memory of the epilogue's operands then. An operand is TMA-loaded when it is 16-byte aligned (``aligned``) and
+    its ring leaves the mainloop min(3, stages without any ring) pipeline stages; the others are read element by
+    element (``tile_bytes``: element size of each TileMN operand; ``out_bytes``: of each tile output)."""
+    def stages(chosen):
+        try:
+            return cfg.derive_stages(out_bytes, extra_smem=staged_smem_bytes(epi, cfg, chosen), in_bytes=in_bytes)
+        except ValueError:
+            return 0
+    target = min(3, stages([]))
+    flags, chosen = [], []
+    for ok, b in zip(aligned, tile_bytes):
+        take = bool(ok) and stages(chosen + [b]) >= target
+        flags.append(take)
+        chosen += [b] if take else []
+    return tuple(flags), staged_smem_bytes(epi, cfg, chosen)
 
 
 def finish_reduction(partials, op: str):

@@ -40,7 +40,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ..config import GemmConfig
 from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, EpiEnv, staged_operands,  # noqa: F401 (the x-slots)
-                       staged_smem_bytes, tile_operand_cols)
+                       tile_operand_cols, tile_tma_plan)
 
 WG_THREADS = 128
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -51,9 +51,9 @@ LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
 class GemmSm90:
-    def __init__(self, cfg: GemmConfig, epi: Epilogue, tile_tma=None):
-        """``tile_tma``: per TileMN operand (in declaration order), whether it is loaded by TMA (its address and
-        strides are 16-byte aligned) or element by element; None: all by TMA."""
+    def __init__(self, cfg: GemmConfig, epi: Epilogue, tile_aligned=None):
+        """``tile_aligned``: per TileMN operand (in declaration order), whether its address and strides are 16-byte
+        aligned (TMA can read it; None: all are); see ``tile_tma_plan`` for which ones are TMA-loaded."""
         self.cfg = cfg.validate()
         self.epi = epi
         self.acc_dtype = cutlass.Float32
@@ -67,11 +67,10 @@ class GemmSm90:
         self.red_n = [r for r in epi.reductions if r.axis == "n"]
         self.red_m = [r for r in epi.reductions if r.axis == "m"]
         self.staged = staged_operands(epi, cfg)  # VecN / VecM operands read through shared memory (3b)
-        tiles = [i for i, o in enumerate(epi.operands) if o.kind == "tile"]
-        flags = (True,) * len(tiles) if tile_tma is None else tuple(tile_tma)
-        if len(flags) != len(tiles):
-            raise ValueError(f"tile_tma: {len(flags)} flags for {len(tiles)} TileMN operands")
-        self.tma_tiles = [i for i, f in zip(tiles, flags) if f]  # TileMN operands loaded by TMA (3b)
+        self.tiles = [i for i, o in enumerate(epi.operands) if o.kind == "tile"]
+        self.tile_aligned = (True,) * len(self.tiles) if tile_aligned is None else tuple(tile_aligned)
+        if len(self.tile_aligned) != len(self.tiles):
+            raise ValueError(f"tile_aligned: {len(self.tile_aligned)} flags for {len(self.tiles)} TileMN operands")
         self.op_tile = (cfg.tile_m, tile_operand_cols(epi, cfg))
         self.ld_bufs = 2 * self.num_tiles_in_flight  # a ring of 2 sub-tile buffers per consumer tile in flight
 
@@ -113,16 +112,18 @@ class GemmSm90:
             self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
             self.acc_dtype, self.atom_layout, tiler_mn=(64, cfg.tile_n))
 
-        # TileMN operands read by TMA: per operand a ring of sub-tile buffers, one mbarrier per buffer
+        # TileMN operands read by TMA (3b): per operand a ring of sub-tile buffers, one mbarrier per buffer
+        flags, extra_smem = tile_tma_plan(self.epi, cfg, self.tile_aligned,
+                                          [op_tensors[i].element_type.width // 8 for i in self.tiles],
+                                          [d.width // 8 for d in out_dtypes], self.ab_dtype.width // 8)
+        self.tma_tiles = [i for i, f in zip(self.tiles, flags) if f]
         ld_ops = [op_tensors[i] for i in self.tma_tiles]
         ld_smems = [sm90_utils.make_smem_layout_epi(t.element_type, LayoutEnum.from_tensor(t), self.op_tile,
                                                     self.ld_bufs) for t in ld_ops]
         lds = [cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), t, cute.slice_(sl, (None, None, 0)),
                                            self.op_tile) for t, sl in zip(ld_ops, ld_smems)]
         self.ld_tx = sum(self.op_tile[0] * self.op_tile[1] * t.element_type.width // 8 for t in ld_ops)
-        self.ab_stage = cfg.derive_stages([d.width // 8 for d in out_dtypes],
-                                          extra_smem=staged_smem_bytes(self.epi, cfg,
-                                                                       [t.element_type.width // 8 for t in ld_ops]),
+        self.ab_stage = cfg.derive_stages([d.width // 8 for d in out_dtypes], extra_smem=extra_smem,
                                           in_bytes=self.ab_dtype.width // 8)
         a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
