@@ -75,6 +75,11 @@ MEMCHECK_TESTS=(
   "tests/test_rmsnorm_linear_gpu.py::test_ragged_fwd_bwd[lead0-520-776-True]"
   # coda.nn / coda.fuse: rmsnorm_swiglu (rms_swiglu, the first GEMM of coda.ops.mlp), RMSNormLinear, LM-head CE
   "tests/test_nn_gpu.py::test_fuse_matches_stock_on_cuda"
+  # TileMN operands by TMA ring (bf16, fp32, add-to-output) and element-wise (unaligned rows), cooperative and
+  # ping-pong; coda.ops.mlp fwd + bwd (residual_add, rms_radial_residual, pairs operand gradients)
+  "tests/test_dsl_gpu.py::test_tile_operand_tma_and_element_paths[128x256_coop_c2x1_rm8]"
+  "tests/test_dsl_gpu.py::test_tile_operand_tma_and_element_paths[128x128_pp_c1x1_rm8]"
+  "tests/test_mlp_gpu.py::test_ragged_fwd_bwd[lead0-200-136-mlp]"
 )
 # not covered, no GPU test exists: epilogues/scale_bias.py (ScaleBias, ScaleBiasSumsq: only coda.bench and
 # examples/quickstart.py run them, at 8192^3) and coda.ops.mlp's second GEMM (residual_add).
@@ -94,6 +99,9 @@ RACECHECK_TESTS=(
   "tests/test_cross_entropy_gpu.py::test_huge_logits"
   # axis-m (per pair column) and per-row reductions in a pairs epilogue, fwd + 2 -> 2 bwd (coda.ops.linear)
   "tests/test_dsl_gpu.py::test_linear_pairs_operand_gradients"
+  # TileMN TMA ring (mbarrier-guarded smem buffers reused every second sub-tile), cooperative and ping-pong
+  "tests/test_dsl_gpu.py::test_tile_operand_tma_and_element_paths[128x256_coop_c2x1_rm8]"
+  "tests/test_dsl_gpu.py::test_tile_operand_tma_and_element_paths[64x256_pp_c1x1_rm8]"
 )
 RACECHECK_K=""
 
