@@ -16,6 +16,11 @@ Common subexpressions of all of these are eliminated together when the epilogue 
 Pairs epilogues (``coda.pairs``): dacc is a 2 -> 2 pairs epilogue (G(acc_2j), G(acc_2j+1): M x N); a TileMN
 operand holds one value per pair, so its gradient G(p) is M x N/2 -- a "half" pairs epilogue of the same terms
 (:func:`pair_tile_grad_epilogue`), run as a second launch (the kernel stores either half- or full-width tiles).
+
+``save_preact`` (:func:`with_preact`): the forward stores the pre-activation as an extra output ``_preact`` (M x N),
+or for a half-mode pairs epilogue as two, ``_preact_even`` / ``_preact_odd`` (the pairs' two accumulator values,
+M x N/2 each); the backward programs then run on it (torch ops) instead of a recomputed accumulator. A 2 -> 2 pairs
+epilogue stores exactly its two values per pair (no extra outputs): ValueError.
 """
 from __future__ import annotations
 
@@ -189,8 +194,29 @@ def pair_tile_grad_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> Dsl
     return DslEpilogue(f"{epi.name}_bwd_tiles", tuple(ops), outputs, {}, pair_mode="half")
 
 
+PREACT = "_preact"
+PREACT_PAIRS = ("_preact_even", "_preact_odd")
+
+
+def preact_keys(epi: DslEpilogue) -> tuple:
+    """The extra outputs of :func:`with_preact` ``(epi)`` that hold the pre-activation: ``("_preact",)`` (M x N), or
+    for a half-mode pairs epilogue ``("_preact_even", "_preact_odd")`` (the pairs' two accumulator values, M x N/2
+    each: columns 0::2 and 1::2 of the pre-activation)."""
+    if epi.pair_mode == "full":
+        raise ValueError(f"epilogue {epi.name!r}: a 2 -> 2 pairs epilogue cannot save its pre-activation (the kernel "
+                         "stores exactly its two values per pair, no extra outputs); use save_preact=False (the "
+                         "backward recomputes the accumulator pairs)")
+    return PREACT_PAIRS if epi.pair_mode == "half" else (PREACT,)
+
+
 def with_preact(epi: DslEpilogue) -> DslEpilogue:
-    """``epi`` plus an extra output ``_preact`` = the accumulator (saved for the backward)."""
+    """``epi`` plus extra outputs holding the accumulator (saved for the backward; see :func:`preact_keys`): one,
+    ``_preact`` = acc, or for a half-mode pairs epilogue (whose outputs are M x N/2) two, ``_preact_even`` /
+    ``_preact_odd`` = the pair's accumulator values. A 2 -> 2 pairs epilogue has no extra outputs: ValueError."""
+    keys = preact_keys(epi)
+    for k in keys:
+        if k in epi.exprs or k in epi.red_specs:
+            raise ValueError(f"epilogue {epi.name!r}: the output name {k!r} is reserved for save_preact")
     outputs = dict(epi.exprs)
-    outputs["_preact"] = ACC
-    return DslEpilogue(epi.name + "_preact", epi.operands, outputs, dict(epi.red_specs))
+    outputs.update(zip(keys, (ACC_EVEN, ACC_ODD) if epi.pair_mode else (ACC,)))
+    return DslEpilogue(epi.name + "_preact", epi.operands, outputs, dict(epi.red_specs), pair_mode=epi.pair_mode)

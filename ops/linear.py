@@ -5,7 +5,9 @@ Forward: one fused GEMM (``coda.gemm``). Backward (the epilogue's derivative com
 operand gradient (VecN by per-column partials, VecM and Scalar by per-row partials, TileMN as an extra output); with
 ``save_preact=True`` the forward also writes the pre-activation and the backward evaluates the same derivative
 program on it with torch ops instead of recomputing the GEMM (trading M x N bytes for a GEMM); a derivative that
-does not depend on the accumulator (identity, residual add, operand scales) needs no recompute at all. Then
+does not depend on the accumulator (identity, residual add, operand scales) needs no recompute at all.
+(A half-mode pairs epilogue saves the pre-activation as two M x N/2 extra outputs, the pairs' even and odd
+accumulator values; a 2 -> 2 one cannot store extra outputs and does not support ``save_preact``.) Then
 dX = dacc W and dW = dacc^T X are plain GEMMs of CODA's kernel on transposed views (``weight.t()``, ``dacc.t()``,
 ``x.t()``: MN-major operands, read by TMA without copies); shapes the kernel cannot align (N or M not a multiple
 of 8) use ``torch.matmul`` for these two products (``ops/_common.backward_gemm``).
@@ -16,7 +18,8 @@ kernel cannot store next to dacc: it comes from a second launch, a "half" pairs 
 (``coda.autodiff.pair_tile_grad_epilogue``; the gradients of all TileMN operands in one launch, the first as the
 main output, the others as extra outputs; fp32 or the operands' dtype). Cost, only when a TileMN operand of a pairs
 epilogue requires grad: one more GEMM recomputing the accumulator (M x N x K, as the forward) plus an M x N/2 store
-per TileMN gradient -- none when those gradients do not depend on the accumulator (then: elementwise torch ops) --
+per TileMN gradient -- none when those gradients do not depend on the accumulator (then: elementwise torch ops) or
+with ``save_preact=True`` (half mode: torch ops on the saved pre-activation, no recompute GEMM at all) --
 and the dacc kernel is skipped when neither x, W nor another operand needs a gradient.
 
 Device: on a Hopper GPU the fused kernels run; on CPU tensors the same programs run through ``coda.reference.gemm``
@@ -31,7 +34,7 @@ import threading
 import torch
 
 from coda.autodiff import (DGRAD, backward_epilogue, grad_name, pair_tile_grad_epilogue, pair_tile_operands,
-                           value_name, with_preact)
+                           preact_keys, value_name, with_preact)
 from coda.dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, operand_symbol
 
 from ._common import gemm_for, linear_grads
@@ -65,7 +68,9 @@ class _Linear(torch.autograd.Function):
         ctx.save_preact = save_preact
         saved_vals = [res[r.name] for r in epi.reductions if r.op != "sum"]
         ctx.value_names = [r.name for r in epi.reductions if r.op != "sum"]
-        extra = [res["_preact"]] if save_preact else []
+        # the pre-activation: one M x N output, or for a half-mode pairs epilogue two M x N/2 ones (even / odd columns)
+        extra = [res[k] for k in preact_keys(epi)] if save_preact else []
+        ctx.n_preact = len(extra)
         ctx.save_for_backward(x2, weight, *tensors, *saved_vals, *extra)
         return tuple(outs)
 
@@ -76,7 +81,11 @@ class _Linear(torch.autograd.Function):
         x2, weight = saved[0], saved[1]
         tensors = saved[2:2 + len(names)]
         vals = dict(zip(ctx.value_names, saved[2 + len(names):2 + len(names) + len(ctx.value_names)]))
-        preact = saved[-1] if ctx.save_preact else None
+        preact = None
+        if ctx.save_preact:
+            parts = saved[len(saved) - ctx.n_preact:]
+            # pairs: the saved even / odd columns interleaved back into the M x N pre-activation
+            preact = parts[0] if len(parts) == 1 else torch.stack(parts, -1).flatten(-2)
         present = tuple(k for k, g in zip(ctx.keys, grads) if g is not None)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         needs = tuple(n for n, need in zip(names, ctx.needs_input_grad[6:]) if need)
@@ -147,7 +156,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
 
     Operands follow the epilogue's declared kinds, with x's leading dims: VecM (...,), TileMN (..., N), VecN (N,),
     Scalar (a number, or a 1-element tensor that gets a gradient). Returns the main output (..., N), or a dict of
-    the main output, extra outputs (..., N) and reductions ((...,) for reduce_n, (N,) for reduce_m)."""
+    the main output, extra outputs (..., N) and reductions ((...,) for reduce_n, (N,) for reduce_m). For a pairs
+    epilogue (``coda.pairs``) TileMN / VecN operands and half-mode outputs have N/2 columns.
+
+    ``save_preact=True``: the forward kernel also stores the pre-activation (no second GEMM) and the backward
+    evaluates dacc and the operand gradients on it with torch ops instead of recomputing the accumulator with a
+    GEMM (M x N saved bytes, in the output dtype, for an M x N x K GEMM). A half-mode pairs epilogue saves it as two
+    extra M x N/2 outputs, the pairs' even and odd accumulator values (interleaved back for the backward). A 2 -> 2
+    pairs epilogue cannot carry extra outputs in the kernel: ``save_preact=True`` is a ValueError there."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"linear: x and weight must be torch tensors, got {type(x).__name__} and "
                         f"{type(weight).__name__}")
@@ -161,9 +177,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
     if not isinstance(epilogue, DslEpilogue):
         raise TypeError("linear: epilogue must be made with @coda.epilogue (its backward is derived from the "
                         f"traced math), got {type(epilogue).__name__}")
-    if save_preact and epilogue.pair_mode:
-        raise ValueError(f"linear: save_preact=True is not supported for the pairs epilogue {epilogue.name!r} (its "
-                         "backward recomputes the accumulator pairs)")
+    if save_preact and epilogue.pair_mode == "full":
+        raise ValueError(f"linear: save_preact=True is not supported for the 2 -> 2 pairs epilogue {epilogue.name!r}: "
+                         "the kernel stores exactly its two values per pair and cannot carry the extra outputs that "
+                         "would save the pre-activation; use save_preact=False (the backward recomputes the "
+                         "accumulator pairs with one more GEMM)")
     lead, K, N = x.shape[:-1], x.shape[-1], weight.shape[0]
     M = 1
     for d in lead:

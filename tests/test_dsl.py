@@ -129,8 +129,8 @@ def test_pairs_half_and_full():
     assert rot_bwd.pair_mode == "full" and [o.name for o in rot_bwd.operands][-2:] == ["grad_out", "grad_out_odd_"]
     with pytest.raises(NotImplementedError, match="TileMN operand 'c' of a pairs epilogue"):
         backward_epilogue(rot, ("out",), ("c",))
-    with pytest.raises(ValueError, match="save_preact"):
-        coda.ops.linear(xr, wr, epilogue=swiglu, save_preact=True)
+    with pytest.raises(ValueError, match="2 -> 2 .* extra outputs.* save_preact=False"):  # (half mode: supported)
+        coda.ops.linear(xr, wr, epilogue=rot, save_preact=True, c=th.cos(), s=th.sin())
     for epi in (swiglu, rot, bwd, rot_bwd):  # (rot_bwd's 4 tile loads per pair spill on 128x128 ping-pong)
         r = compile_variant(GemmConfig(tile_m=128, tile_n=128, cluster_m=1), epi)
         assert r["ok"], r
@@ -475,6 +475,94 @@ def test_pairs_tile_operand_gradients(monkeypatch):
     with pytest.raises(ValueError, match="save_preact"):  # (pairs epilogues do not save the pre-activation yet)
         coda.ops.linear(x, w, epilogue=rotate, save_preact=True, **ops)
 
+
+
+def test_pairs_save_preact(monkeypatch):
+    """save_preact=True for a half-mode pairs epilogue (TileMN, VecN and VecM operands, an extra output, sum /
+    logsumexp / per-pair-column reductions): the forward epilogue carries the pre-activation as two extra M x N/2
+    outputs (the pairs' even and odd accumulator values; compiled for sm_90a), the backward runs no recompute GEMM
+    (spy on the GEMMs), and the gradients equal those of save_preact=False (exactly representable accumulators) and
+    float64 autograd. A 2 -> 2 epilogue cannot carry extra outputs: a ValueError suggesting save_preact=False."""
+    import sys
+
+    from coda.autodiff import preact_keys, with_preact
+    from coda.check import compile_variant
+    from coda.config import GemmConfig
+    from hook_epilogues import rotate
+
+    mod = sys.modules["coda.ops.linear"]
+    real = mod.gemm_for
+    fwd = with_preact(gated_tiles)
+    assert preact_keys(gated_tiles) == ("_preact_even", "_preact_odd")
+    assert fwd.pair_mode == "half" and fwd.outputs == ("gate", "_preact_even", "_preact_odd")
+    assert [r.name for r in fwd.reductions] == [r.name for r in gated_tiles.reductions]
+    gen = torch.Generator().manual_seed(11)
+    M, N, K = 6, 32, 32
+    ops = {"p": torch.randn(2, M, N // 2, generator=gen), "q": torch.randn(2, M, N // 2, generator=gen),
+           "s": torch.rand(N // 2, generator=gen) + 0.5, "r": torch.rand(2, M, generator=gen) + 0.5}
+    # the forward's extra outputs are the pre-activation's even / odd columns
+    x = torch.randn(2, M, K, generator=gen).bfloat16()
+    w = (torch.randn(N, K, generator=gen) * 0.3).bfloat16()
+    h = x[0].float() @ w.float().T  # (unbatched: a batched reduce_m needs a batched weight)
+    got = coda.reference.gemm(x[0], w, epilogue=fwd, out_dtype=torch.float32,
+                              **{k: v[0] if v.dim() > 1 else v for k, v in ops.items()})
+    torch.testing.assert_close(got["_preact_even"], h[..., 0::2])
+    torch.testing.assert_close(got["_preact_odd"], h[..., 1::2])
+    launched = []
+
+    def spy(*a, **k):
+        gemm = real(*a, **k)
+        return lambda *x_, **y: launched.append((y["epilogue"].name, x_[0].shape[-1])) or gemm(*x_, **y)
+    monkeypatch.setattr(mod, "gemm_for", spy)
+
+    def grads(x, w, save_preact):
+        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        leaves = {k: v.clone().requires_grad_() for k, v in ops.items()}
+        res = coda.ops.linear(x, w, epilogue=gated_tiles, save_preact=save_preact, **leaves)
+        ups = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(5)).bfloat16().double()
+               for k, v in res.items()}
+        loss = sum((res[k].double() * ups[k]).sum() for k in res)
+        return res, ups, torch.autograd.grad(loss, [x, w, *leaves.values()])
+
+    # 1. exactly representable accumulators (small integers / 8ths: the bf16 pre-activation is exact): the saved
+    # pre-activation gives the recompute's gradients
+    xi = torch.randint(-2, 3, (2, M, K), generator=gen).bfloat16()
+    wi = (torch.randint(-2, 3, (N, K), generator=gen) * 0.125).bfloat16()
+    launched.clear()
+    r0, _, g0 = grads(xi, wi, False)
+    assert launched == [("gated_tiles", K), ("gated_tiles_bwd", K), ("gated_tiles_bwd_tiles", K)]  # 2 recomputes
+    launched.clear()
+    r1, _, g1 = grads(xi, wi, True)
+    assert launched == [("gated_tiles_preact", K)]  # the forward only: no recompute GEMM in the backward
+    assert set(r0) == set(r1)
+    for k in r0:
+        torch.testing.assert_close(r1[k], r0[k], rtol=0, atol=0)
+    for n, a_, b_ in zip(["x", "w", *ops], g1, g0):
+        assert a_.shape == b_.shape, n
+        torch.testing.assert_close(a_, b_, rtol=1e-6, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    # 2. random data vs float64 autograd (the saved pre-activation is rounded to bf16 like the outputs)
+    launched.clear()
+    res, ups, got = grads(x, w, True)
+    assert [e for e, _ in launched] == ["gated_tiles_preact"]
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    l64 = {k: v.double().requires_grad_() for k, v in ops.items()}
+    outs = _gated_tiles64(x64 @ w64.T, **l64)
+    want = torch.autograd.grad(sum((outs[k] * ups[k]).sum() for k in outs), [x64, w64, *l64.values()])
+    _, _, rec = grads(x, w, False)
+    for n, a_, b_, c_ in zip(["x", "w", *ops], got, want, rec):
+        assert a_.shape == b_.shape, n
+        assert ((a_.double() - b_).norm() / b_.norm()).item() < 2e-2, n
+        assert ((a_.double() - c_.double()).norm() / c_.double().norm()).item() < 2e-2, n
+    monkeypatch.setattr(mod, "gemm_for", real)
+    # 3. the forward with the two extra outputs compiles for sm_90a
+    row = compile_variant(GemmConfig(tile_m=128, tile_n=128, cluster_m=1, pingpong=False), fwd)
+    assert row["wgmma"] > 0, row["error"]
+    # 4. 2 -> 2: no extra outputs in the kernel
+    th = torch.rand(2, M, N // 2, generator=gen) * 6
+    with pytest.raises(ValueError, match="2 -> 2 .*extra outputs.*save_preact=False"):
+        coda.ops.linear(x, w, epilogue=rotate, save_preact=True, c=th.cos(), s=th.sin())
+    with pytest.raises(ValueError, match="2 -> 2 .*extra outputs.*save_preact=False"):
+        with_preact(rotate)
 
 def _pair_tile_specs():
     """Generated pairs epilogues (half and 2 -> 2) with at least one TileMN operand."""
