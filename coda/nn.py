@@ -7,11 +7,10 @@ stock layout.
 - :class:`SwiGLUMLP`: RMSNorm -> gate/up -> SiLU(gate) * up -> down (-> + residual). The norm, the gate/up GEMM and
   the activation are ONE GEMM: ``coda.ops.linear`` with the pairs epilogue ``rms_swiglu``
   (``silu(g r) (u r)``, r = rsqrt(mean(x^2) + eps) a per-row operand, gamma folded into the interleaved gate/up
-  weight); neither the normalised activation (M x H) nor gate/up (M x 2I) is written. Its backward is ops.linear's
-  (one GEMM recomputes (g, u) and writes dacc, then dX and dW GEMMs), plus the norm's radial term
-  dh = dX - (r^2 / H) <dX, h> h as one light torch row reduction (``coda.ops.mlp._RMSNormGrad``), because ops.linear has
-  no gradient for operands of pairs epilogues. The down projection is ``F.linear`` (see "gaps" in the docstring
-  of :func:`rmsnorm_swiglu`).
+  weight); neither the normalised activation (M x H) nor gate/up (M x 2I) is written. It is the custom op
+  ``coda.ops.rmsnorm_swiglu``: its backward recomputes (g, u) in one GEMM that writes dacc and the per-row gradient
+  of r, and the dX GEMM's epilogue applies the norm's radial term (see ``coda.ops.mlp``). The down projection is
+  ``F.linear``.
 - :class:`LMHeadCrossEntropy`: final RMSNorm + LM head + cross entropy: the norm in torch (M x H), then
   ``coda.ops.linear_cross_entropy`` (logits never stored). Called without a target it returns logits, through
   ``coda.ops.rmsnorm_linear`` (norm fused).
