@@ -225,6 +225,7 @@ def test_bad_inputs(monkeypatch):
         (ValueError, "one device", dict(w=w.to("meta"))),
         (ValueError, r"x must be \(\.\.\., H\)", dict(x=x[0, 0])),
         (ValueError, r"found -5 at \(flattened\) position 1", dict(t=t.index_fill(0, torch.tensor([1]), -5))),
+        (TypeError, "check_targets must be a bool", dict(check_targets=1)),
     ]
     for exc, msg, change in bad:
         args = dict(x=x, w=w, t=t)
@@ -234,6 +235,21 @@ def test_bad_inputs(monkeypatch):
             lce(args["x"], args["w"], args["t"], **kw)
 
 
+def test_check_targets_false_skips_the_sync_only():
+    """check_targets=False: valid targets give the same loss and gradients; an out-of-range target is not an error
+    but a class no logit matches (z_t = 0), as documented -- the range check (a device sync) is skipped."""
+    x, w, t = _problem(13, 40, 16)
+    up = torch.tensor(1.0, dtype=torch.float64)
+    a = run(lambda x, w, t: lce(x, w, t), x, w, t, up)
+    b = run(lambda x, w, t: lce(x, w, t, check_targets=False), x, w, t, up)
+    for u, v in zip(a, b):
+        torch.testing.assert_close(u, v, rtol=0, atol=0)
+    bad = t.index_fill(0, torch.tensor([2]), 40)
+    per_row = lce(x, w, bad, reduction="none", check_targets=False)
+    lse = torch.logsumexp(x.double() @ w.double().T, -1)
+    torch.testing.assert_close(per_row[2].double(), lse[2], rtol=1e-2, atol=1e-2)  # loss = lse - 0
+
+
 # ------------------------------------------------------------------------------------------------ torch.library
 @pytest.mark.parametrize("reduction,smooth,zl", [("mean", 0.0, 0.0), ("none", 0.1, 1e-2), ("sum", 0.0, 1e-3)])
 def test_opcheck(reduction, smooth, zl):
@@ -241,6 +257,8 @@ def test_opcheck(reduction, smooth, zl):
     x.requires_grad_()
     w.requires_grad_()
     torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default, (x, w, t, -100, reduction, smooth, zl, 8))
+    torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default,
+                          (x, w, t, -100, reduction, smooth, zl, 8, False))
 
 
 def test_compile_fullgraph():
