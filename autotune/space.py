@@ -76,7 +76,7 @@ def config_reason(cfg: GemmConfig, epi: Any = None, in_dtype: Any = "bfloat16",
     out_b = DTYPE_BYTES[dtype_name(out_dtype)]
     out_bytes = [out_b] * (1 + len(epi.outputs))
     in_b = DTYPE_BYTES[dtype_name(in_dtype)]
-    n_tiles = sum(o.kind == "tile" for o in getattr(epi, "operands", ()))
+    n_tiles = sum(o.kind == "tile" for o in epi.operands)
     _, extra = tile_tma_plan(epi, cfg, [True] * n_tiles, [4] * n_tiles, out_bytes, in_b)  # fp32 TileMN: the most
     try:
         stages = cfg.derive_stages(out_bytes, extra_smem=extra, in_bytes=in_b)

@@ -16,6 +16,9 @@ import statistics
 import torch
 
 import coda
+from coda.epilogues.gated import swiglu
+from coda.epilogues.scale_bias import ScaleBias
+from coda.ops.mlp import residual_add
 
 SHAPES = [(8192, 28672, 4096), (8192, 4096, 4096)]
 
@@ -31,32 +34,17 @@ def sumsq(acc):
     return {"out": acc, "ss": coda.reduce_n(acc * acc, "sum")}
 
 
-@coda.epilogue
-def scale_bias(acc, s: coda.VecM, bias: coda.VecN):
-    return acc * s + bias
-
-
-@coda.epilogue
-def residual(acc, res: coda.TileMN):
-    return acc + res
-
-
-@coda.epilogue
-def swiglu(acc):
-    g, u = coda.pairs(acc)
-    return coda.silu(g) * u
-
-
 def operands(name: str, M: int, N: int, device="cuda") -> dict:
     """Fresh operands of epilogue ``name`` for an M x N accumulator."""
     return {"bias_gelu": lambda: {"bias": torch.randn(N, device=device)},
             "sumsq": dict,
-            "scale_bias": lambda: {"s": torch.rand(M, device=device) + 0.5, "bias": torch.randn(N, device=device)},
+            "scale_bias": lambda: {"scale": torch.rand(M, device=device) + 0.5, "bias": torch.randn(N, device=device)},
             "residual": lambda: {"res": torch.randn(M, N, device=device, dtype=torch.bfloat16)},
             "swiglu": dict}[name]()
 
 
-EPILOGUES = {"bias_gelu": bias_gelu, "sumsq": sumsq, "scale_bias": scale_bias, "residual": residual,
+# the library's own epilogues where it has one (scale + bias, the MLP's residual add, SwiGLU)
+EPILOGUES = {"bias_gelu": bias_gelu, "sumsq": sumsq, "scale_bias": ScaleBias(), "residual": residual_add,
              "swiglu": swiglu}
 
 

@@ -266,8 +266,9 @@ def _make_plan(fn, cute_args, views, handle, prob, cfg, epi, tensors, device_ind
             and all(op.kind != "scalar" and isinstance(operands.get(op.name), torch.Tensor)
                     and v.data_ptr() == operands[op.name].data_ptr() for op, v in zip(epi.operands, views[3:]))):
         plan.operand_names = tuple(op.name for op in epi.operands)
-    # TileMN operands the kernel reads by TMA: their address must stay 16-byte aligned (strides are in the key)
-    plan.tma_tiles = tuple(op.name for op, v in zip(epi.operands, views[3:]) if op.kind == "tile" and tma_aligned(v))
+    # tensor operands: their address must stay 16-byte aligned, as check_operands requires on the full path (the
+    # cute views assume it; TileMN operands may be TMA-loaded); shapes and strides are in the plan's key
+    plan.tensor_operands = tuple(op.name for op in epi.operands if op.kind != "scalar")
     a, b, out = tensors
     plan.extents = (_launch.byte_extent(a), _launch.byte_extent(b), 0 if out is None else _launch.byte_extent(out))
     return plan
@@ -278,7 +279,7 @@ def _run_plan(plan, a, b, out, operands):
     proper error). Shapes, strides, dtypes, devices and the epilogue are the plan's (its key); what is left to check
     per call is what depends on the data pointers: 16-byte alignment and ``out`` sharing memory with ``a``/``b``."""
     pa, pb = a.data_ptr(), b.data_ptr()
-    if (pa | pb) & 15 or any(operands[n].data_ptr() & 15 for n in plan.tma_tiles):
+    if (pa | pb) & 15 or any(operands[n].data_ptr() & 15 for n in plan.tensor_operands):
         return None
     prob = plan.prob
     if out is None:

@@ -386,7 +386,7 @@ def test_bench_epilogue_measures_what_it_names():
     acc = a.float() @ b.float().T
     want = {"bias_gelu": lambda o: F.gelu(acc + o["bias"], approximate="tanh"),
             "sumsq": lambda o: {"out": acc, "ss": (acc * acc).sum(-1)},
-            "scale_bias": lambda o: acc * o["s"][:, None] + o["bias"],
+            "scale_bias": lambda o: acc * o["scale"][:, None] + o["bias"],
             "residual": lambda o: acc + o["res"].float(),
             "swiglu": lambda o: F.silu(acc[:, 0::2]) * acc[:, 1::2]}
     assert set(want) == set(be.EPILOGUES)

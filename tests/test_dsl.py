@@ -12,6 +12,7 @@ import coda.ops
 from coda.autodiff import backward_epilogue, grad_name, value_name
 from coda.dsl import ODD_OUT
 from gen_epilogues import make_epilogue, random_operands, specs, torch_eval
+from hook_epilogues import gated_tiles, gated_tiles64, rotate64
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -333,30 +334,8 @@ def test_generated_epilogue_compiles_for_sm90(spec):
 
 # ------------------------------------------------------------------------------- TileMN gradients of pairs epilogues
 @coda.epilogue
-def gated_tiles(acc, p: coda.TileMN, q: coda.TileMN, s: coda.VecN, r: coda.VecM):
-    """Half-mode pairs epilogue with two per-pair TileMN operands next to VecN / VecM ones, an extra output and
-    reductions (sum, logsumexp per row; sum per pair column)."""
-    g, u = coda.pairs(acc)
-    y = coda.silu(g * p) * u * s + q * r
-    return {"out": y, "gate": coda.sigmoid(g + q), "ss": coda.reduce_n(y * y),
-            "lse": coda.reduce_n(u * p, "logsumexp"), "cs": coda.reduce_m(g * q)}
-
-
-def _gated_tiles64(h, p, q, s, r):
-    g, u = h[..., 0::2], h[..., 1::2]
-    y = torch.nn.functional.silu(g * p) * u * s + q * r.unsqueeze(-1)
-    return {"out": y, "gate": torch.sigmoid(g + q), "ss": (y * y).sum(-1), "lse": torch.logsumexp(u * p, -1),
-            "cs": (g * q).flatten(0, -2).sum(0)}  # per pair column, over every row (of every batch)
-
-
-@coda.epilogue
 def _plain_tile(acc, t: coda.TileMN):
     return acc * t
-
-
-def _rotate64(h, c, s):
-    a, b = h[..., 0::2], h[..., 1::2]
-    return {"out": torch.stack((a * c - b * s, a * s + b * c), -1).reshape(h.shape)}
 
 
 def test_pairs_tile_operand_gradients(monkeypatch):
@@ -382,10 +361,10 @@ def test_pairs_tile_operand_gradients(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     M, N = 6, 32
     cases = [
-        (gated_tiles, _gated_tiles64, ("p", "q", "s", "r"),
+        (gated_tiles, gated_tiles64, ("p", "q", "s", "r"),
          {"p": torch.randn(2, M, N // 2, generator=gen), "q": torch.randn(2, M, N // 2, generator=gen),
           "s": torch.rand(N // 2, generator=gen) + 0.5, "r": torch.rand(2, M, generator=gen) + 0.5}),
-        (rotate, _rotate64, ("c", "s"),
+        (rotate, rotate64, ("c", "s"),
          {"c": (th := torch.rand(2, M, N // 2, generator=gen) * 6).cos(), "s": th.sin()}),
     ]
     for epi, model, names, ops in cases:
@@ -546,7 +525,7 @@ def test_pairs_save_preact(monkeypatch):
     assert [e for e, _ in launched] == ["gated_tiles_preact"]
     x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
     l64 = {k: v.double().requires_grad_() for k, v in ops.items()}
-    outs = _gated_tiles64(x64 @ w64.T, **l64)
+    outs = gated_tiles64(x64 @ w64.T, **l64)
     want = torch.autograd.grad(sum((outs[k] * ups[k]).sum() for k in outs), [x64, w64, *l64.values()])
     _, _, rec = grads(x, w, False)
     for n, a_, b_, c_ in zip(["x", "w", *ops], got, want, rec):

@@ -10,7 +10,7 @@ import coda.ops
 from coda.config import GemmConfig
 from coda.epilogues.gated import swiglu
 from gen_epilogues import make_epilogue, random_operands, specs
-from hook_epilogues import rotate
+from hook_epilogues import gated_tiles, gated_tiles64, rotate, rotate64
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -255,26 +255,15 @@ def test_linear_pairs_operand_gradients():
         assert rel(o, r_) <= 2 * rel(t, r_) + 1e-3, (name, rel(o, r_), rel(t, r_))
 
 
-@coda.epilogue
-def gated_tiles(acc, p: coda.TileMN, q: coda.TileMN, s: coda.VecN, r: coda.VecM):
-    """Half-mode pairs epilogue with two per-pair TileMN operands, VecN / VecM operands, an extra output and
-    reductions (as in tests/test_dsl.py)."""
-    g, u = coda.pairs(acc)
-    y = coda.silu(g * p) * u * s + q * r
-    return {"out": y, "gate": coda.sigmoid(g + q), "ss": coda.reduce_n(y * y),
-            "lse": coda.reduce_n(u * p, "logsumexp"), "cs": coda.reduce_m(g * q)}
-
-
-def _gated_tiles64(h, p, q, s, r):
-    g, u = h[..., 0::2], h[..., 1::2]
-    y = torch.nn.functional.silu(g * p) * u * s + q * r.unsqueeze(-1)
-    return {"out": y, "gate": torch.sigmoid(g + q), "ss": (y * y).sum(-1), "lse": torch.logsumexp(u * p, -1),
-            "cs": (g * q).flatten(0, -2).sum(0)}
-
-
-def _rotate64(h, c, s):
-    a, b = h[..., 0::2], h[..., 1::2]
-    return {"out": torch.stack((a * c - b * s, a * s + b * c), -1).reshape(h.shape)}
+def _torch_grads(model, epi, x, w, leaves, ups, dt):
+    """Gradients of x, w and the operands ``leaves`` of sum(out * ups) for the torch ``model`` of ``epi``: the
+    GEMM in ``dt``, the epilogue math in float64, tile outputs rounded to ``dt`` (reductions stay fp32)."""
+    x_, w_ = (t.detach().to(dt).requires_grad_() for t in (x, w))
+    ls = {k: t.detach().double().requires_grad_() for k, t in leaves.items()}
+    outs = model((x_ @ w_.T).double(), **ls)
+    if dt != torch.float64:
+        outs = {k: (v.to(dt).double() if k == "out" or k in epi.outputs else v) for k, v in outs.items()}
+    return torch.autograd.grad(sum((outs[k] * u).sum() for k, u in ups.items()), [x_, w_, *ls.values()])
 
 
 @pytest.mark.parametrize("mode", ["half", "full"])
@@ -286,11 +275,11 @@ def test_linear_pairs_tile_operand_gradients(mode):
     x = torch.randn(L, Mb, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.05).requires_grad_()
     if mode == "half":
-        epi, model = gated_tiles, _gated_tiles64
+        epi, model = gated_tiles, gated_tiles64
         leaves = {"p": torch.randn(L, Mb, N // 2, device=DEV), "q": torch.randn(L, Mb, N // 2, device=DEV),
                   "s": torch.rand(N // 2, device=DEV) + 0.5, "r": torch.rand(L, Mb, device=DEV) + 0.5}
     else:
-        epi, model = rotate, _rotate64
+        epi, model = rotate, rotate64
         th = torch.rand(L, Mb, N // 2, device=DEV) * 6.3
         leaves = {"c": th.cos(), "s": th.sin()}
     leaves = {k: v.requires_grad_() for k, v in leaves.items()}
@@ -298,17 +287,7 @@ def test_linear_pairs_tile_operand_gradients(mode):
     res = res if isinstance(res, dict) else {"out": res}
     ups = {k: torch.randn(v.shape, device=DEV, dtype=torch.float64) for k, v in res.items()}
     ours = torch.autograd.grad(sum((res[k].double() * u).sum() for k, u in ups.items()), [x, w, *leaves.values()])
-    tiled = [k for k in res if k == "out" or k in epi.outputs]  # bf16 outputs (reductions are fp32)
-
-    def torch_model(dt):
-        x_, w_ = (t.detach().to(dt).requires_grad_() for t in (x, w))
-        ls = {k: t.detach().double().requires_grad_() for k, t in leaves.items()}
-        outs = model((x_ @ w_.T).double(), **ls)
-        if dt != torch.float64:
-            outs = {k: (v.to(dt).double() if k in tiled else v) for k, v in outs.items()}
-        return torch.autograd.grad(sum((outs[k] * u).sum() for k, u in ups.items()), [x_, w_, *ls.values()])
-
-    ref, theirs = torch_model(torch.float64), torch_model(torch.bfloat16)
+    ref, theirs = (_torch_grads(model, epi, x, w, leaves, ups, dt) for dt in (torch.float64, torch.bfloat16))
     for name, o, r_, t in zip(["x", "w", *leaves], ours, ref, theirs):
         assert o.shape == r_.shape, name
         assert rel(o, r_) <= 2 * rel(t, r_) + 1e-3, (name, rel(o, r_), rel(t, r_))
@@ -346,17 +325,8 @@ def test_linear_pairs_save_preact(monkeypatch):
         if save_preact:
             assert launched == ["gated_tiles_preact"], launched  # the backward recomputes nothing
     monkeypatch.setattr(mod, "gemm_for", real)
-    tiled = [k for k in res if k == "out" or k in gated_tiles.outputs]  # bf16 outputs (reductions are fp32)
-
-    def torch_model(dt):
-        x_, w_ = (t.detach().to(dt).requires_grad_() for t in (x, w))
-        ls = {k: t.detach().double().requires_grad_() for k, t in leaves.items()}
-        outs = _gated_tiles64((x_ @ w_.T).double(), **ls)
-        if dt != torch.float64:
-            outs = {k: (v.to(dt).double() if k in tiled else v) for k, v in outs.items()}
-        return torch.autograd.grad(sum((outs[k] * u).sum() for k, u in ups.items()), [x_, w_, *ls.values()])
-
-    ref, theirs = torch_model(torch.float64), torch_model(torch.bfloat16)
+    ref, theirs = (_torch_grads(gated_tiles64, gated_tiles, x, w, leaves, ups, dt)
+                   for dt in (torch.float64, torch.bfloat16))
     for name, o, o_rec, r_, t in zip(["x", "w", *leaves], got[True], got[False], ref, theirs):
         assert o.shape == r_.shape, name
         assert rel(o, r_) <= 2 * rel(t, r_) + 1e-3, (name, rel(o, r_), rel(t, r_))

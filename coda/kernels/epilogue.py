@@ -196,15 +196,13 @@ def tile_operand_cols(epi: Epilogue, cfg) -> int:
     return cfg.epi_n // 2 if epi.pair_mode else cfg.epi_n
 
 
-def staged_smem_bytes(epi: Epilogue, cfg, tile_bytes=None) -> int:
+def staged_smem_bytes(epi: Epilogue, cfg, tile_bytes) -> int:
     """Shared memory of the epilogue's operands besides the output buffers: staged VecN / VecM values (fp32) and
-    the TMA ring of TileMN operands (2 sub-tile buffers each, ``tile_bytes`` per element: the dtype of each
-    TMA-loaded TileMN operand; None assumes fp32 for every TileMN operand, the most it can take) and its mbarriers,
-    per consumer tile in flight. Alignment padding is covered by ``GemmConfig.derive_stages``' reserve."""
+    the TMA ring of TileMN operands (2 sub-tile buffers each, ``tile_bytes``: the element size of each TMA-loaded
+    TileMN operand) and its mbarriers, per consumer tile in flight. Alignment padding is covered by
+    ``GemmConfig.derive_stages``' reserve."""
     in_flight = 2 if cfg.pingpong else 1
     n = sum(4 * n for _, n in staged_operands(epi, cfg))
-    if tile_bytes is None:
-        tile_bytes = [4 for o in epi.operands if o.kind == "tile"]
     if tile_bytes:  # ring buffers are multiples of 1024 bytes (no alignment padding after the output buffers)
         n += sum(cfg.tile_m * tile_operand_cols(epi, cfg) * 2 * b for b in tile_bytes) + 8 * 2
     return n * in_flight
