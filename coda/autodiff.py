@@ -220,3 +220,16 @@ def with_preact(epi: DslEpilogue) -> DslEpilogue:
     outputs = dict(epi.exprs)
     outputs.update(zip(keys, (ACC_EVEN, ACC_ODD) if epi.pair_mode else (ACC,)))
     return DslEpilogue(epi.name + "_preact", epi.operands, outputs, dict(epi.red_specs), pair_mode=epi.pair_mode)
+
+
+def on_preact(bwd: DslEpilogue, epi: DslEpilogue) -> DslEpilogue:
+    """A backward program ``bwd`` of ``epi`` evaluated on the pre-activation that ``with_preact(epi)`` saved,
+    instead of a recomputed accumulator: acc (or a pairs epilogue's two values) become TileMN operands named
+    :func:`preact_keys` ``(epi)`` (M x N, or one value per pair: M x N/2). The program no longer reads the
+    accumulator, so it runs as a K = 0 GEMM: CODA's kernel doing only the epilogue, one pass over memory."""
+    keys = PREACT_PAIRS if epi.pair_mode else (PREACT,)  # (a 2 -> 2 forward cannot save them, but could be given)
+    sub = {s: operand_symbol(k) for s, k in zip((ACC_EVEN, ACC_ODD) if epi.pair_mode else (ACC,), keys)}
+    outputs = {k: e.xreplace(sub) for k, e in bwd.exprs.items()}
+    reductions = {k: (axis, op, e.xreplace(sub)) for k, (axis, op, e) in bwd.red_specs.items()}
+    ops = tuple(bwd.operands) + tuple(Operand(k, "tile") for k in keys)
+    return DslEpilogue(f"{bwd.name}_on_preact", ops, outputs, reductions, pair_mode=bwd.pair_mode)

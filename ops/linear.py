@@ -4,7 +4,8 @@ Forward: one fused GEMM (``coda.gemm``). Backward (the epilogue's derivative com
 ``coda.autodiff``): one GEMM of the same x and W recomputes the accumulator and its epilogue forms dacc and every
 operand gradient (VecN by per-column partials, VecM and Scalar by per-row partials, TileMN as an extra output); with
 ``save_preact=True`` the forward also writes the pre-activation and the backward evaluates the same derivative
-program on it with torch ops instead of recomputing the GEMM (trading M x N bytes for a GEMM); a derivative that
+program on it instead of recomputing the GEMM (trading M x N saved bytes for a GEMM): a K = 0 GEMM, i.e. CODA's
+kernel running only the epilogue, with the pre-activation as TileMN operands (``coda.autodiff.on_preact``); a derivative that
 does not depend on the accumulator (identity, residual add, operand scales) needs no recompute at all.
 (A half-mode pairs epilogue saves the pre-activation as two M x N/2 extra outputs, the pairs' even and odd
 accumulator values; a 2 -> 2 one cannot store extra outputs and does not support ``save_preact``.) Then
@@ -19,7 +20,7 @@ kernel cannot store next to dacc: it comes from a second launch, a "half" pairs 
 main output, the others as extra outputs; fp32 or the operands' dtype). Cost, only when a TileMN operand of a pairs
 epilogue requires grad: one more GEMM recomputing the accumulator (M x N x K, as the forward) plus an M x N/2 store
 per TileMN gradient -- none when those gradients do not depend on the accumulator (then: elementwise torch ops) or
-with ``save_preact=True`` (half mode: torch ops on the saved pre-activation, no recompute GEMM at all) --
+with ``save_preact=True`` (half mode: a K = 0 launch on the saved pre-activation, no recompute GEMM at all) --
 and the dacc kernel is skipped when neither x, W nor another operand needs a gradient.
 
 Device: on a Hopper GPU the fused kernels run; on CPU tensors the same programs run through ``coda.reference.gemm``
@@ -33,8 +34,8 @@ import threading
 
 import torch
 
-from coda.autodiff import (DGRAD, backward_epilogue, grad_name, pair_tile_grad_epilogue, pair_tile_operands,
-                           preact_keys, value_name, with_preact)
+from coda.autodiff import (DGRAD, backward_epilogue, grad_name, on_preact, pair_tile_grad_epilogue,
+                           pair_tile_operands, preact_keys, value_name, with_preact)
 from coda.dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, operand_symbol
 
 from ._common import gemm_for, linear_grads
@@ -45,13 +46,20 @@ _bwd_cache: dict = {}
 _bwd_lock = threading.Lock()
 
 
-def _backward_of(epi: DslEpilogue, grads: tuple, needs: tuple, tiles: bool = False) -> DslEpilogue:
-    """The (cached) dacc backward epilogue, or with ``tiles`` the pairs TileMN-gradient one."""
-    key = (epi.key(), grads, needs, tiles)
+def _backward_of(epi: DslEpilogue, grads: tuple, needs: tuple, tiles: bool = False,
+                 preact: bool = False) -> DslEpilogue:
+    """The (cached) dacc backward epilogue, or with ``tiles`` the pairs TileMN-gradient one; with ``preact`` the
+    same program reading the saved pre-activation (``coda.autodiff.on_preact``: a K = 0 GEMM's epilogue)."""
+    key = (epi.key(), grads, needs, tiles, preact)
     with _bwd_lock:
-        if key not in _bwd_cache:
-            _bwd_cache[key] = (pair_tile_grad_epilogue if tiles else backward_epilogue)(epi, grads, needs)
-        return _bwd_cache[key]
+        prog = _bwd_cache.get(key)
+    if prog is None:  # built outside the lock (sympy); a race builds the same program twice, harmlessly
+        prog = (pair_tile_grad_epilogue if tiles else backward_epilogue)(epi, grads, needs)
+        if preact:
+            prog = on_preact(prog, epi)
+        with _bwd_lock:
+            prog = _bwd_cache.setdefault(key, prog)
+    return prog
 
 
 class _Linear(torch.autograd.Function):
@@ -81,11 +89,8 @@ class _Linear(torch.autograd.Function):
         x2, weight = saved[0], saved[1]
         tensors = saved[2:2 + len(names)]
         vals = dict(zip(ctx.value_names, saved[2 + len(names):2 + len(names) + len(ctx.value_names)]))
-        preact = None
-        if ctx.save_preact:
-            parts = saved[len(saved) - ctx.n_preact:]
-            # pairs: the saved even / odd columns interleaved back into the M x N pre-activation
-            preact = parts[0] if len(parts) == 1 else torch.stack(parts, -1).flatten(-2)
+        # the saved pre-activation: one M x N tensor, or a pairs epilogue's even / odd columns (M x N/2 each)
+        preact = dict(zip(preact_keys(epi), saved[len(saved) - ctx.n_preact:])) if ctx.save_preact else None
         present = tuple(k for k, g in zip(ctx.keys, grads) if g is not None)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         needs = tuple(n for n, need in zip(names, ctx.needs_input_grad[6:]) if need)
@@ -108,15 +113,17 @@ class _Linear(torch.autograd.Function):
                 ops[value_name(k)] = vals[k]
         if preact is not None and any(value_name(k) in ops for k in vals):
             # max / logsumexp results of the rounded pre-activation, so that ties still match
-            fwd = epi.reference(preact.float(), **dict(zip(names, tensors), **ctx.scalars))
+            parts = list(preact.values())  # pairs: even / odd columns interleaved back into M x N
+            full = parts[0] if len(parts) == 1 else torch.stack(parts, -1).flatten(-2)
+            fwd = epi.reference(full.float(), **dict(zip(names, tensors), **ctx.scalars))
             ops.update({value_name(k): fwd[k] for k in vals if value_name(k) in ops})
         res, dx, dw = {}, None, None
         if need_x or need_w or main_needs:
-            res = _evaluate(_backward_of(epi, present, main_needs), x2, weight, ops, preact, x2.dtype)
+            res = _evaluate(epi, (present, main_needs, False), x2, weight, ops, preact, x2.dtype)
             dx, dw = linear_grads(res["out"], x2, weight, need_x, need_w, "coda.ops.linear")
         if tile_needs:
             dtype = functools.reduce(torch.promote_types, (ops[n].dtype for n in tile_needs))
-            tiles = _evaluate(_backward_of(epi, present, tile_needs, tiles=True), x2, weight, ops, preact, dtype)
+            tiles = _evaluate(epi, (present, tile_needs, True), x2, weight, ops, preact, dtype)
             res.update({DGRAD + n: tiles["out" if i == 0 else DGRAD + n] for i, n in enumerate(tile_needs)})
         dops = []
         kinds = {o.name: o.kind for o in epi.operands}
@@ -131,11 +138,13 @@ class _Linear(torch.autograd.Function):
         return (dx, dw, None, None, None, None, *dops)
 
 
-def _evaluate(bwd: DslEpilogue, x2, weight, ops: dict, preact, out_dtype) -> dict:
-    """The results of the backward epilogue ``bwd`` (dacc and operand gradients, or a pairs epilogue's TileMN
-    gradients), ``out`` cast to ``out_dtype``: computed on a recomputed accumulator (one GEMM of x and W), on the
-    saved pre-activation (torch ops), or -- when they do not depend on the accumulator -- elementwise (torch ops;
+def _evaluate(epi: DslEpilogue, which: tuple, x2, weight, ops: dict, preact, out_dtype) -> dict:
+    """The results of the backward program ``_backward_of(epi, *which)`` (dacc and operand gradients, or a pairs
+    epilogue's TileMN gradients), ``out`` cast to ``out_dtype``: computed on a recomputed accumulator (one GEMM of
+    x and W), on the saved pre-activation ``preact`` (a dict of its tensors; the same program as a K = 0 GEMM:
+    one memory pass of CODA's kernel), or -- when they do not depend on the accumulator -- elementwise (torch ops;
     nothing at all when ``out`` is one of the tile operands, e.g. dacc = the upstream gradient)."""
+    bwd = _backward_of(epi, *which)
     if not bwd.symbols & {ACC, ACC_EVEN, ACC_ODD} and not bwd.reductions:
         tiles = {operand_symbol(o.name): o.name for o in bwd.operands if o.kind == "tile"}
         if set(bwd.exprs) == {"out"} and bwd.exprs["out"] in tiles:
@@ -144,8 +153,9 @@ def _evaluate(bwd: DslEpilogue, x2, weight, ops: dict, preact, out_dtype) -> dic
         res = bwd.reference(acc0, **ops)
     elif preact is None:
         res = gemm_for(x2.device, "coda.ops.linear")(x2, weight, epilogue=bwd, out_dtype=out_dtype, **ops)
-    else:  # the same derivative program on the saved pre-activation (torch ops)
-        res = bwd.reference(preact.float(), **ops)
+    else:
+        res = gemm_for(x2.device, "coda.ops.linear")(x2[:, :0], weight[:, :0], epilogue=_backward_of(epi, *which, preact=True), out_dtype=out_dtype,
+                   **ops, **preact)
     res = dict(res) if isinstance(res, dict) else {"out": res}
     res["out"] = res["out"].to(out_dtype)
     return res

@@ -428,7 +428,7 @@ def test_pairs_tile_operand_gradients(monkeypatch):
         torch.testing.assert_close(d, got[2 + list(leaves).index(tiles[0])], rtol=1e-6, atol=1e-6)
         assert [e.name for e in launched] == [epi.name, f"{epi.name}_bwd_tiles"]
         monkeypatch.setattr(mod, "gemm_for", real)
-        # 3. the saved-pre-activation branch (torch ops on the pre-activation) gives what the recompute gives
+        # 3. the saved-pre-activation branch (the same program as a K = 0 launch) gives what the recompute gives
         acc32 = (x.detach().float() @ w.detach().float().T).reshape(2 * M, N)
         bops = {k: (v.reshape(2 * M, -1) if k in tiles else v.reshape(2 * M) if v.dim() == 2 else v)
                 for k, v in ops.items()}
@@ -443,8 +443,11 @@ def test_pairs_tile_operand_gradients(monkeypatch):
             if red.op != "sum":
                 bops[value_name(red.name)] = epi.reference(acc32, **{k: bops[k] for k in ops})[red.name]
         x2, w2 = x.detach().reshape(2 * M, 32), w.detach()
-        a_ = mod._evaluate(tepi, x2, w2, bops, None, torch.float32)
-        b_ = mod._evaluate(tepi, x2, w2, bops, acc32, torch.float32)
+        which = (tuple(outs), tiles, True)  # the program tepi, as coda.ops.linear asks for it
+        assert mod._backward_of(epi, *which).key() == tepi.key()
+        preact = {"_preact_even": acc32[..., 0::2].contiguous(), "_preact_odd": acc32[..., 1::2].contiguous()}
+        a_ = mod._evaluate(epi, which, x2, w2, bops, None, torch.float32)
+        b_ = mod._evaluate(epi, which, x2, w2, bops, preact, torch.float32)
         assert set(a_) == set(b_) == {"out", *tepi.outputs}
         for k in a_:
             torch.testing.assert_close(a_[k], b_[k], rtol=1e-6, atol=1e-6)
@@ -512,7 +515,9 @@ def test_pairs_save_preact(monkeypatch):
     assert launched == [("gated_tiles", K), ("gated_tiles_bwd", K), ("gated_tiles_bwd_tiles", K)]  # 2 recomputes
     launched.clear()
     r1, _, g1 = grads(xi, wi, True)
-    assert launched == [("gated_tiles_preact", K)]  # the forward only: no recompute GEMM in the backward
+    # the forward, then the backward programs on the saved pre-activation as K = 0 launches: no recompute GEMM
+    assert launched == [("gated_tiles_preact", K), ("gated_tiles_bwd_on_preact", 0),
+                        ("gated_tiles_bwd_tiles_on_preact", 0)]
     assert set(r0) == set(r1)
     for k in r0:
         torch.testing.assert_close(r1[k], r0[k], rtol=0, atol=0)
@@ -522,7 +527,7 @@ def test_pairs_save_preact(monkeypatch):
     # 2. random data vs float64 autograd (the saved pre-activation is rounded to bf16 like the outputs)
     launched.clear()
     res, ups, got = grads(x, w, True)
-    assert [e for e, _ in launched] == ["gated_tiles_preact"]
+    assert [k for _, k in launched] == [K, 0, 0]
     x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
     l64 = {k: v.double().requires_grad_() for k, v in ops.items()}
     outs = gated_tiles64(x64 @ w64.T, **l64)
