@@ -16,7 +16,7 @@ Backward, dX GEMM (:data:`rmsnorm_dgrad`, :data:`rmsnorm_dgrad_residual`)
     MN-major view). With dxhat = acc * gamma, the RMSNorm backward is
         dh = r (dxhat - xhat (1/K) sum_k dxhat_k xhat_k).
     Because y is linear in n, sum_k dxhat_k xhat_k = sum_k dn_k n_k = sum_n dy_n y_n, so with the per-row
-        c_m = (1/K) sum_n dy_mn y_mn            (a VecM operand: a light torch row reduction over dy and y)
+        c_m = (1/K) sum_n dy_mn y_mn            (a VecM operand: :data:`row_dot`, one pass over dy and y)
     the epilogue is
         dh = r (acc gamma - h r c)          (+ dres, the gradient arriving on the residual stream, a TileMN)
     and, in the same pass,
@@ -31,7 +31,7 @@ Backward, dX GEMM (:data:`rmsnorm_dgrad`, :data:`rmsnorm_dgrad_residual`)
 """
 import coda
 
-__all__ = ["rmsnorm_scale", "rmsnorm_dgrad", "rmsnorm_dgrad_residual"]
+__all__ = ["rmsnorm_scale", "rmsnorm_dgrad", "rmsnorm_dgrad_residual", "row_dot"]
 
 
 @coda.epilogue
@@ -58,3 +58,10 @@ def rmsnorm_dgrad_residual(acc, gamma: coda.VecN, h: coda.TileMN, r: coda.VecM, 
     res = _dgrad(acc, gamma, h, r, c)
     res["out"] = res["out"] + dres
     return res
+
+
+@coda.epilogue
+def row_dot(acc, dy: coda.TileMN, y: coda.TileMN):
+    """sum_n dy y per row (fp32): c of the backward, before the dX GEMM needs it. The accumulator is not used: it
+    runs as a K = 0 GEMM (CODA's kernel doing only the epilogue: one pass over dy and y, per-tile row partials)."""
+    return {"dot": coda.reduce_n(dy * y)}

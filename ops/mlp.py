@@ -4,32 +4,33 @@
 Forward (h = x, r = rsqrt(mean(h^2) + eps) per row, W' = w_gate_up diag(gamma), gate/up rows interleaved)
     1. r: a light fp32 pre-pass in torch (``ops.rmsnorm_linear``'s; one read of x, M floats).
     2. W' = w_gate_up * norm_weight: one 2I x H elementwise product per call, rounded once (not saved).
-    3. GEMM x W'^T with the pairs epilogue :func:`rms_swiglu`: a = silu(g r) (u r), M x I. Neither the normalised
-       activation (M x H) nor gate/up (M x 2I) is written.
+    3. GEMM x W'^T with the pairs epilogue :func:`rms_swiglu`: a = silu(g r) (u r), M x I; with ``save_preact``
+       (default) the epilogue also stores the pairs' accumulator values g, u (two M x I outputs). The normalised
+       activation (M x H) is never written.
     4. (mlp) GEMM a W_down^T with the epilogue :func:`residual_add`: y = acc + x, one M x H write.
 
 Backward (dy the gradient of y; for rmsnorm_swiglu, dy is da and steps 1-2 and the residual are skipped)
     1. da = dy W_down (GEMM, ``w_down.t()`` an MN-major view; d(acc + x)/d acc = 1, so nothing is recomputed).
     2. dW_down = dy^T a (GEMM on transposed views).
-    3. W' recomputed (2I x H torch product).
-    4. GEMM x W'^T with the sympy backward of :func:`rms_swiglu` (with the VecM gradient of r; ``coda.ops.linear``'s
-       program): recomputes (g, u), writes dacc (M x 2I, transient) and d_r = sum_j da_j (partial a_j / partial r)
-       (per row, fp32).
-    5. dX GEMM dacc W' with the epilogue :func:`rms_radial_residual`: the norm's radial term (dr/dh = -r^3 h / H)
-       and the residual gradient in the epilogue: dx = acc - r^3 d_r h / H + dy; one M x H write, no torch pass.
-    6. dW' = dacc^T x (GEMM on transposed views), then dw_gate_up = dW' gamma and dgamma = sum_n dW' w_gate_up
-       (2I x H torch products, fp32 sum).
+    3. The sympy backward of :func:`rms_swiglu` (with the VecM gradient of r; ``coda.ops.linear``'s program) writes
+       dacc (M x 2I interleaved, transient) and d_r = sum_j da_j (partial a_j / partial r) (per row, fp32):
+       on the saved g, u as a K = 0 launch (CODA's kernel running only the epilogue: one pass over memory), or
+       with ``save_preact=False`` in a GEMM x W'^T that recomputes them (W' recomputed too).
+    4. dX GEMM dacc W_gu (the unfolded weight) with the epilogue :func:`rms_radial_residual`: gamma as a column
+       scale (dacc W' = (dacc W_gu) diag(gamma)), the norm's radial term (dr/dh = -r^3 h / H) and the residual
+       gradient: dx = acc gamma - r^3 d_r h / H + dy; one M x H write, no torch pass.
+    5. dW' = dacc^T x (GEMM on transposed views) with the epilogue :func:`fold_grads`: dw_gate_up = dW' gamma and
+       dgamma = sum_n dW' w_gate_up (per-column partials), so no 2I x H torch pass.
     GEMMs on transposed views whose contraction (M) is not a multiple of 8 run ``torch.matmul``
-    (``ops._common.backward_gemm``). Double backward is not supported. sm_90a compile (``coda.check``, not timed):
-    step 4's epilogue spills 8 bytes at the default 128x256 2x1 config and 68 at 128x128 ping-pong (where
-    ``ops.rmsnorm_linear``'s dX epilogue spills 256); step 5's spills none at 128x256, 156 bytes at ping-pong.
+    (``ops._common.backward_gemm``; then dw_gate_up and dgamma are torch products). Double backward is not
+    supported.
 
-Saved for the backward: x, norm_weight, w_gate_up, w_down (the inputs themselves), r (M floats) and (mlp) the
-activation a (M x I, the dW_down operand, as the earlier composition of ``ops.linear`` calls saved it). Not saved:
-gate/up (M x 2I, recomputed by step 4), W' (2I x H, recomputed by step 3), the normalised activation.
+Saved for the backward: x, norm_weight, w_gate_up, w_down (the inputs themselves), r (M floats), (mlp) the
+activation a (M x I, the dW_down operand) and (``save_preact``) g, u (M x I each). Never saved: W' (2I x H), the
+normalised activation.
 
-torch integration: custom ops ``torch.ops.coda.mlp`` (2-D x; returns (y, a, r)) and ``coda::rmsnorm_swiglu``
-(returns (a, r)) with fake implementations; autograd through the custom op ``coda::mlp_backward``; so
+torch integration: custom ops ``torch.ops.coda.mlp`` (2-D x; returns (y, a, r, g, u)) and
+``coda::rmsnorm_swiglu`` (returns (a, r, g, u); g, u empty without ``save_preact``) with fake implementations; autograd through the custom op ``coda::mlp_backward``; so
 ``torch.compile(fullgraph=True)`` keeps them as opaque nodes and ``torch.library.opcheck`` passes.
 
 Device: on a Hopper GPU the fused kernels run; on CPU tensors the same epilogue programs run through
@@ -44,7 +45,7 @@ import torch
 from torch import Tensor
 
 import coda
-from coda.autodiff import DGRAD, grad_name
+from coda.autodiff import DGRAD, grad_name, preact_keys, with_preact
 
 from ._common import backward_gemm, check_last_dim_contiguous, check_tensors, gemm_for, linear_grads
 from .gated import _check as _check_x_weight_gu
@@ -72,16 +73,25 @@ def residual_add(acc, res: coda.TileMN):
 
 
 @coda.epilogue
-def rms_radial(acc, r: coda.VecM, dr: coda.VecM, inv_h: coda.Scalar, h: coda.TileMN):
-    """dX GEMM of the gate/up projection (acc = dacc W', the gradient of h at fixed r) plus the gradient through r:
-    dh = acc + dr * dr/dh = acc - r^3 dr h / H (``inv_h`` = 1/H)."""
-    return acc - r * r * r * dr * inv_h * h
+def rms_radial(acc, gamma: coda.VecN, r: coda.VecM, dr: coda.VecM, inv_h: coda.Scalar, h: coda.TileMN):
+    """dX GEMM of the gate/up projection on the unfolded weight (acc = dacc W_gu; with W' = W_gu diag(gamma),
+    dacc W' = acc * gamma, the gradient of h at fixed r) plus the gradient through r:
+    dh = acc gamma + dr * dr/dh = acc gamma - r^3 dr h / H (``inv_h`` = 1/H)."""
+    return acc * gamma - r * r * r * dr * inv_h * h
 
 
 @coda.epilogue
-def rms_radial_residual(acc, r: coda.VecM, dr: coda.VecM, inv_h: coda.Scalar, h: coda.TileMN, dres: coda.TileMN):
+def rms_radial_residual(acc, gamma: coda.VecN, r: coda.VecM, dr: coda.VecM, inv_h: coda.Scalar, h: coda.TileMN,
+                        dres: coda.TileMN):
     """:func:`rms_radial` plus the gradient arriving through the residual (mlp: y = x + ...): + dres."""
-    return acc - r * r * r * dr * inv_h * h + dres
+    return acc * gamma - r * r * r * dr * inv_h * h + dres
+
+
+@coda.epilogue
+def fold_grads(acc, gamma: coda.VecN, w: coda.TileMN):
+    """dW GEMM of the folded weight W' = W diag(gamma) (acc = dW' = dacc^T h, 2I x H): dW = acc gamma per column,
+    dgamma_k = sum_n acc_nk W_nk (per-column partials; no 2I x H torch pass)."""
+    return {"out": acc * gamma, "dgamma": coda.reduce_m(acc * w)}
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -122,43 +132,60 @@ def _fold(w_gate_up: Tensor, norm_weight: Tensor) -> Tensor:
     return torch.mul(w_gate_up, norm_weight, out=torch.empty_like(w_gate_up, memory_format=torch.contiguous_format))
 
 
-def _gate_up(x, norm_weight, w_gate_up, eps, gemm):
+_PREACT_FWD = with_preact(rms_swiglu)  # rms_swiglu + the pairs' accumulator values (g, u) as two M x I outputs
+
+
+def _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm):
+    """(a, r, g, u): the gate/up GEMM; g, u (the pre-activation, M x I each) empty unless ``save_preact``."""
     r = _rstd(x, eps)
-    return gemm(x, _fold(w_gate_up, norm_weight), epilogue=rms_swiglu, r=r), r
+    w_fold = _fold(w_gate_up, norm_weight)
+    if not save_preact:
+        return gemm(x, w_fold, epilogue=rms_swiglu, r=r), r, x.new_empty(0), x.new_empty(0)
+    res = gemm(x, w_fold, epilogue=_PREACT_FWD, r=r)
+    return (res["out"], r, *(res[k] for k in preact_keys(rms_swiglu)))
 
 
 @torch.library.custom_op("coda::rmsnorm_swiglu", mutates_args=())
-def _rmsnorm_swiglu_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """x (M, H), w_gate_up (2I, H) interleaved; returns a (M, I) and r (M,) fp32."""
-    return _gate_up(x, norm_weight, w_gate_up, eps, gemm_for(x.device, "coda.ops.rmsnorm_swiglu"))
+def _rmsnorm_swiglu_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, eps: float,
+                       save_preact: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """x (M, H), w_gate_up (2I, H) interleaved; returns a (M, I), r (M,) fp32 and (save_preact) g, u (M, I)."""
+    return _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm_for(x.device, "coda.ops.rmsnorm_swiglu"))
 
 
 @torch.library.custom_op("coda::mlp", mutates_args=())
-def _mlp_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor,
-            eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """x (M, H); returns y (M, H), the activation a (M, I) and r (M,) fp32."""
+def _mlp_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float,
+            save_preact: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x (M, H); returns y (M, H), the activation a (M, I), r (M,) fp32 and (save_preact) g, u (M, I)."""
     gemm = gemm_for(x.device, _ENTRY)
-    a, r = _gate_up(x, norm_weight, w_gate_up, eps, gemm)
-    return gemm(a, w_down, epilogue=residual_add, res=x), a, r
+    a, r, g, u = _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm)
+    return gemm(a, w_down, epilogue=residual_add, res=x), a, r, g, u
+
+
+def _fake_preact(x, w_gate_up, save_preact):
+    shape = (x.shape[0], w_gate_up.shape[0] // 2) if save_preact else (0,)
+    return x.new_empty(shape), x.new_empty(shape)
 
 
 @_rmsnorm_swiglu_op.register_fake
-def _(x, norm_weight, w_gate_up, eps):
-    return x.new_empty(x.shape[0], w_gate_up.shape[0] // 2), x.new_empty(x.shape[0], dtype=torch.float32)
+def _(x, norm_weight, w_gate_up, eps, save_preact):
+    return (x.new_empty(x.shape[0], w_gate_up.shape[0] // 2), x.new_empty(x.shape[0], dtype=torch.float32),
+            *_fake_preact(x, w_gate_up, save_preact))
 
 
 @_mlp_op.register_fake
-def _(x, norm_weight, w_gate_up, w_down, eps):
+def _(x, norm_weight, w_gate_up, w_down, eps, save_preact):
     M = x.shape[0]
-    return x.new_empty(M, x.shape[1]), x.new_empty(M, w_gate_up.shape[0] // 2), x.new_empty(M, dtype=torch.float32)
+    return (x.new_empty(M, x.shape[1]), x.new_empty(M, w_gate_up.shape[0] // 2),
+            x.new_empty(M, dtype=torch.float32), *_fake_preact(x, w_gate_up, save_preact))
 
 
 @torch.library.custom_op("coda::mlp_backward", mutates_args=())
 def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Optional[Tensor],
-                 a: Optional[Tensor], r: Tensor, need_x: bool, need_gamma: bool, need_gu: bool,
-                 need_down: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 a: Optional[Tensor], r: Tensor, g: Optional[Tensor], u: Optional[Tensor], need_x: bool,
+                 need_gamma: bool, need_gu: bool, need_down: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dnorm_weight, dw_gate_up, dw_down) of ``mlp`` (w_down, a given; dy (M, H) the gradient of y) or of
-    ``rmsnorm_swiglu`` (w_down = a = None; dy (M, I) the gradient of a); a gradient not needed is an empty tensor."""
+    ``rmsnorm_swiglu`` (w_down = a = None; dy (M, I) the gradient of a); g, u: the saved pre-activation (None:
+    recomputed); a gradient not needed is an empty tensor."""
     gemm = gemm_for(x.device, _ENTRY)
     residual = w_down is not None
     dy = dy.contiguous()  # autograd may hand over expanded (stride-0) gradients
@@ -167,34 +194,50 @@ def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, 
     if x.numel() == 0 or w_gate_up.shape[0] == 0:  # nothing to launch: zeros, and dy through the residual
         full = (dy.clone() if residual else torch.zeros_like(x), torch.zeros_like(norm_weight),
                 torch.zeros_like(w_gate_up), torch.zeros_like(w_down) if residual else None)
-        return tuple(f if need else g for f, g, need in zip(full, grads, (need_x, need_gamma, need_gu, need_down)))
+        return tuple(f if need else g_ for f, g_, need in zip(full, grads, (need_x, need_gamma, need_gu, need_down)))
     need_gate_up = need_x or need_gamma or need_gu
     da, dw_down = linear_grads(dy, a, w_down, need_gate_up, need_down, _ENTRY) if residual else (dy, None)
     if dw_down is not None:
         grads[3] = dw_down
     if not need_gate_up:
         return tuple(grads)
-    w_fold = _fold(w_gate_up, norm_weight)
-    bwd = _backward_of(rms_swiglu, ("out",), ("r",) if need_x else ())  # as coda.ops.linear(..., r=r) would run
-    res = gemm(x, w_fold, epilogue=bwd, out_dtype=x.dtype, r=r, **{grad_name("out"): da})
+    # dacc (M x 2I, interleaved) and d_r: rms_swiglu's sympy backward (as coda.ops.linear(..., r=r) runs it), on the
+    # saved pre-activation (a K = 0 launch: one memory pass) or on a recomputed one (a GEMM of x and W')
+    ops = dict(r=r, **{grad_name("out"): da})
+    preact = g is not None and g.numel() > 0
+    bwd = _backward_of(rms_swiglu, ("out",), ("r",) if need_x else (), preact=preact)
+    if preact:
+        res = gemm(x[:, :0], w_gate_up[:, :0], epilogue=bwd, out_dtype=x.dtype,
+                   **ops, **dict(zip(preact_keys(rms_swiglu), (g, u))))
+    else:
+        res = gemm(x, _fold(w_gate_up, norm_weight), epilogue=bwd, out_dtype=x.dtype, **ops)
     dacc = res["out"] if isinstance(res, dict) else res
-    if need_x:
-        ops = dict(r=r, dr=res[DGRAD + "r"], inv_h=1.0 / x.shape[1], h=x)
+    if need_x:  # on the unfolded weight: gamma is a column scale of the epilogue
+        ops = dict(gamma=norm_weight, r=r, dr=res[DGRAD + "r"], inv_h=1.0 / x.shape[1], h=x)
         if residual:
             ops["dres"] = dy
-        grads[0] = gemm(dacc, w_fold.t(), epilogue=rms_radial_residual if residual else rms_radial,
+        grads[0] = gemm(dacc, w_gate_up.t(), epilogue=rms_radial_residual if residual else rms_radial,
                         out_dtype=x.dtype, **ops)
-    if need_gamma or need_gu:
-        dw_fold = backward_gemm(dacc.t(), x.t(), _ENTRY)  # dW' = dacc^T x
-        if need_gu:
-            grads[2] = torch.mul(dw_fold, norm_weight, out=torch.empty_like(w_gate_up))
-        if need_gamma:
-            grads[1] = (dw_fold.float() * w_gate_up).sum(0).to(norm_weight.dtype)
+    if need_gamma or need_gu:  # dW' = dacc^T x; its epilogue forms dW = dW' gamma and dgamma
+        if _aligned_rows(x.shape[0]):
+            res = gemm(dacc.t(), x.t(), epilogue=fold_grads, out_dtype=w_gate_up.dtype, gamma=norm_weight,
+                       w=w_gate_up)
+            dw, dgamma = res["out"], res["dgamma"]
+        else:  # M not a multiple of 8: the transposed views are not 16-byte aligned (ops._common.backward_gemm)
+            dw_fold = backward_gemm(dacc.t(), x.t(), _ENTRY)
+            dw = torch.mul(dw_fold, norm_weight, out=torch.empty_like(w_gate_up))
+            dgamma = (dw_fold.float() * w_gate_up).sum(0)
+        grads[2] = dw if need_gu else grads[2]
+        grads[1] = dgamma.to(norm_weight.dtype) if need_gamma else grads[1]
     return tuple(grads)
 
 
+def _aligned_rows(M: int) -> bool:
+    return M % 8 == 0
+
+
 @_backward_op.register_fake
-def _(dy, x, norm_weight, w_gate_up, w_down, a, r, need_x, need_gamma, need_gu, need_down):
+def _(dy, x, norm_weight, w_gate_up, w_down, a, r, g, u, need_x, need_gamma, need_gu, need_down):
     like = (x, norm_weight, w_gate_up, x if w_down is None else w_down)
     return tuple(t.new_empty(t.shape if need else (0,))
                  for t, need in zip(like, (need_x, need_gamma, need_gu, need_down and w_down is not None)))
@@ -202,21 +245,21 @@ def _(dy, x, norm_weight, w_gate_up, w_down, a, r, need_x, need_gamma, need_gu, 
 
 def _setup_context(ctx, inputs, output):
     x, norm_weight, w_gate_up, *rest = inputs
-    ctx.residual = len(rest) == 2  # mlp: (w_down, eps); rmsnorm_swiglu: (eps,)
-    ctx.set_materialize_grads(False)  # a and r are not differentiable outputs: no zero M x I gradients
+    ctx.residual = len(rest) == 3  # mlp: (w_down, eps, save_preact); rmsnorm_swiglu: (eps, save_preact)
+    ctx.set_materialize_grads(False)  # a, r, g, u are not differentiable outputs: no zero M x I gradients
     ctx.mark_non_differentiable(*output[1:])
     saved = (rest[0], output[1], output[2]) if ctx.residual else (None, None, output[1])
-    ctx.save_for_backward(x, norm_weight, w_gate_up, *saved)
+    ctx.save_for_backward(x, norm_weight, w_gate_up, *saved, *output[-2:])
 
 
 def _autograd_backward(ctx, dy, *_):
-    x, norm_weight, w_gate_up, w_down, a, r = ctx.saved_tensors
-    n = len(ctx.needs_input_grad) - 1  # the tensor inputs (eps is last): 4 for mlp, 3 for rmsnorm_swiglu
+    x, norm_weight, w_gate_up, w_down, a, r, g, u = ctx.saved_tensors
+    n = len(ctx.needs_input_grad) - 2  # the tensor inputs (eps, save_preact last): 4 for mlp, 3 for rmsnorm_swiglu
     needs = ctx.needs_input_grad[:n] + (False,) * (4 - n)
     if dy is None or not any(needs):
-        return (None,) * (n + 1)
-    grads = torch.ops.coda.mlp_backward(dy, x, norm_weight, w_gate_up, w_down, a, r, *needs)
-    return tuple(g if need else None for g, need in zip(grads[:n], needs)) + (None,)
+        return (None,) * (n + 2)
+    grads = torch.ops.coda.mlp_backward(dy, x, norm_weight, w_gate_up, w_down, a, r, g, u, *needs)
+    return tuple(g_ if need else None for g_, need in zip(grads[:n], needs)) + (None, None)
 
 
 _mlp_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -224,24 +267,38 @@ _rmsnorm_swiglu_op.register_autograd(_autograd_backward, setup_context=_setup_co
 
 
 # ------------------------------------------------------------------------------------------------ public entries
-def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, weight_gu: Tensor, eps: float = 1e-6) -> Tensor:
+def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, weight_gu: Tensor, eps: float = 1e-6, *,
+                   save_preact: bool = True) -> Tensor:
     """``silu(n W_gate^T) * (n W_up^T)`` with ``n = RMSNorm(x) * norm_weight``, as ONE fused GEMM, autograd
     included (module docstring). ``x`` (..., H) bfloat16/float16; ``norm_weight`` (H,) float32/bfloat16/float16;
     ``weight_gu`` (2I, H) interleaved (``coda.ops.interleave_gate_up``), x's dtype. H, I multiples of 8. Returns
-    (..., I)."""
+    (..., I). ``save_preact``: as in :func:`mlp`."""
     _check("rmsnorm_swiglu", (("x", x), ("norm_weight", norm_weight), ("weight_gu", weight_gu)), eps)
     lead, H = x.shape[:-1], x.shape[-1]
-    a, _ = torch.ops.coda.rmsnorm_swiglu(x.reshape(math.prod(lead), H), norm_weight, weight_gu, float(eps))
+    a = torch.ops.coda.rmsnorm_swiglu(x.reshape(math.prod(lead), H), norm_weight, weight_gu, float(eps),
+                                      _flag("rmsnorm_swiglu", save_preact))[0]
     return a.reshape(*lead, weight_gu.shape[0] // 2)
 
 
-def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float = 1e-6) -> Tensor:
+def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float = 1e-6, *,
+        save_preact: bool = True) -> Tensor:
     """``x + down(silu(gate(n)) * up(n))`` with ``n = RMSNorm(x) * norm_weight``: two fused GEMMs, autograd included.
 
     ``x`` (..., H) bfloat16 / float16; ``norm_weight`` (H,) float32 / bfloat16 / float16; ``w_gate_up`` (2I, H)
     with gate/up rows interleaved (``coda.ops.interleave_gate_up``); ``w_down`` (H, I); weights in x's dtype; H and
-    I multiples of 8. Returns (..., H). Gradients flow to all four tensors (module docstring)."""
+    I multiples of 8. Returns (..., H). Gradients flow to all four tensors (module docstring).
+
+    ``save_preact=True`` (default) saves the gate/up pre-activation (M x 2I in x's dtype, like the GEMM output
+    torch autograd saves) and the backward reads it; ``False`` saves M x 2I fewer elements and recomputes it with
+    one more GEMM (M x 2I x H) in the backward."""
     _check("mlp", (("x", x), ("norm_weight", norm_weight), ("w_gate_up", w_gate_up), ("w_down", w_down)), eps)
     lead, H = x.shape[:-1], x.shape[-1]
-    y, _, _ = torch.ops.coda.mlp(x.reshape(math.prod(lead), H), norm_weight, w_gate_up, w_down, float(eps))
+    y = torch.ops.coda.mlp(x.reshape(math.prod(lead), H), norm_weight, w_gate_up, w_down, float(eps),
+                           _flag("mlp", save_preact))[0]
     return y.reshape(*lead, H)
+
+
+def _flag(entry: str, save_preact) -> bool:
+    if not isinstance(save_preact, bool):
+        raise TypeError(f"{entry}: save_preact must be True or False, got {type(save_preact).__name__}")
+    return save_preact

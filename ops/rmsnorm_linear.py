@@ -16,7 +16,8 @@ Forward
        never written.
 
 Backward (the incoming dy; dh_out, the gradient arriving on the returned residual stream h, if any)
-    1. c = (1/K) sum_n dy * y per row: a light torch reduction over dy and the saved output y (fp32).
+    1. c = (1/K) sum_n dy * y per row (fp32): the epilogue ``row_dot`` as a K = 0 launch (CODA's kernel doing only
+       the epilogue: one read of dy and of the saved output y, per-tile row partials).
     2. dX GEMM: acc = dy W (``weight.t()``, an MN-major view: no copy), epilogue ``rmsnorm_dgrad`` (or
        ``rmsnorm_dgrad_residual``, which adds dh_out): dh = r (acc gamma - h r c), the normed activation
        n = h r gamma (M x K extra output) and dgamma = sum_m acc h r (per-column partials, no atomics).
@@ -42,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from coda.epilogues.rmsnorm import rmsnorm_dgrad, rmsnorm_dgrad_residual, rmsnorm_scale
+from coda.epilogues.rmsnorm import rmsnorm_dgrad, rmsnorm_dgrad_residual, rmsnorm_scale, row_dot
 
 from ._common import backward_gemm, check_last_dim_contiguous, check_tensors, gemm_for
 
@@ -153,7 +154,7 @@ def _rmsnorm_linear_backward_op(dy: torch.Tensor, dh_out: Optional[torch.Tensor]
         dw = torch.zeros_like(weight) if need_weight else weight.new_empty(0)
         return dh, torch.zeros_like(norm_weight), dw
     dy = dy.contiguous()  # autograd may hand over expanded (stride-0) gradients
-    c = (dy.float() * y.float()).sum(-1) / K
+    c = gemm(h[:, :0], weight[:, :0], epilogue=row_dot, dy=dy, y=y)["dot"] / K  # a K = 0 launch: one pass
     ops = {"gamma": norm_weight, "h": h, "r": r, "c": c}
     epi = rmsnorm_dgrad
     if dh_out is not None:

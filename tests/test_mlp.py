@@ -34,10 +34,10 @@ def rel(a, ref):
 
 
 def check_against_fp64(lead, H, I, *, down=True, device="cpu", dtype=torch.bfloat16, gamma_dtype=torch.float32,
-                       eps=1e-6, floor=1e-4, seed=0, poison=None):
+                       eps=1e-6, floor=1e-4, seed=0, poison=None, save_preact=True):
     """Forward and the gradients of x, norm_weight, w_gate_up (and w_down) of ``coda.ops.mlp`` (``down=False``:
     ``coda.ops.rmsnorm_swiglu``) vs float64 autograd of :func:`unfused`: error(ours) <= 2 * error(plain torch in
-    ``dtype``) + floor, each against float64. ``poison``: called before our forward and our backward (the GPU test
+    ``dtype``) + floor, each against float64; ``save_preact`` as the ops take it. ``poison``: called before our forward and our backward (the GPU test
     fills the allocator's cached blocks with NaN there, so that an unwritten output element shows)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
 
@@ -62,7 +62,9 @@ def check_against_fp64(lead, H, I, *, down=True, device="cpu", dtype=torch.bfloa
         return dict(zip(["y"] + ["d" + n for n in names], [y, *grads]))
 
     def ours(x_, gamma_, wgu_, wd_, eps_):
-        return coda.ops.mlp(x_, gamma_, wgu_, wd_, eps_) if down else coda.ops.rmsnorm_swiglu(x_, gamma_, wgu_, eps_)
+        if down:
+            return coda.ops.mlp(x_, gamma_, wgu_, wd_, eps_, save_preact=save_preact)
+        return coda.ops.rmsnorm_swiglu(x_, gamma_, wgu_, eps_, save_preact=save_preact)
 
     got, want, theirs = run(ours), run(unfused, fp64=True), run(unfused)
     assert got["y"].shape == (*lead, H if down else I) and got["y"].dtype == dtype
@@ -77,8 +79,9 @@ def check_against_fp64(lead, H, I, *, down=True, device="cpu", dtype=torch.bfloa
 
 
 @pytest.mark.parametrize("lead,H,I", [((37,), 64, 48), ((2, 13), 64, 48), ((3, 127), 200, 136)])
-def test_mlp_matches_float64(lead, H, I):
-    check_against_fp64(lead, H, I)
+@pytest.mark.parametrize("save_preact", [True, False])
+def test_mlp_matches_float64(lead, H, I, save_preact):
+    check_against_fp64(lead, H, I, save_preact=save_preact)
 
 
 @pytest.mark.parametrize("dtype,gamma_dtype", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.bfloat16)])
@@ -87,8 +90,9 @@ def test_mlp_dtypes(dtype, gamma_dtype):
 
 
 @pytest.mark.parametrize("lead", [(37,), (3, 127)])
-def test_rmsnorm_swiglu_matches_float64(lead):
-    check_against_fp64(lead, 200, 136, down=False)
+@pytest.mark.parametrize("save_preact", [True, False])
+def test_rmsnorm_swiglu_matches_float64(lead, save_preact):
+    check_against_fp64(lead, 200, 136, down=False, save_preact=save_preact)
 
 
 def _inputs(M=24, H=64, I=48, seed=0, grad=True):
@@ -102,14 +106,15 @@ def _inputs(M=24, H=64, I=48, seed=0, grad=True):
 @pytest.mark.parametrize("need", [(True, False, False, False), (False, True, False, False),
                                   (False, False, True, False), (False, False, False, True),
                                   (False, True, True, True)])
-def test_partial_gradients(need):
+@pytest.mark.parametrize("save_preact", [True, False])
+def test_partial_gradients(need, save_preact):
     """Only the gradients asked for are formed; they equal those of the full backward."""
     leaves = _inputs()
-    full = torch.autograd.grad(coda.ops.mlp(*leaves).float().square().sum(), leaves)
+    full = torch.autograd.grad(coda.ops.mlp(*leaves, save_preact=save_preact).float().square().sum(), leaves)
     for t, n in zip(leaves, need):
         t.requires_grad_(n)
     wanted = [t for t in leaves if t.requires_grad]
-    got = torch.autograd.grad(coda.ops.mlp(*leaves).float().square().sum(), wanted)
+    got = torch.autograd.grad(coda.ops.mlp(*leaves, save_preact=save_preact).float().square().sum(), wanted)
     want = [f for f, n in zip(full, need) if n]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
@@ -124,8 +129,10 @@ def test_empty_rows():
 
 
 # ------------------------------------------------------------------------------------------------ saved / launched
-def test_backward_saves_only_what_it_needs():
-    """Saved: x, norm_weight, w_gate_up, w_down, a (M x I), r (M); never gate/up (M x 2I) nor W' (2I x H)."""
+@pytest.mark.parametrize("save_preact", [True, False])
+def test_backward_saves_only_what_it_needs(save_preact):
+    """Saved: x, norm_weight, w_gate_up, w_down, a (M x I), r (M) and with save_preact g, u (M x I each); never W'
+    (2I x H) nor the normalised activation."""
     M, H, I = 24, 64, 48
     x, gamma, wgu, wd = _inputs(M, H, I)
     saved = []
@@ -135,17 +142,20 @@ def test_backward_saves_only_what_it_needs():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = coda.ops.mlp(x, gamma, wgu, wd)
-    shapes = sorted(tuple(t.shape) for t in saved)
-    assert shapes == sorted([(M, H), (H,), (2 * I, H), (H, I), (M, I), (M,)]), shapes
+        y = coda.ops.mlp(x, gamma, wgu, wd, save_preact=save_preact)
+    shapes = sorted(tuple(t.shape) for t in saved if t.numel())
+    want = [(M, H), (H,), (2 * I, H), (H, I), (M, I), (M,)] + [(M, I), (M, I)] * save_preact
+    assert shapes == sorted(want), shapes
     assert sum(t.data_ptr() == p.data_ptr() for t in saved for p in (x, gamma, wgu, wd)) == 4  # the inputs as given
     y.float().sum().backward()
 
 
-def test_backward_launches(monkeypatch):
-    """Forward: 2 GEMMs (rms_swiglu; residual_add). Backward: da = dy W_down, dW_down = dy^T a, the recompute GEMM
-    with rms_swiglu's backward epilogue (dacc and d_r), the dX GEMM with the radial + residual epilogue, dW' =
-    dacc^T x: five GEMMs, no other M-sized GEMM."""
+@pytest.mark.parametrize("save_preact", [True, False])
+def test_backward_launches(monkeypatch, save_preact):
+    """Forward: 2 GEMMs (rms_swiglu, with save_preact its _preact variant; residual_add). Backward: da = dy W_down,
+    dW_down = dy^T a, dacc and d_r (rms_swiglu's backward: a K = 0 launch on the saved g, u, or the recompute GEMM),
+    the dX GEMM with the gamma + radial + residual epilogue on the unfolded weight, dW' = dacc^T x with the
+    fold_grads epilogue: no other launch."""
     log = []
     real = coda.reference.gemm
 
@@ -156,26 +166,31 @@ def test_backward_launches(monkeypatch):
     monkeypatch.setattr(coda.reference, "gemm", gemm)
     M, H, I = 24, 64, 48
     leaves = _inputs(M, H, I)
-    y = coda.ops.mlp(*leaves)
-    assert log == [("rms_swiglu", (M, H), (2 * I, H)), ("residual_add", (M, I), (H, I))]
+    y = coda.ops.mlp(*leaves, save_preact=save_preact)
+    fwd = "rms_swiglu_preact" if save_preact else "rms_swiglu"
+    assert log == [(fwd, (M, H), (2 * I, H)), ("residual_add", (M, I), (H, I))]
     log.clear()
     torch.autograd.grad(y.float().sum(), leaves)
-    assert log == [(None, (M, H), (I, H)), (None, (H, M), (I, M)), ("rms_swiglu_bwd", (M, H), (2 * I, H)),
-                   ("rms_radial_residual", (M, 2 * I), (H, 2 * I)), (None, (2 * I, M), (H, M))], log
+    dacc = ("rms_swiglu_bwd_on_preact", (M, 0), (2 * I, 0)) if save_preact else ("rms_swiglu_bwd", (M, H), (2 * I, H))
+    assert log == [(None, (M, H), (I, H)), (None, (H, M), (I, M)), dacc,
+                   ("rms_radial_residual", (M, 2 * I), (H, 2 * I)), ("fold_grads", (2 * I, M), (H, M))], log
 
 
 # ------------------------------------------------------------------------------------------------ torch integration
-def test_opcheck():
+@pytest.mark.parametrize("save_preact", [True, False])
+def test_opcheck(save_preact):
     x, gamma, wgu, wd = (t.detach() for t in _inputs(M=16))
-    torch.library.opcheck(torch.ops.coda.mlp.default, (x, gamma, wgu, wd, 1e-5))
-    torch.library.opcheck(torch.ops.coda.rmsnorm_swiglu.default, (x, gamma.bfloat16(), wgu, 1e-5))
-    y, a, r = torch.ops.coda.mlp(x, gamma, wgu, wd, 1e-5)
+    torch.library.opcheck(torch.ops.coda.mlp.default, (x, gamma, wgu, wd, 1e-5, save_preact))
+    torch.library.opcheck(torch.ops.coda.rmsnorm_swiglu.default, (x, gamma.bfloat16(), wgu, 1e-5, save_preact))
+    y, a, r, g, u = torch.ops.coda.mlp(x, gamma, wgu, wd, 1e-5, save_preact)
+    assert g.shape == u.shape == ((16, 48) if save_preact else (0,))
+    g, u = (g, u) if save_preact else (None, None)
     dy, da = torch.randn_like(y), torch.randn_like(a)
     for need in ((True, True, True, True), (True, False, False, False), (False, True, True, False),
                  (False, False, False, True)):
-        torch.library.opcheck(torch.ops.coda.mlp_backward.default, (dy, x, gamma, wgu, wd, a, r, *need))
-        torch.library.opcheck(torch.ops.coda.mlp_backward.default, (da, x, gamma, wgu, None, None, r, *need[:3],
-                                                                    False))
+        torch.library.opcheck(torch.ops.coda.mlp_backward.default, (dy, x, gamma, wgu, wd, a, r, g, u, *need))
+        torch.library.opcheck(torch.ops.coda.mlp_backward.default, (da, x, gamma, wgu, None, None, r, g, u,
+                                                                    *need[:3], False))
 
 
 def test_torch_compile_fullgraph():
@@ -249,14 +264,20 @@ def test_rmsnorm_swiglu_errors_name_weight_gu():
 
 # ------------------------------------------------------------------------------------------------ sm_90a compile
 def test_backward_epilogues_compile_for_sm90():
-    """The two GEMMs the backward adds (rms_swiglu's sympy backward with the VecM gradient of r; the dX GEMM's
-    radial + residual epilogue on the MN-major W' view) compile for sm_90a with WGMMA (coda.check, CPU)."""
+    """The launches the backward adds compile for sm_90a with WGMMA (coda.check, CPU): rms_swiglu's sympy backward
+    with the VecM gradient of r (on the recompute GEMM, and on the saved pre-activation as a K = 0 launch: its
+    operands are TileMN), the dX GEMM's gamma + radial (+ residual) epilogue on the MN-major weight view, and the dW'
+    GEMM's fold_grads epilogue on MN-major operands. The forward with the saved pre-activation too."""
     pytest.importorskip("cutlass")
+    from coda.autodiff import with_preact
     from coda.check import compile_variant
     from coda.config import default_config
     from coda.ops.linear import _backward_of
     cfg = default_config(8192, 8192, 8192)
     for epi, majors in ((_backward_of(mlp_mod.rms_swiglu, ("out",), ("r",)), ("k", "k")),
-                        (mlp_mod.rms_radial_residual, ("k", "mn")), (mlp_mod.rms_radial, ("k", "mn"))):
+                        (_backward_of(mlp_mod.rms_swiglu, ("out",), ("r",), preact=True), ("k", "k")),
+                        (with_preact(mlp_mod.rms_swiglu), ("k", "k")),
+                        (mlp_mod.rms_radial_residual, ("k", "mn")), (mlp_mod.rms_radial, ("k", "mn")),
+                        (mlp_mod.fold_grads, ("mn", "mn"))):
         row = compile_variant(cfg, epi, majors=majors)
         assert row["wgmma"] > 0 and (row["ok"] or "spill" in row["error"]), (epi.name, row["error"])

@@ -1,8 +1,8 @@
 """coda.ops.mlp / coda.ops.rmsnorm_swiglu fused on a Hopper GPU vs float64 autograd of the unfused formula, with the
 2x rule against plain torch in the same dtype (tests/test_mlp.py's ``check_against_fp64``): forward (gate/up GEMM with
-the rms_swiglu pairs epilogue, down GEMM with residual_add) and backward (da and dW_down GEMMs, the recompute GEMM
-whose 2 -> 2 pairs epilogue writes dacc and the per-row d_r, the dX GEMM with the radial + residual epilogue on the
-MN-major W' view, the dW' GEMM), every gradient (x, norm_weight, w_gate_up, w_down). Our calls allocate their
+the rms_swiglu pairs epilogue, down GEMM with residual_add) and backward (da and dW_down GEMMs; the 2 -> 2 pairs epilogue that writes dacc and the per-row d_r, as a K = 0
+launch on the saved pre-activation or in the recompute GEMM; the dX GEMM with the gamma + radial + residual epilogue
+on the MN-major weight view; the dW' GEMM with the fold_grads epilogue), every gradient (x, norm_weight, w_gate_up, w_down). Our calls allocate their
 outputs from NaN-poisoned memory, so an element a kernel never writes shows as a non-finite value."""
 import pytest
 import torch
@@ -24,10 +24,11 @@ def _poison():
 @pytest.mark.parametrize("down", [True, False], ids=["mlp", "rmsnorm_swiglu"])
 @pytest.mark.parametrize("lead,H,I", [((3, 127), 200, 136), ((127,), 200, 136), ((1000,), 520, 776),
                                       ((4, 250), 520, 776)])
-def test_ragged_fwd_bwd(lead, H, I, down):
+@pytest.mark.parametrize("save_preact", [True, False])
+def test_ragged_fwd_bwd(lead, H, I, down, save_preact):
     """M = 381 / 127 (not multiples of 8: the dW products fall back to torch.matmul) and M = 1000 (CODA's dW GEMMs);
-    H and I not multiples of any tile."""
-    check_against_fp64(lead, H, I, down=down, device=DEV, poison=_poison)
+    H and I not multiples of any tile; the backward on the saved pre-activation (K = 0 launch) or recomputing it."""
+    check_against_fp64(lead, H, I, down=down, device=DEV, poison=_poison, save_preact=save_preact)
 
 
 def test_fp16_bf16_gamma():
@@ -35,9 +36,10 @@ def test_fp16_bf16_gamma():
                        poison=_poison)
 
 
-def test_llama3_8b_dims():
+@pytest.mark.parametrize("save_preact", [True, False])
+def test_llama3_8b_dims(save_preact):
     """M = 2048 tokens, H = 4096, I = 14336 (Llama-3-8B's MLP: w_gate_up is 28672 x 4096)."""
-    check_against_fp64((2048,), 4096, 14336, device=DEV, poison=_poison)
+    check_against_fp64((2048,), 4096, 14336, device=DEV, poison=_poison, save_preact=save_preact)
 
 
 def test_torch_compile_fullgraph_cuda():

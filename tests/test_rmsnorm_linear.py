@@ -202,3 +202,18 @@ def test_rejects_non_hopper_gpu_before_compute(monkeypatch):
     with pytest.raises(RuntimeError, match="coda.ops.rmsnorm_linear needs"):
         coda.ops.rmsnorm_linear(x, g, w)
     assert not calls
+
+
+def test_row_dot_compiles_for_sm90():
+    """The backward's c = sum_n dy y launch (``row_dot``: two TileMN operands, a per-row reduction, no main
+    output, accumulator unused) compiles for sm_90a with WGMMA and no spills; its reference is the row dot."""
+    pytest.importorskip("cutlass")
+    from coda.check import compile_variant
+    from coda.config import default_config
+    from coda.epilogues.rmsnorm import row_dot
+    row = compile_variant(default_config(8192, 28672, 8), row_dot)
+    assert row["ok"] and row["wgmma"] > 0 and row["spill_bytes"] == 0, row
+    g = torch.Generator().manual_seed(3)
+    dy, y = torch.randn(37, 200, generator=g).bfloat16(), torch.randn(37, 200, generator=g).bfloat16()
+    got = coda.reference.gemm(dy[:, :0], torch.empty(200, 0, dtype=torch.bfloat16), epilogue=row_dot, dy=dy, y=y)["dot"]
+    torch.testing.assert_close(got, (dy.double() * y.double()).sum(-1).float(), rtol=1e-5, atol=1e-5)
