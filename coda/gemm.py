@@ -93,7 +93,10 @@ def epilogue_tensors(epi: Epilogue, prob, operands: dict, out3: torch.Tensor, cf
     for op in epi.operands:
         t = operands[op.name]
         if op.kind == "scalar":
-            t = torch.as_tensor(t, dtype=torch.float32, device=out3.device).reshape(1)
+            if isinstance(t, torch.Tensor) and t.device == out3.device:
+                t = t.to(torch.float32).reshape(1)
+            else:  # a number (or a CPU tensor): a fill kernel; a pageable host-to-device copy syncs the stream
+                t = torch.full((1,), float(t), dtype=torch.float32, device=out3.device)
             args.append((t, 0))
         elif op.kind == "vec_n":
             args.append((t, 0))

@@ -71,14 +71,16 @@ def gemm(
             if epilogue.stores_out and "out" not in res:
                 raise TypeError("epilogue.reference returned a dict without an 'out' entry")
             acc = res.pop("out", None)
-            extras = {k: (v.to(problem.out_dtype) if k in epilogue.outputs else v) for k, v in res.items()}
+            # each output its own memory, as the kernel's (an fp32 result may otherwise be a view of acc)
+            extras = {k: (v.to(problem.out_dtype, memory_format=torch.contiguous_format, copy=True)
+                          if k in epilogue.outputs else v) for k, v in res.items()}
             if not epilogue.stores_out:  # no main output: only the extra outputs and reductions
                 return extras
         else:
             acc = res
         if not isinstance(acc, torch.Tensor):
             raise TypeError(f"epilogue.reference must return a tensor; got {type(acc).__name__}")
-    result = acc.to(problem.out_dtype)
+    result = acc.to(problem.out_dtype, copy=bool(extras))
     if out is not None:
         out.copy_(result)
         result = out

@@ -31,7 +31,7 @@ Backward, dX GEMM (:data:`rmsnorm_dgrad`, :data:`rmsnorm_dgrad_residual`)
 """
 import coda
 
-__all__ = ["rmsnorm_scale", "rmsnorm_dgrad", "rmsnorm_dgrad_residual", "row_dot"]
+__all__ = ["rmsnorm_scale", "rmsnorm_dgrad", "rmsnorm_dgrad_residual", "row_dot", "fold_gamma"]
 
 
 @coda.epilogue
@@ -65,3 +65,10 @@ def row_dot(acc, dy: coda.TileMN, y: coda.TileMN):
     """sum_n dy y per row (fp32): c of the backward, before the dX GEMM needs it. The accumulator is not used: it
     runs as a K = 0 GEMM (CODA's kernel doing only the epilogue: one pass over dy and y, per-tile row partials)."""
     return {"dot": coda.reduce_n(dy * y)}
+
+
+@coda.epilogue
+def fold_gamma(acc, w: coda.TileMN, gamma: coda.VecN):
+    """W' = W diag(gamma): the forward's folded weight (N x K, gamma per column), the product in fp32 rounded once.
+    The accumulator is not used: a K = 0 GEMM (one read and one write of W, by TMA)."""
+    return w * gamma

@@ -3,7 +3,8 @@
 
 Forward (h = x, r = rsqrt(mean(h^2) + eps) per row, W' = w_gate_up diag(gamma), gate/up rows interleaved)
     1. r: a light fp32 pre-pass in torch (``ops.rmsnorm_linear``'s; one read of x, M floats).
-    2. W' = w_gate_up * norm_weight: one 2I x H elementwise product per call, rounded once (not saved).
+    2. W' = w_gate_up * norm_weight: one 2I x H product per call, rounded once (not saved; ``ops.rmsnorm_linear.fold``,
+       a K = 0 launch).
     3. GEMM x W'^T with the pairs epilogue :func:`rms_swiglu`: a = silu(g r) (u r), M x I; with ``save_preact``
        (default) the epilogue also stores the pairs' accumulator values g, u (two M x I outputs). The normalised
        activation (M x H) is never written.
@@ -50,7 +51,7 @@ from coda.autodiff import DGRAD, grad_name, preact_keys, with_preact
 from ._common import backward_gemm, check_last_dim_contiguous, check_tensors, gemm_for, linear_grads
 from .gated import _check as _check_x_weight_gu
 from .linear import _backward_of
-from .rmsnorm_linear import _GAMMA_DTYPES, _rstd
+from .rmsnorm_linear import _GAMMA_DTYPES, _rstd, fold
 
 __all__ = ["mlp", "rmsnorm_swiglu", "rms_swiglu", "residual_add"]
 
@@ -127,18 +128,13 @@ def _check(entry: str, named, eps) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ custom ops (2-D)
-def _fold(w_gate_up: Tensor, norm_weight: Tensor) -> Tensor:
-    """W' = w_gate_up diag(norm_weight): the product in fp32 when gamma is, rounded once to the weight's dtype."""
-    return torch.mul(w_gate_up, norm_weight, out=torch.empty_like(w_gate_up, memory_format=torch.contiguous_format))
-
-
 _PREACT_FWD = with_preact(rms_swiglu)  # rms_swiglu + the pairs' accumulator values (g, u) as two M x I outputs
 
 
 def _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm):
     """(a, r, g, u): the gate/up GEMM; g, u (the pre-activation, M x I each) empty unless ``save_preact``."""
     r = _rstd(x, eps)
-    w_fold = _fold(w_gate_up, norm_weight)
+    w_fold = fold(w_gate_up, norm_weight, gemm)
     if not save_preact:
         return gemm(x, w_fold, epilogue=rms_swiglu, r=r), r, x.new_empty(0), x.new_empty(0)
     res = gemm(x, w_fold, epilogue=_PREACT_FWD, r=r)
@@ -210,7 +206,7 @@ def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, 
         res = gemm(x[:, :0], w_gate_up[:, :0], epilogue=bwd, out_dtype=x.dtype,
                    **ops, **dict(zip(preact_keys(rms_swiglu), (g, u))))
     else:
-        res = gemm(x, _fold(w_gate_up, norm_weight), epilogue=bwd, out_dtype=x.dtype, **ops)
+        res = gemm(x, fold(w_gate_up, norm_weight, gemm), epilogue=bwd, out_dtype=x.dtype, **ops)
     dacc = res["out"] if isinstance(res, dict) else res
     if need_x:  # on the unfolded weight: gamma is a column scale of the epilogue
         ops = dict(gamma=norm_weight, r=r, dr=res[DGRAD + "r"], inv_h=1.0 / x.shape[1], h=x)

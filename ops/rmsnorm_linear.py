@@ -10,8 +10,8 @@ Forward
     2. r: the standalone op computes r in a light pre-pass (torch, fp32: one read of h, M floats written). In a full model the producer GEMM of h emits the sum-of-squares partials instead
        (shared/design/rewrites.md); this op stands alone, so it pays one extra read of h.
     3. W' = weight * norm_weight, computed once per call (one read and one write of the N x K weight, rounded once
-       to weight's dtype; an N x K buffer; estimated from bandwidth, not measured: ~64 MB of traffic, about 5 % of
-       the GEMM's time at M=8192, K=N=4096 on an H100). W' is not saved (the backward uses the unfolded weight).
+       to weight's dtype; an N x K buffer): :func:`fold`, the epilogue ``fold_gamma`` as a K = 0 launch. W' is not
+       saved (the backward uses the unfolded weight).
     4. One GEMM: y = (h W'^T) * r, epilogue ``rmsnorm_scale`` (r a VecM operand). The normalised activation is
        never written.
 
@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from coda.epilogues.rmsnorm import rmsnorm_dgrad, rmsnorm_dgrad_residual, rmsnorm_scale, row_dot
+from coda.epilogues.rmsnorm import fold_gamma, rmsnorm_dgrad, rmsnorm_dgrad_residual, rmsnorm_scale, row_dot
 
 from ._common import backward_gemm, check_last_dim_contiguous, check_tensors, gemm_for
 
@@ -115,6 +115,13 @@ def _check(x, norm_weight, weight, eps, residual) -> None:
     check_last_dim_contiguous("rmsnorm_linear", named)
 
 
+def fold(weight: torch.Tensor, norm_weight: torch.Tensor, gemm) -> torch.Tensor:
+    """W' = weight * norm_weight (gamma per column; fp32 product rounded once to weight's dtype), a new contiguous
+    N x K tensor: the epilogue ``fold_gamma`` as a K = 0 launch of ``gemm`` (one pass over the weight)."""
+    return gemm(weight[:, :0], weight.new_empty(weight.shape[1], 0), epilogue=fold_gamma, out_dtype=weight.dtype,
+                w=weight, gamma=norm_weight)
+
+
 def _rstd(h: torch.Tensor, eps: float) -> torch.Tensor:
     """The light pre-pass: r = rsqrt(mean(h^2, -1) + eps) per row, in fp32."""
     ss = torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32).square()
@@ -129,9 +136,7 @@ def _rmsnorm_linear_op(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch
     gemm = gemm_for(x.device, _ENTRY)  # a non-Hopper GPU raises here, before anything runs
     h = x if residual is None else x + residual
     r = _rstd(h, eps)
-    w_folded = torch.empty_like(weight, memory_format=torch.contiguous_format)
-    torch.mul(weight, norm_weight, out=w_folded)  # fp32 product, rounded once to weight's dtype
-    y = gemm(h, w_folded, epilogue=rmsnorm_scale, r=r)
+    y = gemm(h, fold(weight, norm_weight, gemm), epilogue=rmsnorm_scale, r=r)
     return y, (h if residual is not None else x.new_empty(0)), r
 
 

@@ -296,7 +296,7 @@ def test_linear_pairs_tile_operand_gradients(mode):
 def test_linear_pairs_save_preact(monkeypatch):
     """save_preact=True over a half-mode pairs epilogue (TileMN, VecN, VecM operands, an extra output, reductions):
     the fused forward also stores the pre-activation as two M x N/2 extra outputs (the pairs' even / odd
-    accumulator values), the backward runs no recompute GEMM (torch ops on the saved pre-activation), and the
+    accumulator values), the backward runs no recompute GEMM (K = 0 launches on the saved pre-activation), and the
     gradients of x, w and every operand match float64 autograd (2x rule) and the recompute path; ragged, batched."""
     import sys
     mod = sys.modules["coda.ops.linear"]
@@ -305,7 +305,7 @@ def test_linear_pairs_save_preact(monkeypatch):
 
     def spy(*a, **k):
         gemm = real(*a, **k)
-        return lambda *x_, **y: launched.append(y["epilogue"].name) or gemm(*x_, **y)
+        return lambda *x_, **y: launched.append((y["epilogue"].name, x_[0].shape[-1])) or gemm(*x_, **y)
     monkeypatch.setattr(mod, "gemm_for", spy)
     L, Mb, N, K = 3, 111, 1040, 264  # M = 333; N/2 = 520 (16-byte rows in bf16)
     x = torch.randn(L, Mb, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
@@ -323,7 +323,9 @@ def test_linear_pairs_save_preact(monkeypatch):
         got[save_preact] = torch.autograd.grad(sum((res[k].double() * u).sum() for k, u in ups.items()),
                                                [x, w, *leaves.values()])
         if save_preact:
-            assert launched == ["gated_tiles_preact"], launched  # the backward recomputes nothing
+            # the backward recomputes nothing: its programs read the saved pre-activation in K = 0 launches
+            assert launched == [("gated_tiles_preact", K), ("gated_tiles_bwd_on_preact", 0),
+                                ("gated_tiles_bwd_tiles_on_preact", 0)], launched
     monkeypatch.setattr(mod, "gemm_for", real)
     ref, theirs = (_torch_grads(gated_tiles64, gated_tiles, x, w, leaves, ups, dt)
                    for dt in (torch.float64, torch.bfloat16))

@@ -143,6 +143,45 @@ def test_launches_on_the_current_stream():
     assert rel_err(r, ref) <= 2 * rel_err(a_new @ b.T, ref) + 1e-6
 
 
+@coda.epilogue
+def rel_scaled(acc, s: coda.Scalar, r: coda.VecM, res: coda.TileMN):
+    return acc * s * r + res
+
+
+def test_no_host_sync():
+    """Launches queue work without a host-device sync (torch's sync debug mode raises on one): a run-time scalar
+    given as a Python number becomes a device fill, not a pageable host-to-device copy (which synchronises the
+    stream); also for the K = 0 launches, and for a whole fused MLP and RMSNorm-linear forward + backward."""
+    import coda.ops
+    M, N, K = SHAPE
+    a, b = torch.randn(M, K, device=DEV, dtype=BF16), torch.randn(N, K, device=DEV, dtype=BF16)
+    ops = dict(s=0.5, r=torch.rand(M, device=DEV), res=torch.randn(M, N, device=DEV, dtype=BF16))
+    x = torch.randn(M, K, device=DEV, dtype=BF16, requires_grad=True)
+    gamma = torch.rand(K, device=DEV, requires_grad=True)
+    wgu = (torch.randn(2 * N, K, device=DEV, dtype=BF16) * K ** -0.5).requires_grad_()
+    wd = (torch.randn(K, N, device=DEV, dtype=BF16) * N ** -0.5).requires_grad_()
+
+    def calls():
+        outs = [coda.gemm(a, b, epilogue=rel_scaled, **ops), coda.gemm(a[:, :0], b[:, :0], epilogue=rel_scaled, **ops)]
+        leaves = (x, gamma, wgu, wd)
+        loss = coda.ops.mlp(x, gamma, wgu, wd).float().sum() + coda.ops.rmsnorm_linear(x, gamma, wd.t().contiguous()
+                                                                                       ).float().sum()
+        return outs + list(torch.autograd.grad(loss, leaves))
+
+    want = calls()  # compiles (and builds the launch plans) outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = calls()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w)
+    torch.testing.assert_close(want[0].float(), (a.float() @ b.float().T) * 0.5 * ops["r"][:, None]
+                               + ops["res"].float(), rtol=2e-2, atol=2e-2)
+
+
 def test_two_streams_different_shapes():
     """Two streams launch different shapes (one with reductions) back to back; every result is right and equal to
     the single-stream result bit for bit."""
