@@ -1,6 +1,6 @@
 """``coda.ops.linear_swiglu`` / ``coda.ops.linear_geglu``: the gate/up projection of a gated MLP and its activation
-as one GEMM + epilogue; the M x 2I gate/up pre-activations are never stored (the forward writes only the (M, I)
-result, the backward recomputes them).
+as one GEMM + epilogue; the forward writes the (M, I) result and (``save_preact=True``, the default) the M x 2I
+gate/up pre-activation for the backward.
 
     linear_swiglu(x, weight_gu) == F.silu(x @ w_gate.T) * (x @ w_up.T)                      (..., I)
     linear_geglu(x, weight_gu)  == F.gelu(x @ w_gate.T, approximate="tanh") * (x @ w_up.T)   ("none": erf GELU)
@@ -10,17 +10,20 @@ interleaving is a one-time conversion of the weights (at load time; ``deinterlea
 to save a checkpoint in the usual layout); it puts gate_j and up_j in adjacent accumulator columns, which one
 thread of the kernel holds (``coda.pairs``). The algebra is in ``coda/epilogues/gated.py``.
 
-Forward: one GEMM x W_gu^T with the epilogue ``swiglu`` / ``geglu`` / ``geglu_erf``: (M, I) out, x's dtype.
-Backward (the same programs as ``coda.ops.linear(x, weight_gu, epilogue=swiglu)``: the backward epilogue is the
-sympy derivative of the forward, cached by ``ops.linear``): one GEMM recomputes (g, u) and its epilogue writes
-dacc = (dg, du) interleaved (M x 2I, x's dtype); then dX = dacc W_gu and dW_gu = dacc^T X on CODA's kernel with
-transposed views (``ops/_common.backward_gemm``; ``torch.matmul`` where M is not a multiple of 8). Saved: x and
-the weight only. Double backward is not supported.
+Forward: one GEMM x W_gu^T with the epilogue ``swiglu`` / ``geglu`` / ``geglu_erf``: (M, I) out, x's dtype; with
+``save_preact`` also the pairs' accumulator values g, u (two M x I extra outputs, x's dtype).
+Backward (the same programs as ``coda.ops.linear(x, weight_gu, epilogue=swiglu, save_preact=...)``: the backward
+epilogue is the sympy derivative of the forward, cached by ``ops.linear``): the 2 -> 2 pairs program writes dacc =
+(dg, du) interleaved (M x 2I, x's dtype), on the saved g, u as a K = 0 launch (CODA's kernel running only the
+epilogue: one pass over memory) or, with ``save_preact=False``, in a GEMM that recomputes them; then dX = dacc W_gu
+and dW_gu = dacc^T X on CODA's kernel with transposed views (``ops/_common.backward_gemm``; ``torch.matmul`` where M
+is not a multiple of 8). Saved: x, the weight and (save_preact) g, u. Double backward is not supported.
 
 Shapes: H % 8 == 0 and I % 8 == 0 (2I % 16 == 0): the kernel reads and writes 16-byte rows, and the output has
 I columns. Anything else raises ValueError naming the argument, before any compute.
 
-torch integration: custom ops ``torch.ops.coda.linear_swiglu`` / ``coda::linear_geglu`` (2-D x; fake impls;
+torch integration: custom ops ``torch.ops.coda.linear_swiglu`` / ``coda::linear_geglu`` (2-D x; return (a, g, u),
+g and u empty without save_preact; fake impls;
 autograd through the custom op ``coda::linear_gated_backward``), so ``torch.compile(fullgraph=True)`` keeps them
 as opaque nodes and ``torch.library.opcheck`` passes.
 
@@ -30,11 +33,12 @@ Device: on a Hopper GPU the fused kernels run; on CPU the same epilogue programs
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from coda.autodiff import grad_name
+from coda.autodiff import grad_name, preact_keys, with_preact
 from coda.epilogues.gated import geglu, geglu_erf, swiglu
 
 from ._common import check_last_dim_contiguous, check_tensors, gemm_for, linear_grads
@@ -111,20 +115,35 @@ def _entry(kind: str) -> str:
     return "coda.ops.linear_swiglu" if kind == "swiglu" else "coda.ops.linear_geglu"
 
 
-def _fake(x, weight_gu, *_):
-    return x.new_empty(x.shape[0], weight_gu.shape[0] // 2)
+def _fake(x, weight_gu, *args):
+    save_preact = args[-1]
+    M, inter = x.shape[0], weight_gu.shape[0] // 2
+    shape = (M, inter) if save_preact else (0,)
+    return x.new_empty(M, inter), x.new_empty(shape), x.new_empty(shape)
+
+
+def _forward(kind: str, x: Tensor, weight_gu: Tensor, save_preact: bool):
+    """(a, g, u): the fused GEMM; g, u the pre-activation (the pairs' accumulator values, M x I each; empty unless
+    ``save_preact``)."""
+    gemm = gemm_for(x.device, _entry(kind))
+    epi = _EPILOGUES[kind]
+    if not save_preact:
+        return gemm(x, weight_gu, epilogue=epi), x.new_empty(0), x.new_empty(0)
+    res = gemm(x, weight_gu, epilogue=with_preact(epi))
+    return (res["out"], *(res[k] for k in preact_keys(epi)))
 
 
 @torch.library.custom_op("coda::linear_swiglu", mutates_args=())
-def _swiglu_op(x: Tensor, weight_gu: Tensor) -> Tensor:
-    """silu(g) u for x (M, H), weight_gu (2I, H) interleaved; (M, I)."""
-    return gemm_for(x.device, _entry("swiglu"))(x, weight_gu, epilogue=swiglu)
+def _swiglu_op(x: Tensor, weight_gu: Tensor, save_preact: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """silu(g) u for x (M, H), weight_gu (2I, H) interleaved: (M, I), and (save_preact) g, u (M, I)."""
+    return _forward("swiglu", x, weight_gu, save_preact)
 
 
 @torch.library.custom_op("coda::linear_geglu", mutates_args=())
-def _geglu_op(x: Tensor, weight_gu: Tensor, approximate: str) -> Tensor:
-    """gelu(g) u (``approximate``: "tanh" or "none") for x (M, H), weight_gu (2I, H) interleaved; (M, I)."""
-    return gemm_for(x.device, _entry("geglu"))(x, weight_gu, epilogue=_EPILOGUES["geglu_" + approximate])
+def _geglu_op(x: Tensor, weight_gu: Tensor, approximate: str, save_preact: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """gelu(g) u (``approximate``: "tanh" or "none") for x (M, H), weight_gu (2I, H) interleaved: (M, I), and
+    (save_preact) g, u (M, I)."""
+    return _forward("geglu_" + approximate, x, weight_gu, save_preact)
 
 
 _swiglu_op.register_fake(_fake)
@@ -132,37 +151,47 @@ _geglu_op.register_fake(_fake)
 
 
 @torch.library.custom_op("coda::linear_gated_backward", mutates_args=())
-def _backward_op(dy: Tensor, x: Tensor, weight_gu: Tensor, kind: str, need_x: bool,
-                 need_w: bool) -> tuple[Tensor, Tensor]:
+def _backward_op(dy: Tensor, x: Tensor, weight_gu: Tensor, g: Optional[Tensor], u: Optional[Tensor], kind: str,
+                 need_x: bool, need_w: bool) -> tuple[Tensor, Tensor]:
     """(dx (M, H), dweight_gu (2I, H)) for the upstream dy (M, I) of the ``kind`` ("swiglu", "geglu_tanh",
-    "geglu_none") op; a gradient not needed comes back as an empty tensor."""
+    "geglu_none") op; g, u the saved pre-activation (None: recomputed); a gradient not needed comes back as an
+    empty tensor."""
     entry = _entry(kind)
     gemm = gemm_for(x.device, entry)
     dx, dw = x.new_empty(0), weight_gu.new_empty(0)
     if x.shape[0] == 0:  # no rows: nothing to launch, the gradients are zero
         return (torch.zeros_like(x) if need_x else dx), (torch.zeros_like(weight_gu) if need_w else dw)
-    bwd = _backward_of(_EPILOGUES[kind], ("out",), ())  # the 2 -> 2 pairs epilogue (dg, du), as in ops.linear
-    dacc = gemm(x, weight_gu, epilogue=bwd, out_dtype=x.dtype, **{grad_name("out"): dy.contiguous()})
+    epi, ops = _EPILOGUES[kind], {grad_name("out"): dy.contiguous()}
+    if g is not None and g.numel():  # the 2 -> 2 pairs program (dg, du) on the saved g, u: a K = 0 launch
+        ops.update(zip(preact_keys(epi), (g, u)))
+        dacc = gemm(x[:, :0], weight_gu[:, :0], epilogue=_backward_of(epi, ("out",), (), preact=True),
+                    out_dtype=x.dtype, **ops)
+    else:  # the same program on the recomputed accumulator, as in ops.linear
+        dacc = gemm(x, weight_gu, epilogue=_backward_of(epi, ("out",), ()), out_dtype=x.dtype, **ops)
     gx, gw = linear_grads(dacc, x, weight_gu, need_x, need_w, entry)
     return (dx if gx is None else gx), (dw if gw is None else gw)
 
 
 @_backward_op.register_fake
-def _(dy, x, weight_gu, kind, need_x, need_w):
+def _(dy, x, weight_gu, g, u, kind, need_x, need_w):
     return (torch.empty_like(x) if need_x else x.new_empty(0),
             torch.empty_like(weight_gu) if need_w else weight_gu.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
     x, weight_gu, *rest = inputs
-    ctx.kind = f"geglu_{rest[0]}" if rest else "swiglu"
-    ctx.save_for_backward(x, weight_gu)
+    ctx.kind = f"geglu_{rest[0]}" if len(rest) == 2 else "swiglu"
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(x, weight_gu, *output[1:])
 
 
-def _autograd_backward(ctx, dy):
-    x, weight_gu = ctx.saved_tensors
+def _autograd_backward(ctx, dy, *_):
+    x, weight_gu, g, u = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[:2]
-    dx, dw = torch.ops.coda.linear_gated_backward(dy, x, weight_gu, ctx.kind, need_x, need_w)
+    if dy is None or not (need_x or need_w):
+        return (None,) * len(ctx.needs_input_grad)
+    dx, dw = torch.ops.coda.linear_gated_backward(dy, x, weight_gu, g, u, ctx.kind, need_x, need_w)
     return (dx if need_x else None, dw if need_w else None) + (None,) * (len(ctx.needs_input_grad) - 2)
 
 
@@ -173,20 +202,24 @@ _geglu_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 # ------------------------------------------------------------------------------------------------ public entries
 def _apply(entry: str, op, x: Tensor, weight_gu: Tensor, *args) -> Tensor:
     _check(entry, x, weight_gu)
+    if not isinstance(args[-1], bool):
+        raise TypeError(f"{entry}: save_preact must be True or False, got {type(args[-1]).__name__}")
     lead, H = x.shape[:-1], x.shape[-1]
-    y = op(x.reshape(math.prod(lead), H), weight_gu, *args)
+    y = op(x.reshape(math.prod(lead), H), weight_gu, *args)[0]
     return y.reshape(*lead, weight_gu.shape[0] // 2)
 
 
-def linear_swiglu(x: Tensor, weight_gu: Tensor) -> Tensor:
+def linear_swiglu(x: Tensor, weight_gu: Tensor, *, save_preact: bool = True) -> Tensor:
     """``silu(x @ w_gate.T) * (x @ w_up.T)`` in one fused GEMM, autograd included (see the module docstring).
 
     ``x``: (..., H), bfloat16 or float16; ``weight_gu``: (2I, H) of x's dtype, gate and up rows interleaved
-    (:func:`interleave_gate_up`). H and I multiples of 8. Returns (..., I) in x's dtype."""
-    return _apply("linear_swiglu", torch.ops.coda.linear_swiglu, x, weight_gu)
+    (:func:`interleave_gate_up`). H and I multiples of 8. Returns (..., I) in x's dtype. ``save_preact=True``
+    (default) saves the gate/up pre-activation (M x 2I, like the GEMM output torch autograd saves) for the
+    backward; ``False`` saves only x and the weight and recomputes it with one more GEMM."""
+    return _apply("linear_swiglu", torch.ops.coda.linear_swiglu, x, weight_gu, save_preact)
 
 
-def linear_geglu(x: Tensor, weight_gu: Tensor, approximate: str = "tanh") -> Tensor:
+def linear_geglu(x: Tensor, weight_gu: Tensor, approximate: str = "tanh", *, save_preact: bool = True) -> Tensor:
     """``gelu(x @ w_gate.T, approximate) * (x @ w_up.T)`` in one fused GEMM, autograd included.
 
     ``approximate``: "tanh" (default: GELU's tanh approximation, as in Gemma / T5 v1.1 / torch
@@ -194,4 +227,4 @@ def linear_geglu(x: Tensor, weight_gu: Tensor, approximate: str = "tanh") -> Ten
     :func:`linear_swiglu`."""
     if approximate not in ("tanh", "none"):
         raise ValueError(f"linear_geglu: approximate must be 'tanh' or 'none', got {approximate!r}")
-    return _apply("linear_geglu", torch.ops.coda.linear_geglu, x, weight_gu, approximate)
+    return _apply("linear_geglu", torch.ops.coda.linear_geglu, x, weight_gu, approximate, save_preact)

@@ -14,10 +14,10 @@ def unfused(kind, x, w_gate, w_up):
     return ACTS[kind](x @ w_gate.T) * (x @ w_up.T)
 
 
-def ours(kind, x, weight_gu):
+def ours(kind, x, weight_gu, save_preact=True):
     if kind == "swiglu":
-        return coda.ops.linear_swiglu(x, weight_gu)
-    return coda.ops.linear_geglu(x, weight_gu, approximate=kind.split("_")[1])
+        return coda.ops.linear_swiglu(x, weight_gu, save_preact=save_preact)
+    return coda.ops.linear_geglu(x, weight_gu, approximate=kind.split("_")[1], save_preact=save_preact)
 
 
 def rel(a, ref):
@@ -25,9 +25,11 @@ def rel(a, ref):
     return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def check_against_fp64(kind, lead, H, I, *, device="cpu", dtype=torch.bfloat16, floor=1e-4, seed=0):
+def check_against_fp64(kind, lead, H, I, *, device="cpu", dtype=torch.bfloat16, floor=1e-4, seed=0,
+                       save_preact=True):
     """Forward and the gradients of x, w_gate, w_up (through ``interleave_gate_up``) vs float64 autograd of the
-    unfused projection: error(ours) <= 2 * error(plain torch in ``dtype``) + floor, each measured against float64."""
+    unfused projection: error(ours) <= 2 * error(plain torch in ``dtype``) + floor, each measured against float64;
+    the backward on the saved pre-activation or (``save_preact=False``) on a recomputed one."""
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def rnd(*shape, scale=1.0):
@@ -42,7 +44,7 @@ def check_against_fp64(kind, lead, H, I, *, device="cpu", dtype=torch.bfloat16, 
         grads = torch.autograd.grad(y, leaves, dy.to(y.dtype))
         return dict(zip(["y", "dx", "dw_gate", "dw_up"], [y, *grads]))
 
-    got = run(lambda x_, g_, u_: ours(kind, x_, coda.ops.interleave_gate_up(g_, u_)))
+    got = run(lambda x_, g_, u_: ours(kind, x_, coda.ops.interleave_gate_up(g_, u_), save_preact))
     want = run(lambda *t: unfused(kind, *t), fp64=True)
     theirs = run(lambda *t: unfused(kind, *t))
     assert got["y"].shape == (*lead, I) and got["y"].dtype == dtype

@@ -69,8 +69,9 @@ def _equal(a, b) -> bool:
 # ------------------------------------------------------------------------------ numerics vs float64 autograd
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("lead,H,I", [((37,), 40, 24), ((3, 13), 64, 8), ((2, 4, 5), 16, 40), ((1,), 24, 16)])
-def test_matches_fp64_autograd(kind, lead, H, I):
-    check_against_fp64(kind, lead, H, I)
+@pytest.mark.parametrize("save_preact", [True, False])
+def test_matches_fp64_autograd(kind, lead, H, I, save_preact):
+    check_against_fp64(kind, lead, H, I, save_preact=save_preact)
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "geglu_tanh"])
@@ -78,18 +79,29 @@ def test_fp16(kind):
     check_against_fp64(kind, (3, 13), 48, 24, dtype=torch.float16)
 
 
+@pytest.mark.parametrize("save_preact", [True, False])
 @pytest.mark.parametrize("kind,epi", [("swiglu", swiglu), ("geglu_tanh", geglu), ("geglu_none", geglu_erf)])
-def test_same_programs_as_ops_linear(kind, epi):
-    """The op runs exactly what ``coda.ops.linear(x, weight_gu, epilogue=...)`` runs (bitwise, fwd and bwd)."""
+def test_same_programs_as_ops_linear(kind, epi, save_preact, monkeypatch):
+    """The op runs exactly what ``coda.ops.linear(x, weight_gu, epilogue=..., save_preact=...)`` runs (bitwise, fwd
+    and bwd); with save_preact the backward's dacc is a K = 0 launch (no recompute GEMM)."""
     torch.manual_seed(0)
     x = torch.randn(2, 11, 32, dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(48, 32, dtype=torch.bfloat16) / 6).requires_grad_()
     dy = torch.randn(2, 11, 24, dtype=torch.bfloat16)
-    a = ours(kind, x, w)
-    b = coda.ops.linear(x, w, epilogue=epi)
+    log, real = [], coda.reference.gemm
+    monkeypatch.setattr(coda.reference, "gemm",
+                        lambda a_, b_, **kw: log.append((getattr(kw.get("epilogue"), "name", None), a_.shape[-1]))
+                        or real(a_, b_, **kw))
+    a = ours(kind, x, w, save_preact)
+    ga = torch.autograd.grad(a, (x, w), dy)
+    n = len(log)
+    b = coda.ops.linear(x, w, epilogue=epi, save_preact=save_preact)
     assert torch.equal(a, b)
-    for ga, gb in zip(torch.autograd.grad(a, (x, w), dy), torch.autograd.grad(b, (x, w), dy)):
-        assert torch.equal(ga, gb)
+    for g1, g2 in zip(ga, torch.autograd.grad(b, (x, w), dy)):
+        assert torch.equal(g1, g2)
+    assert log[:n] == log[n:]
+    dacc = log[1]
+    assert dacc == ((f"{epi.name}_bwd_on_preact", 0) if save_preact else (f"{epi.name}_bwd", 32)), log
 
 
 def test_partial_gradients_and_empty_rows():
@@ -146,16 +158,20 @@ def _inputs(M=24, H=32, I=16, grad=True):
     return x.requires_grad_(grad), w.requires_grad_(grad)
 
 
-def test_opcheck():
+@pytest.mark.parametrize("save_preact", [True, False])
+def test_opcheck(save_preact):
     x, w = _inputs()
-    torch.library.opcheck(torch.ops.coda.linear_swiglu.default, (x, w))
+    torch.library.opcheck(torch.ops.coda.linear_swiglu.default, (x, w, save_preact))
     for approximate in ("tanh", "none"):
-        torch.library.opcheck(torch.ops.coda.linear_geglu.default, (x, w, approximate))
+        torch.library.opcheck(torch.ops.coda.linear_geglu.default, (x, w, approximate, save_preact))
     dy = torch.randn(24, 16, dtype=torch.bfloat16)
+    _, g, u = torch.ops.coda.linear_swiglu(x.detach(), w.detach(), save_preact)
+    assert g.shape == u.shape == ((24, 16) if save_preact else (0,))
+    g, u = (g, u) if save_preact else (None, None)
     for kind in KINDS:
         for need in ((True, True), (True, False), (False, True)):
             torch.library.opcheck(torch.ops.coda.linear_gated_backward.default,
-                                  (dy, x.detach(), w.detach(), kind, *need))
+                                  (dy, x.detach(), w.detach(), g, u, kind, *need))
 
 
 def test_torch_compile_fullgraph():
