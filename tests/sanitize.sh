@@ -62,24 +62,28 @@ MEMCHECK_TESTS=(
   "tests/test_dsl_gpu.py::test_pairs_reductions_fused[64x256_pp_c2x1_rm8]"
   # epilogues/rope.py + coda.ops.linear_rope fwd + bwd (K = 0 rotation GEMM, dX, dW), batched, V unrotated
   "tests/test_rope_gpu.py::test_linear_rope_fwd_bwd[lead1-520-64-6-4-None]"
-  # epilogues/gated.py swiglu / geglu / geglu_erf + coda.ops.linear_swiglu / linear_geglu fwd + bwd (dX, dW)
-  "tests/test_gated_gpu.py::test_ragged_fwd_bwd[lead0-520-776-swiglu]"
-  "tests/test_gated_gpu.py::test_ragged_fwd_bwd[lead0-520-776-geglu_tanh]"
-  "tests/test_gated_gpu.py::test_ragged_fwd_bwd[lead0-520-776-geglu_none]"
+  # epilogues/gated.py swiglu / geglu / geglu_erf + coda.ops.linear_swiglu / linear_geglu fwd + bwd (dX, dW); dacc
+  # as a K = 0 launch on the saved pre-activation (True) or in the recompute GEMM (False)
+  "tests/test_gated_gpu.py::test_ragged_fwd_bwd[True-lead0-520-776-swiglu]"
+  "tests/test_gated_gpu.py::test_ragged_fwd_bwd[True-lead0-520-776-geglu_tanh]"
+  "tests/test_gated_gpu.py::test_ragged_fwd_bwd[False-lead0-520-776-geglu_none]"
   # epilogues/cross_entropy.py + coda.ops.linear_cross_entropy: smoothing + z-loss (ce_*_smooth / _general, two
   # vocab chunks -> accumulate, V tail, ragged M), then plain ce_forward / ce_backward with dW on the kernel
   "tests/test_cross_entropy_gpu.py::test_matches_torch_2x_rule[0.1-0.001-mean-333-1003-256-512]"
   "tests/test_cross_entropy_gpu.py::test_huge_logits"
-  # epilogues/rmsnorm.py (rmsnorm_scale, rmsnorm_dgrad, rmsnorm_dgrad_residual) + coda.ops.rmsnorm_linear fwd+bwd
+  # epilogues/rmsnorm.py (rmsnorm_scale, rmsnorm_dgrad, rmsnorm_dgrad_residual; fold_gamma and row_dot as K = 0
+  # launches) + coda.ops.rmsnorm_linear fwd+bwd
   "tests/test_rmsnorm_linear_gpu.py::test_ragged_fwd_bwd[lead0-520-776-False]"
   "tests/test_rmsnorm_linear_gpu.py::test_ragged_fwd_bwd[lead0-520-776-True]"
   # coda.nn / coda.fuse: rmsnorm_swiglu (rms_swiglu, the first GEMM of coda.ops.mlp), RMSNormLinear, LM-head CE
   "tests/test_nn_gpu.py::test_fuse_matches_stock_on_cuda"
   # TileMN operands by TMA ring (bf16, fp32, add-to-output) and element-wise (unaligned rows), cooperative and
-  # ping-pong; coda.ops.mlp fwd + bwd (residual_add, rms_radial_residual, pairs operand gradients)
+  # ping-pong; coda.ops.mlp fwd + bwd (residual_add, rms_radial_residual, fold_grads, pairs operand gradients;
+  # dacc from the saved pre-activation and from the recompute)
   "tests/test_dsl_gpu.py::test_tile_operand_tma_and_element_paths[128x256_coop_c2x1_rm8]"
   "tests/test_dsl_gpu.py::test_tile_operand_tma_and_element_paths[128x128_pp_c1x1_rm8]"
-  "tests/test_mlp_gpu.py::test_ragged_fwd_bwd[lead0-200-136-mlp]"
+  "tests/test_mlp_gpu.py::test_ragged_fwd_bwd[True-lead0-200-136-mlp]"
+  "tests/test_mlp_gpu.py::test_ragged_fwd_bwd[False-lead0-200-136-mlp]"
 )
 # not covered, no GPU test exists: epilogues/scale_bias.py (ScaleBias, ScaleBiasSumsq: only coda.bench and
 # examples/quickstart.py run them, at 8192^3) and coda.ops.mlp's second GEMM (residual_add).
@@ -93,8 +97,8 @@ RACECHECK_TESTS=(
   "tests/test_epilogue_hook_gpu.py::test_three_reductions[128x256_coop_c2x1_rm8-True]"
   # 2 -> 2 pairs: rope (coda.ops.linear_rope, ragged M)
   "tests/test_rope_gpu.py::test_linear_rope_fwd_bwd[lead0-264-128-4-None-None]"
-  # half pairs: swiglu (coda.ops.linear_swiglu, M = 999)
-  "tests/test_gated_gpu.py::test_ragged_fwd_bwd[lead2-264-136-swiglu]"
+  # half pairs: swiglu (coda.ops.linear_swiglu, M = 999), its dacc a K = 0 launch on the saved pre-activation
+  "tests/test_gated_gpu.py::test_ragged_fwd_bwd[True-lead2-264-136-swiglu]"
   # logsumexp reduction, no main output: cross entropy (coda.ops.linear_cross_entropy)
   "tests/test_cross_entropy_gpu.py::test_huge_logits"
   # axis-m (per pair column) and per-row reductions in a pairs epilogue, fwd + 2 -> 2 bwd (coda.ops.linear)
