@@ -46,6 +46,12 @@ def linear_grads(dacc: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need
     return dx, dw
 
 
+def grad_needed(*tensors) -> bool:
+    """Whether autograd records this call (grad mode on and a tensor requires grad): what a forward saves only for
+    the backward (e.g. ``save_preact``) is not written otherwise."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def check_tensors(entry: str, named) -> None:
     """``TypeError`` naming the first of the (name, value) pairs that is not a tensor."""
     for name, t in named:

@@ -41,7 +41,7 @@ from torch import Tensor
 from coda.autodiff import grad_name, preact_keys, with_preact
 from coda.epilogues.gated import geglu, geglu_erf, swiglu
 
-from ._common import check_last_dim_contiguous, check_tensors, gemm_for, linear_grads
+from ._common import check_last_dim_contiguous, check_tensors, gemm_for, grad_needed, linear_grads
 from .linear import _backward_of
 
 __all__ = ["linear_swiglu", "linear_geglu", "interleave_gate_up", "deinterleave_gate_up"]
@@ -205,6 +205,7 @@ def _apply(entry: str, op, x: Tensor, weight_gu: Tensor, *args) -> Tensor:
     if not isinstance(args[-1], bool):
         raise TypeError(f"{entry}: save_preact must be True or False, got {type(args[-1]).__name__}")
     lead, H = x.shape[:-1], x.shape[-1]
+    args = (*args[:-1], args[-1] and grad_needed(x, weight_gu))  # no backward: nothing to save
     y = op(x.reshape(math.prod(lead), H), weight_gu, *args)[0]
     return y.reshape(*lead, weight_gu.shape[0] // 2)
 
@@ -215,7 +216,8 @@ def linear_swiglu(x: Tensor, weight_gu: Tensor, *, save_preact: bool = True) -> 
     ``x``: (..., H), bfloat16 or float16; ``weight_gu``: (2I, H) of x's dtype, gate and up rows interleaved
     (:func:`interleave_gate_up`). H and I multiples of 8. Returns (..., I) in x's dtype. ``save_preact=True``
     (default) saves the gate/up pre-activation (M x 2I, like the GEMM output torch autograd saves) for the
-    backward; ``False`` saves only x and the weight and recomputes it with one more GEMM."""
+    backward -- only when autograd records the call (grad mode on and x or weight_gu requiring grad); ``False``
+    saves only x and the weight and recomputes it with one more GEMM."""
     return _apply("linear_swiglu", torch.ops.coda.linear_swiglu, x, weight_gu, save_preact)
 
 

@@ -48,7 +48,8 @@ from torch import Tensor
 import coda
 from coda.autodiff import DGRAD, grad_name, preact_keys, with_preact
 
-from ._common import backward_gemm, check_last_dim_contiguous, check_tensors, gemm_for, linear_grads
+from ._common import (backward_gemm, check_last_dim_contiguous, check_tensors, gemm_for, grad_needed,
+                      linear_grads)
 from .gated import _check as _check_x_weight_gu
 from .linear import _backward_of
 from .rmsnorm_linear import _GAMMA_DTYPES, _rstd, fold
@@ -271,8 +272,8 @@ def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, weight_gu: Tensor, eps: float
     (..., I). ``save_preact``: as in :func:`mlp`."""
     _check("rmsnorm_swiglu", (("x", x), ("norm_weight", norm_weight), ("weight_gu", weight_gu)), eps)
     lead, H = x.shape[:-1], x.shape[-1]
-    a = torch.ops.coda.rmsnorm_swiglu(x.reshape(math.prod(lead), H), norm_weight, weight_gu, float(eps),
-                                      _flag("rmsnorm_swiglu", save_preact))[0]
+    save = _flag("rmsnorm_swiglu", save_preact) and grad_needed(x, norm_weight, weight_gu)
+    a = torch.ops.coda.rmsnorm_swiglu(x.reshape(math.prod(lead), H), norm_weight, weight_gu, float(eps), save)[0]
     return a.reshape(*lead, weight_gu.shape[0] // 2)
 
 
@@ -285,12 +286,13 @@ def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: 
     I multiples of 8. Returns (..., H). Gradients flow to all four tensors (module docstring).
 
     ``save_preact=True`` (default) saves the gate/up pre-activation (M x 2I in x's dtype, like the GEMM output
-    torch autograd saves) and the backward reads it; ``False`` saves M x 2I fewer elements and recomputes it with
-    one more GEMM (M x 2I x H) in the backward."""
+    torch autograd saves) and the backward reads it -- only when autograd records the call (grad mode on and an
+    input requiring grad: inference writes no pre-activation); ``False`` saves M x 2I fewer elements and
+    recomputes it with one more GEMM (M x 2I x H) in the backward."""
     _check("mlp", (("x", x), ("norm_weight", norm_weight), ("w_gate_up", w_gate_up), ("w_down", w_down)), eps)
     lead, H = x.shape[:-1], x.shape[-1]
-    y = torch.ops.coda.mlp(x.reshape(math.prod(lead), H), norm_weight, w_gate_up, w_down, float(eps),
-                           _flag("mlp", save_preact))[0]
+    save = _flag("mlp", save_preact) and grad_needed(x, norm_weight, w_gate_up, w_down)
+    y = torch.ops.coda.mlp(x.reshape(math.prod(lead), H), norm_weight, w_gate_up, w_down, float(eps), save)[0]
     return y.reshape(*lead, H)
 
 

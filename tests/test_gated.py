@@ -104,6 +104,20 @@ def test_same_programs_as_ops_linear(kind, epi, save_preact, monkeypatch):
     assert dacc == ((f"{epi.name}_bwd_on_preact", 0) if save_preact else (f"{epi.name}_bwd", 32)), log
 
 
+def test_no_preact_without_autograd(monkeypatch):
+    """save_preact only when autograd records the call: under no_grad the forward stores no pre-activation."""
+    log, real = [], coda.reference.gemm
+    monkeypatch.setattr(coda.reference, "gemm",
+                        lambda a, b, **kw: log.append(kw["epilogue"].name) or real(a, b, **kw))
+    x, w = _inputs()
+    with torch.no_grad():
+        coda.ops.linear_swiglu(x, w)
+        coda.ops.linear_geglu(x, w)
+    coda.ops.linear_swiglu(x.detach(), w.detach())
+    coda.ops.linear_swiglu(x, w)
+    assert log == ["swiglu", "geglu", "swiglu", "swiglu_preact"], log
+
+
 def test_partial_gradients_and_empty_rows():
     torch.manual_seed(0)
     x = torch.randn(9, 16, dtype=torch.bfloat16, requires_grad=True)

@@ -179,6 +179,25 @@ def test_backward_launches(monkeypatch, save_preact):
                    ("rms_radial_residual", (M, 2 * I), (H, 2 * I)), ("fold_grads", (2 * I, M), (H, M))], log
 
 
+def test_no_preact_without_autograd(monkeypatch):
+    """save_preact only when autograd records the call: under no_grad, or with no input requiring grad, the forward
+    is the plain rms_swiglu GEMM (no M x 2I pre-activation written)."""
+    log, real = [], coda.reference.gemm
+    monkeypatch.setattr(coda.reference, "gemm",
+                        lambda a, b, *, epilogue=None, **kw: log.append(getattr(epilogue, "name", None))
+                        or real(a, b, epilogue=epilogue, **kw))
+    leaves = _inputs()
+    with torch.no_grad():
+        coda.ops.mlp(*leaves)
+        coda.ops.rmsnorm_swiglu(*leaves[:3])
+    coda.ops.mlp(*_inputs(grad=False))
+    mlp = ["fold_gamma", "rms_swiglu", "residual_add"]
+    assert log == mlp + mlp[:2] + mlp, log
+    log.clear()
+    coda.ops.mlp(*leaves)
+    assert log[1] == "rms_swiglu_preact"
+
+
 # ------------------------------------------------------------------------------------------------ torch integration
 @pytest.mark.parametrize("save_preact", [True, False])
 def test_opcheck(save_preact):
