@@ -209,10 +209,21 @@ def preact_keys(epi: DslEpilogue) -> tuple:
     return PREACT_PAIRS if epi.pair_mode == "half" else (PREACT,)
 
 
+_preact_cache: dict = {}
+
+
 def with_preact(epi: DslEpilogue) -> DslEpilogue:
     """``epi`` plus extra outputs holding the accumulator (saved for the backward; see :func:`preact_keys`): one,
     ``_preact`` = acc, or for a half-mode pairs epilogue (whose outputs are M x N/2) two, ``_preact_even`` /
-    ``_preact_odd`` = the pair's accumulator values. A 2 -> 2 pairs epilogue has no extra outputs: ValueError."""
+    ``_preact_odd`` = the pair's accumulator values. A 2 -> 2 pairs epilogue has no extra outputs: ValueError.
+    Cached per epilogue (building one runs sympy; forwards ask for it on every call)."""
+    prog = _preact_cache.get(epi.key())
+    if prog is None:
+        prog = _preact_cache.setdefault(epi.key(), _with_preact(epi))
+    return prog
+
+
+def _with_preact(epi: DslEpilogue) -> DslEpilogue:
     keys = preact_keys(epi)
     for k in keys:
         if k in epi.exprs or k in epi.red_specs:

@@ -22,6 +22,22 @@ def gemm_for(device: torch.device, entry: str = "coda.ops"):
     return gemm
 
 
+def kernel_aligned(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether CODA's kernel reads ``a @ b.T`` as given (``coda.gemm``'s 16-byte row rules)."""
+    from coda._validate import check_gemm_args
+    try:
+        check_gemm_args(a, b)
+    except ValueError:
+        return False
+    return True
+
+
+def epilogue_pass(gemm, like: torch.Tensor, M: int, N: int, **kw):
+    """The epilogue alone over an M x N result: a K = 0 GEMM (nothing to multiply; CODA's kernel runs only the
+    epilogue, one pass over its operands). ``like`` gives the (empty) inputs' dtype and device."""
+    return gemm(like.new_empty(M, 0), like.new_empty(N, 0), **kw)
+
+
 def backward_gemm(a: torch.Tensor, b: torch.Tensor, entry: str = "coda.ops") -> torch.Tensor:
     """``a @ b.T`` for a backward product (dX = dY W, dW = dY^T X) whose operands are transposed views.
 
@@ -29,10 +45,7 @@ def backward_gemm(a: torch.Tensor, b: torch.Tensor, entry: str = "coda.ops") -> 
     16-byte row alignment; when they do not (e.g. a forward output width N that is not a multiple of 8 makes dX's
     contraction rows unaligned), on ``torch.matmul`` -- the documented fallback for unaligned shapes, tested in
     tests/test_ops_linear.py."""
-    from coda._validate import check_gemm_args
-    try:
-        check_gemm_args(a, b)
-    except ValueError:
+    if not kernel_aligned(a, b):
         return torch.matmul(a, b.transpose(-1, -2))
     return gemm_for(a.device, entry)(a, b)
 
@@ -46,10 +59,13 @@ def linear_grads(dacc: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need
     return dx, dw
 
 
-def grad_needed(*tensors) -> bool:
-    """Whether autograd records this call (grad mode on and a tensor requires grad): what a forward saves only for
-    the backward (e.g. ``save_preact``) is not written otherwise."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def save_preact_for(entry: str, save_preact, *tensors) -> bool:
+    """Whether the forward stores its pre-activation: ``save_preact`` (a bool, else ``TypeError``) and autograd
+    records the call (grad mode on, one of ``tensors`` requiring grad); what only the backward reads is not written
+    otherwise."""
+    if not isinstance(save_preact, bool):
+        raise TypeError(f"{entry}: save_preact must be True or False, got {type(save_preact).__name__}")
+    return save_preact and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def check_tensors(entry: str, named) -> None:

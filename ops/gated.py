@@ -41,8 +41,8 @@ from torch import Tensor
 from coda.autodiff import grad_name, preact_keys, with_preact
 from coda.epilogues.gated import geglu, geglu_erf, swiglu
 
-from ._common import check_last_dim_contiguous, check_tensors, gemm_for, grad_needed, linear_grads
-from .linear import _backward_of
+from ._common import check_last_dim_contiguous, check_tensors, gemm_for, linear_grads, save_preact_for
+from .linear import _evaluate, saved_preact
 
 __all__ = ["linear_swiglu", "linear_geglu", "interleave_gate_up", "deinterleave_gate_up"]
 
@@ -115,35 +115,37 @@ def _entry(kind: str) -> str:
     return "coda.ops.linear_swiglu" if kind == "swiglu" else "coda.ops.linear_geglu"
 
 
+def fake_preact(x: Tensor, weight_gu: Tensor, save_preact: bool) -> tuple[Tensor, Tensor]:
+    """Fake (meta) g, u of :func:`forward_preact`: M x I each, or empty without ``save_preact``."""
+    shape = (x.shape[0], weight_gu.shape[0] // 2) if save_preact else (0,)
+    return x.new_empty(shape), x.new_empty(shape)
+
+
 def _fake(x, weight_gu, *args):
-    save_preact = args[-1]
-    M, inter = x.shape[0], weight_gu.shape[0] // 2
-    shape = (M, inter) if save_preact else (0,)
-    return x.new_empty(M, inter), x.new_empty(shape), x.new_empty(shape)
+    return (x.new_empty(x.shape[0], weight_gu.shape[0] // 2), *fake_preact(x, weight_gu, args[-1]))
 
 
-def _forward(kind: str, x: Tensor, weight_gu: Tensor, save_preact: bool):
-    """(a, g, u): the fused GEMM; g, u the pre-activation (the pairs' accumulator values, M x I each; empty unless
-    ``save_preact``)."""
-    gemm = gemm_for(x.device, _entry(kind))
-    epi = _EPILOGUES[kind]
+def forward_preact(gemm, x: Tensor, weight_gu: Tensor, epi, save_preact: bool, **ops):
+    """(a, g, u): the GEMM x W_gu^T with the half-mode pairs epilogue ``epi``; with ``save_preact`` it also stores
+    the pre-activation g, u (the pairs' accumulator values, M x I each; empty tensors otherwise)."""
     if not save_preact:
-        return gemm(x, weight_gu, epilogue=epi), x.new_empty(0), x.new_empty(0)
-    res = gemm(x, weight_gu, epilogue=with_preact(epi))
+        return gemm(x, weight_gu, epilogue=epi, **ops), x.new_empty(0), x.new_empty(0)
+    res = gemm(x, weight_gu, epilogue=with_preact(epi), **ops)
     return (res["out"], *(res[k] for k in preact_keys(epi)))
 
 
 @torch.library.custom_op("coda::linear_swiglu", mutates_args=())
 def _swiglu_op(x: Tensor, weight_gu: Tensor, save_preact: bool) -> tuple[Tensor, Tensor, Tensor]:
     """silu(g) u for x (M, H), weight_gu (2I, H) interleaved: (M, I), and (save_preact) g, u (M, I)."""
-    return _forward("swiglu", x, weight_gu, save_preact)
+    return forward_preact(gemm_for(x.device, _entry("swiglu")), x, weight_gu, swiglu, save_preact)
 
 
 @torch.library.custom_op("coda::linear_geglu", mutates_args=())
 def _geglu_op(x: Tensor, weight_gu: Tensor, approximate: str, save_preact: bool) -> tuple[Tensor, Tensor, Tensor]:
     """gelu(g) u (``approximate``: "tanh" or "none") for x (M, H), weight_gu (2I, H) interleaved: (M, I), and
     (save_preact) g, u (M, I)."""
-    return _forward("geglu_" + approximate, x, weight_gu, save_preact)
+    return forward_preact(gemm_for(x.device, _entry("geglu")), x, weight_gu, _EPILOGUES["geglu_" + approximate],
+                          save_preact)
 
 
 _swiglu_op.register_fake(_fake)
@@ -157,17 +159,14 @@ def _backward_op(dy: Tensor, x: Tensor, weight_gu: Tensor, g: Optional[Tensor], 
     "geglu_none") op; g, u the saved pre-activation (None: recomputed); a gradient not needed comes back as an
     empty tensor."""
     entry = _entry(kind)
-    gemm = gemm_for(x.device, entry)
+    gemm_for(x.device, entry)  # a GPU that is not Hopper raises here, before anything runs
     dx, dw = x.new_empty(0), weight_gu.new_empty(0)
     if x.shape[0] == 0:  # no rows: nothing to launch, the gradients are zero
         return (torch.zeros_like(x) if need_x else dx), (torch.zeros_like(weight_gu) if need_w else dw)
-    epi, ops = _EPILOGUES[kind], {grad_name("out"): dy.contiguous()}
-    if g is not None and g.numel():  # the 2 -> 2 pairs program (dg, du) on the saved g, u: a K = 0 launch
-        ops.update(zip(preact_keys(epi), (g, u)))
-        dacc = gemm(x[:, :0], weight_gu[:, :0], epilogue=_backward_of(epi, ("out",), (), preact=True),
-                    out_dtype=x.dtype, **ops)
-    else:  # the same program on the recomputed accumulator, as in ops.linear
-        dacc = gemm(x, weight_gu, epilogue=_backward_of(epi, ("out",), ()), out_dtype=x.dtype, **ops)
+    # the 2 -> 2 pairs program (dg, du) as ops.linear runs it: on the saved g, u (a K = 0 launch) or recomputed
+    epi = _EPILOGUES[kind]
+    dacc = _evaluate(epi, (("out",), (), False), x, weight_gu, {grad_name("out"): dy.contiguous()},
+                     saved_preact(epi, g, u), x.dtype)["out"]
     gx, gw = linear_grads(dacc, x, weight_gu, need_x, need_w, entry)
     return (dx if gx is None else gx), (dw if gw is None else gw)
 
@@ -200,13 +199,11 @@ _geglu_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public entries
-def _apply(entry: str, op, x: Tensor, weight_gu: Tensor, *args) -> Tensor:
+def _apply(entry: str, op, x: Tensor, weight_gu: Tensor, *args, save_preact) -> Tensor:
     _check(entry, x, weight_gu)
-    if not isinstance(args[-1], bool):
-        raise TypeError(f"{entry}: save_preact must be True or False, got {type(args[-1]).__name__}")
+    save = save_preact_for(entry, save_preact, x, weight_gu)
     lead, H = x.shape[:-1], x.shape[-1]
-    args = (*args[:-1], args[-1] and grad_needed(x, weight_gu))  # no backward: nothing to save
-    y = op(x.reshape(math.prod(lead), H), weight_gu, *args)[0]
+    y = op(x.reshape(math.prod(lead), H), weight_gu, *args, save)[0]
     return y.reshape(*lead, weight_gu.shape[0] // 2)
 
 
@@ -218,7 +215,7 @@ def linear_swiglu(x: Tensor, weight_gu: Tensor, *, save_preact: bool = True) -> 
     (default) saves the gate/up pre-activation (M x 2I, like the GEMM output torch autograd saves) for the
     backward -- only when autograd records the call (grad mode on and x or weight_gu requiring grad); ``False``
     saves only x and the weight and recomputes it with one more GEMM."""
-    return _apply("linear_swiglu", torch.ops.coda.linear_swiglu, x, weight_gu, save_preact)
+    return _apply("linear_swiglu", torch.ops.coda.linear_swiglu, x, weight_gu, save_preact=save_preact)
 
 
 def linear_geglu(x: Tensor, weight_gu: Tensor, approximate: str = "tanh", *, save_preact: bool = True) -> Tensor:
@@ -229,4 +226,4 @@ def linear_geglu(x: Tensor, weight_gu: Tensor, approximate: str = "tanh", *, sav
     :func:`linear_swiglu`."""
     if approximate not in ("tanh", "none"):
         raise ValueError(f"linear_geglu: approximate must be 'tanh' or 'none', got {approximate!r}")
-    return _apply("linear_geglu", torch.ops.coda.linear_geglu, x, weight_gu, approximate, save_preact)
+    return _apply("linear_geglu", torch.ops.coda.linear_geglu, x, weight_gu, approximate, save_preact=save_preact)

@@ -5,8 +5,8 @@ Forward: one fused GEMM (``coda.gemm``). Backward (the epilogue's derivative com
 operand gradient (VecN by per-column partials, VecM and Scalar by per-row partials, TileMN as an extra output); with
 ``save_preact=True`` the forward also writes the pre-activation and the backward evaluates the same derivative
 program on it instead of recomputing the GEMM (trading M x N saved bytes for a GEMM): a K = 0 GEMM, i.e. CODA's
-kernel running only the epilogue, with the pre-activation as TileMN operands (``coda.autodiff.on_preact``); a derivative that
-does not depend on the accumulator (identity, residual add, operand scales) needs no recompute at all.
+kernel running only the epilogue, with the pre-activation as TileMN operands (``coda.autodiff.on_preact``); a
+derivative that does not depend on the accumulator (identity, residual add, operand scales) needs no recompute at all.
 (A half-mode pairs epilogue saves the pre-activation as two M x N/2 extra outputs, the pairs' even and odd
 accumulator values; a 2 -> 2 one cannot store extra outputs and does not support ``save_preact``.) Then
 dX = dacc W and dW = dacc^T X are plain GEMMs of CODA's kernel on transposed views (``weight.t()``, ``dacc.t()``,
@@ -38,7 +38,7 @@ from coda.autodiff import (DGRAD, backward_epilogue, grad_name, on_preact, pair_
                            pair_tile_operands, preact_keys, value_name, with_preact)
 from coda.dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, operand_symbol
 
-from ._common import gemm_for, linear_grads
+from ._common import epilogue_pass, gemm_for, linear_grads
 
 __all__ = ["linear"]
 
@@ -89,8 +89,7 @@ class _Linear(torch.autograd.Function):
         x2, weight = saved[0], saved[1]
         tensors = saved[2:2 + len(names)]
         vals = dict(zip(ctx.value_names, saved[2 + len(names):2 + len(names) + len(ctx.value_names)]))
-        # the saved pre-activation: one M x N tensor, or a pairs epilogue's even / odd columns (M x N/2 each)
-        preact = dict(zip(preact_keys(epi), saved[len(saved) - ctx.n_preact:])) if ctx.save_preact else None
+        preact = saved_preact(epi, *saved[len(saved) - ctx.n_preact:]) if ctx.save_preact else None
         present = tuple(k for k, g in zip(ctx.keys, grads) if g is not None)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         needs = tuple(n for n, need in zip(names, ctx.needs_input_grad[6:]) if need)
@@ -138,6 +137,14 @@ class _Linear(torch.autograd.Function):
         return (dx, dw, None, None, None, None, *dops)
 
 
+def saved_preact(epi: DslEpilogue, *parts):
+    """The saved pre-activation as ``_evaluate`` takes it: {name: tensor} (one M x N tensor, or a pairs epilogue's
+    even / odd columns, M x N/2 each), or None when nothing was saved (no parts, or empty ones)."""
+    if not parts or parts[0] is None or not parts[0].numel():
+        return None
+    return dict(zip(preact_keys(epi), parts))
+
+
 def _evaluate(epi: DslEpilogue, which: tuple, x2, weight, ops: dict, preact, out_dtype) -> dict:
     """The results of the backward program ``_backward_of(epi, *which)`` (dacc and operand gradients, or a pairs
     epilogue's TileMN gradients), ``out`` cast to ``out_dtype``: computed on a recomputed accumulator (one GEMM of
@@ -154,8 +161,8 @@ def _evaluate(epi: DslEpilogue, which: tuple, x2, weight, ops: dict, preact, out
     elif preact is None:
         res = gemm_for(x2.device, "coda.ops.linear")(x2, weight, epilogue=bwd, out_dtype=out_dtype, **ops)
     else:
-        res = gemm_for(x2.device, "coda.ops.linear")(x2[:, :0], weight[:, :0], epilogue=_backward_of(epi, *which, preact=True), out_dtype=out_dtype,
-                   **ops, **preact)
+        res = epilogue_pass(gemm_for(x2.device, "coda.ops.linear"), x2, x2.shape[0], weight.shape[0],
+                            epilogue=_backward_of(epi, *which, preact=True), out_dtype=out_dtype, **ops, **preact)
     res = dict(res) if isinstance(res, dict) else {"out": res}
     res["out"] = res["out"].to(out_dtype)
     return res

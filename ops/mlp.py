@@ -31,7 +31,8 @@ activation a (M x I, the dW_down operand) and (``save_preact``) g, u (M x I each
 normalised activation.
 
 torch integration: custom ops ``torch.ops.coda.mlp`` (2-D x; returns (y, a, r, g, u)) and
-``coda::rmsnorm_swiglu`` (returns (a, r, g, u); g, u empty without ``save_preact``) with fake implementations; autograd through the custom op ``coda::mlp_backward``; so
+``coda::rmsnorm_swiglu`` (returns (a, r, g, u); g, u empty without ``save_preact``) with fake implementations;
+autograd through the custom op ``coda::mlp_backward``; so
 ``torch.compile(fullgraph=True)`` keeps them as opaque nodes and ``torch.library.opcheck`` passes.
 
 Device: on a Hopper GPU the fused kernels run; on CPU tensors the same epilogue programs run through
@@ -46,13 +47,14 @@ import torch
 from torch import Tensor
 
 import coda
-from coda.autodiff import DGRAD, grad_name, preact_keys, with_preact
+from coda.autodiff import DGRAD, grad_name
 
-from ._common import (backward_gemm, check_last_dim_contiguous, check_tensors, gemm_for, grad_needed,
-                      linear_grads)
+from ._common import (check_last_dim_contiguous, check_tensors, gemm_for, kernel_aligned, linear_grads,
+                      save_preact_for)
 from .gated import _check as _check_x_weight_gu
-from .linear import _backward_of
-from .rmsnorm_linear import _GAMMA_DTYPES, _rstd, fold
+from .gated import fake_preact, forward_preact
+from .linear import _evaluate, saved_preact
+from .rmsnorm_linear import _rstd, check_eps, check_norm_weight, fold
 
 __all__ = ["mlp", "rmsnorm_swiglu", "rms_swiglu", "residual_add"]
 
@@ -102,20 +104,13 @@ def _check(entry: str, named, eps) -> None:
     of x, norm_weight, the interleaved gate/up weight and (mlp) w_down."""
     (_, x), (_, norm_weight), (gu_name, w_gate_up), *down = named
     check_tensors(entry, named)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"{entry}: eps must be a Python number, got {type(eps).__name__}")
-    if not 0 < eps < math.inf:  # also rejects nan
-        raise ValueError(f"{entry}: eps must be a finite number > 0, got {eps}")
+    check_eps(entry, eps)
     try:  # the rules of x and the interleaved gate/up weight are coda.ops.linear_swiglu's
         _check_x_weight_gu(entry, x, w_gate_up)
     except (TypeError, ValueError) as e:
         raise type(e)(str(e).replace("weight_gu", gu_name)) from None
     H, inter = x.shape[-1], w_gate_up.shape[0] // 2
-    if tuple(norm_weight.shape) != (H,):
-        raise ValueError(f"{entry}: norm_weight must have shape ({H},) (x's last dim), got "
-                         f"{tuple(norm_weight.shape)}")
-    if norm_weight.dtype not in _GAMMA_DTYPES:
-        raise TypeError(f"{entry}: norm_weight must be float32, bfloat16 or float16, got {norm_weight.dtype}")
+    check_norm_weight(entry, norm_weight, H)
     for name, t in named[1:]:
         if t.device != x.device:
             raise ValueError(f"{entry}: {name} is on {t.device} but x is on {x.device}")
@@ -129,24 +124,18 @@ def _check(entry: str, named, eps) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ custom ops (2-D)
-_PREACT_FWD = with_preact(rms_swiglu)  # rms_swiglu + the pairs' accumulator values (g, u) as two M x I outputs
-
-
 def _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm):
-    """(a, r, g, u): the gate/up GEMM; g, u (the pre-activation, M x I each) empty unless ``save_preact``."""
+    """(a, g, u, r): the gate/up GEMM; g, u (the pre-activation, M x I each) empty unless ``save_preact``."""
     r = _rstd(x, eps)
-    w_fold = fold(w_gate_up, norm_weight, gemm)
-    if not save_preact:
-        return gemm(x, w_fold, epilogue=rms_swiglu, r=r), r, x.new_empty(0), x.new_empty(0)
-    res = gemm(x, w_fold, epilogue=_PREACT_FWD, r=r)
-    return (res["out"], r, *(res[k] for k in preact_keys(rms_swiglu)))
+    return (*forward_preact(gemm, x, fold(w_gate_up, norm_weight, gemm), rms_swiglu, save_preact, r=r), r)
 
 
 @torch.library.custom_op("coda::rmsnorm_swiglu", mutates_args=())
 def _rmsnorm_swiglu_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, eps: float,
                        save_preact: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x (M, H), w_gate_up (2I, H) interleaved; returns a (M, I), r (M,) fp32 and (save_preact) g, u (M, I)."""
-    return _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm_for(x.device, "coda.ops.rmsnorm_swiglu"))
+    a, g, u, r = _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm_for(x.device, "coda.ops.rmsnorm_swiglu"))
+    return a, r, g, u
 
 
 @torch.library.custom_op("coda::mlp", mutates_args=())
@@ -154,26 +143,21 @@ def _mlp_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, e
             save_preact: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x (M, H); returns y (M, H), the activation a (M, I), r (M,) fp32 and (save_preact) g, u (M, I)."""
     gemm = gemm_for(x.device, _ENTRY)
-    a, r, g, u = _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm)
+    a, g, u, r = _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm)
     return gemm(a, w_down, epilogue=residual_add, res=x), a, r, g, u
-
-
-def _fake_preact(x, w_gate_up, save_preact):
-    shape = (x.shape[0], w_gate_up.shape[0] // 2) if save_preact else (0,)
-    return x.new_empty(shape), x.new_empty(shape)
 
 
 @_rmsnorm_swiglu_op.register_fake
 def _(x, norm_weight, w_gate_up, eps, save_preact):
     return (x.new_empty(x.shape[0], w_gate_up.shape[0] // 2), x.new_empty(x.shape[0], dtype=torch.float32),
-            *_fake_preact(x, w_gate_up, save_preact))
+            *fake_preact(x, w_gate_up, save_preact))
 
 
 @_mlp_op.register_fake
 def _(x, norm_weight, w_gate_up, w_down, eps, save_preact):
     M = x.shape[0]
     return (x.new_empty(M, x.shape[1]), x.new_empty(M, w_gate_up.shape[0] // 2),
-            x.new_empty(M, dtype=torch.float32), *_fake_preact(x, w_gate_up, save_preact))
+            x.new_empty(M, dtype=torch.float32), *fake_preact(x, w_gate_up, save_preact))
 
 
 @torch.library.custom_op("coda::mlp_backward", mutates_args=())
@@ -198,17 +182,13 @@ def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, 
         grads[3] = dw_down
     if not need_gate_up:
         return tuple(grads)
-    # dacc (M x 2I, interleaved) and d_r: rms_swiglu's sympy backward (as coda.ops.linear(..., r=r) runs it), on the
+    # dacc (M x 2I, interleaved) and d_r: rms_swiglu's sympy backward as coda.ops.linear(..., r=r) runs it, on the
     # saved pre-activation (a K = 0 launch: one memory pass) or on a recomputed one (a GEMM of x and W')
-    ops = dict(r=r, **{grad_name("out"): da})
-    preact = g is not None and g.numel() > 0
-    bwd = _backward_of(rms_swiglu, ("out",), ("r",) if need_x else (), preact=preact)
-    if preact:
-        res = gemm(x[:, :0], w_gate_up[:, :0], epilogue=bwd, out_dtype=x.dtype,
-                   **ops, **dict(zip(preact_keys(rms_swiglu), (g, u))))
-    else:
-        res = gemm(x, fold(w_gate_up, norm_weight, gemm), epilogue=bwd, out_dtype=x.dtype, **ops)
-    dacc = res["out"] if isinstance(res, dict) else res
+    preact = saved_preact(rms_swiglu, g, u)
+    res = _evaluate(rms_swiglu, (("out",), ("r",) if need_x else (), False), x,
+                    w_gate_up if preact else fold(w_gate_up, norm_weight, gemm), dict(r=r, **{grad_name("out"): da}),
+                    preact, x.dtype)
+    dacc = res["out"]
     if need_x:  # on the unfolded weight: gamma is a column scale of the epilogue
         ops = dict(gamma=norm_weight, r=r, dr=res[DGRAD + "r"], inv_h=1.0 / x.shape[1], h=x)
         if residual:
@@ -216,21 +196,17 @@ def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, 
         grads[0] = gemm(dacc, w_gate_up.t(), epilogue=rms_radial_residual if residual else rms_radial,
                         out_dtype=x.dtype, **ops)
     if need_gamma or need_gu:  # dW' = dacc^T x; its epilogue forms dW = dW' gamma and dgamma
-        if _aligned_rows(x.shape[0]):
+        if kernel_aligned(dacc.t(), x.t()):
             res = gemm(dacc.t(), x.t(), epilogue=fold_grads, out_dtype=w_gate_up.dtype, gamma=norm_weight,
                        w=w_gate_up)
             dw, dgamma = res["out"], res["dgamma"]
-        else:  # M not a multiple of 8: the transposed views are not 16-byte aligned (ops._common.backward_gemm)
-            dw_fold = backward_gemm(dacc.t(), x.t(), _ENTRY)
+        else:  # M not a multiple of 8: the transposed views are not 16-byte aligned (backward_gemm's rule)
+            dw_fold = torch.matmul(dacc.t(), x)
             dw = torch.mul(dw_fold, norm_weight, out=torch.empty_like(w_gate_up))
             dgamma = (dw_fold.float() * w_gate_up).sum(0)
         grads[2] = dw if need_gu else grads[2]
         grads[1] = dgamma.to(norm_weight.dtype) if need_gamma else grads[1]
     return tuple(grads)
-
-
-def _aligned_rows(M: int) -> bool:
-    return M % 8 == 0
 
 
 @_backward_op.register_fake
@@ -272,7 +248,7 @@ def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, weight_gu: Tensor, eps: float
     (..., I). ``save_preact``: as in :func:`mlp`."""
     _check("rmsnorm_swiglu", (("x", x), ("norm_weight", norm_weight), ("weight_gu", weight_gu)), eps)
     lead, H = x.shape[:-1], x.shape[-1]
-    save = _flag("rmsnorm_swiglu", save_preact) and grad_needed(x, norm_weight, weight_gu)
+    save = save_preact_for("rmsnorm_swiglu", save_preact, x, norm_weight, weight_gu)
     a = torch.ops.coda.rmsnorm_swiglu(x.reshape(math.prod(lead), H), norm_weight, weight_gu, float(eps), save)[0]
     return a.reshape(*lead, weight_gu.shape[0] // 2)
 
@@ -291,12 +267,7 @@ def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: 
     recomputes it with one more GEMM (M x 2I x H) in the backward."""
     _check("mlp", (("x", x), ("norm_weight", norm_weight), ("w_gate_up", w_gate_up), ("w_down", w_down)), eps)
     lead, H = x.shape[:-1], x.shape[-1]
-    save = _flag("mlp", save_preact) and grad_needed(x, norm_weight, w_gate_up, w_down)
+    save = save_preact_for("mlp", save_preact, x, norm_weight, w_gate_up, w_down)
     y = torch.ops.coda.mlp(x.reshape(math.prod(lead), H), norm_weight, w_gate_up, w_down, float(eps), save)[0]
     return y.reshape(*lead, H)
 
-
-def _flag(entry: str, save_preact) -> bool:
-    if not isinstance(save_preact, bool):
-        raise TypeError(f"{entry}: save_preact must be True or False, got {type(save_preact).__name__}")
-    return save_preact

@@ -45,7 +45,7 @@ import torch
 
 from coda.epilogues.rmsnorm import fold_gamma, rmsnorm_dgrad, rmsnorm_dgrad_residual, rmsnorm_scale, row_dot
 
-from ._common import backward_gemm, check_last_dim_contiguous, check_tensors, gemm_for
+from ._common import backward_gemm, check_last_dim_contiguous, check_tensors, epilogue_pass, gemm_for
 
 __all__ = ["rmsnorm_linear"]
 
@@ -81,19 +81,14 @@ def _check(x, norm_weight, weight, eps, residual) -> None:
     if residual is not None:
         named.append(("residual", residual))
     check_tensors("rmsnorm_linear", named)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"rmsnorm_linear: eps must be a Python number, got {type(eps).__name__}")
-    if not 0 < eps < math.inf:  # also rejects nan (no math.isfinite: torch.compile traces this check)
-        raise ValueError(f"rmsnorm_linear: eps must be a finite number > 0, got {eps}")
+    check_eps("rmsnorm_linear", eps)
     if x.dim() < 1:
         raise ValueError("rmsnorm_linear: x must be (..., K), got a 0-d tensor")
     K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"rmsnorm_linear: weight must be (N, K) with K={K} (x's last dim), got "
                          f"{tuple(weight.shape)}")
-    if tuple(norm_weight.shape) != (K,):
-        raise ValueError(f"rmsnorm_linear: norm_weight must have shape ({K},) (x's last dim), got "
-                         f"{tuple(norm_weight.shape)}")
+    check_norm_weight("rmsnorm_linear", norm_weight, K)
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"rmsnorm_linear: residual must have x's shape {tuple(x.shape)}, got "
                          f"{tuple(residual.shape)}")
@@ -102,8 +97,6 @@ def _check(x, norm_weight, weight, eps, residual) -> None:
     for name, t in named[2:]:
         if t.dtype != x.dtype:
             raise TypeError(f"rmsnorm_linear: {name} must have x's dtype {x.dtype}, got {t.dtype}")
-    if norm_weight.dtype not in _GAMMA_DTYPES:
-        raise TypeError(f"rmsnorm_linear: norm_weight must be float32, bfloat16 or float16, got {norm_weight.dtype}")
     for name, t in named[1:]:
         if t.device != x.device:
             raise ValueError(f"rmsnorm_linear: {name} is on {t.device} but x is on {x.device}; all tensors must "
@@ -115,11 +108,28 @@ def _check(x, norm_weight, weight, eps, residual) -> None:
     check_last_dim_contiguous("rmsnorm_linear", named)
 
 
+def check_eps(entry: str, eps) -> None:
+    """``eps``: a Python number, finite and > 0 (``TypeError`` / ``ValueError`` naming it)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{entry}: eps must be a Python number, got {type(eps).__name__}")
+    if not 0 < eps < math.inf:  # also rejects nan (no math.isfinite: torch.compile traces this check)
+        raise ValueError(f"{entry}: eps must be a finite number > 0, got {eps}")
+
+
+def check_norm_weight(entry: str, norm_weight: torch.Tensor, K: int) -> None:
+    """The RMSNorm weight: shape (K,), K = x's last dim; float32, bfloat16 or float16."""
+    if tuple(norm_weight.shape) != (K,):
+        raise ValueError(f"{entry}: norm_weight must have shape ({K},) (x's last dim), got "
+                         f"{tuple(norm_weight.shape)}")
+    if norm_weight.dtype not in _GAMMA_DTYPES:
+        raise TypeError(f"{entry}: norm_weight must be float32, bfloat16 or float16, got {norm_weight.dtype}")
+
+
 def fold(weight: torch.Tensor, norm_weight: torch.Tensor, gemm) -> torch.Tensor:
     """W' = weight * norm_weight (gamma per column; fp32 product rounded once to weight's dtype), a new contiguous
     N x K tensor: the epilogue ``fold_gamma`` as a K = 0 launch of ``gemm`` (one pass over the weight)."""
-    return gemm(weight[:, :0], weight.new_empty(weight.shape[1], 0), epilogue=fold_gamma, out_dtype=weight.dtype,
-                w=weight, gamma=norm_weight)
+    return epilogue_pass(gemm, weight, *weight.shape, epilogue=fold_gamma, out_dtype=weight.dtype, w=weight,
+                         gamma=norm_weight)
 
 
 def _rstd(h: torch.Tensor, eps: float) -> torch.Tensor:
@@ -159,7 +169,7 @@ def _rmsnorm_linear_backward_op(dy: torch.Tensor, dh_out: Optional[torch.Tensor]
         dw = torch.zeros_like(weight) if need_weight else weight.new_empty(0)
         return dh, torch.zeros_like(norm_weight), dw
     dy = dy.contiguous()  # autograd may hand over expanded (stride-0) gradients
-    c = gemm(h[:, :0], weight[:, :0], epilogue=row_dot, dy=dy, y=y)["dot"] / K  # a K = 0 launch: one pass
+    c = epilogue_pass(gemm, h, *dy.shape, epilogue=row_dot, dy=dy, y=y)["dot"] / K  # one pass over dy and y
     ops = {"gamma": norm_weight, "h": h, "r": r, "c": c}
     epi = rmsnorm_dgrad
     if dh_out is not None:

@@ -40,7 +40,7 @@ from coda.autodiff import grad_name
 from coda.dsl import ODD_OUT
 from coda.epilogues.rope import permute_half_split, rope, rope_freqs, unpermute_half_split
 
-from ._common import check_last_dim_contiguous, check_tensors, gemm_for, linear_grads
+from ._common import check_last_dim_contiguous, check_tensors, epilogue_pass, gemm_for, linear_grads
 from .linear import _backward_of
 
 __all__ = ["linear_rope", "rope_freqs", "permute_half_split", "unpermute_half_split"]
@@ -127,7 +127,8 @@ def _backward_op(dy: Tensor, x: Tensor, weight: Tensor, positions: Tensor, freqs
     dy = dy.to(x.dtype)
     grads = {grad_name("out"): dy[:, 0::2].contiguous(), grad_name(ODD_OUT): dy[:, 1::2].contiguous()}
     # nothing to multiply: a K = 0 GEMM is CODA's kernel running only the epilogue (dacc = R(-theta) dy)
-    dacc = gemm(x[:, :0], weight[:, :0], epilogue=bwd, out_dtype=x.dtype, pos=positions, freq=freqs, **grads)
+    dacc = epilogue_pass(gemm, x, x.shape[0], weight.shape[0], epilogue=bwd, out_dtype=x.dtype, pos=positions,
+                         freq=freqs, **grads)
     gx, gw = linear_grads(dacc, x, weight, need_x, need_w, ENTRY)
     return (dx if gx is None else gx), (dw if gw is None else gw)
 

@@ -37,8 +37,9 @@ def check_against_fp64(lead, H, I, *, down=True, device="cpu", dtype=torch.bfloa
                        eps=1e-6, floor=1e-4, seed=0, poison=None, save_preact=True):
     """Forward and the gradients of x, norm_weight, w_gate_up (and w_down) of ``coda.ops.mlp`` (``down=False``:
     ``coda.ops.rmsnorm_swiglu``) vs float64 autograd of :func:`unfused`: error(ours) <= 2 * error(plain torch in
-    ``dtype``) + floor, each against float64; ``save_preact`` as the ops take it. ``poison``: called before our forward and our backward (the GPU test
-    fills the allocator's cached blocks with NaN there, so that an unwritten output element shows)."""
+    ``dtype``) + floor, each against float64; ``save_preact`` as the ops take it. ``poison``: called before our
+    forward and our backward (the GPU test fills the allocator's cached blocks with NaN there, so that an unwritten
+    output element shows)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def rnd(*shape, scale=1.0, dt=dtype):
