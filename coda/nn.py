@@ -2,12 +2,12 @@
 stock layout.
 
 - :class:`RMSNormLinear`: RMSNorm followed by one or more projections that share it (q/k/v, ...): one
-  ``coda.ops.rmsnorm_linear`` call on the concatenated weight (gamma folded into the weight per call, the row scale
-  in the GEMM epilogue, the whole norm backward in the dX GEMM's epilogue).
+  ``coda.ops.rmsnorm_linear`` call on the concatenated weight (gamma applied per call to the cheaper GEMM operand,
+  x or the weight; the row scale in the GEMM epilogue, the whole norm backward in the dX GEMM's epilogue).
 - :class:`SwiGLUMLP`: RMSNorm -> gate/up -> SiLU(gate) * up -> down (-> + residual). The norm, the gate/up GEMM and
   the activation are ONE GEMM: ``coda.ops.linear`` with the pairs epilogue ``rms_swiglu``
-  (``silu(g r) (u r)``, r = rsqrt(mean(x^2) + eps) a per-row operand, gamma folded into the interleaved gate/up
-  weight); the normalised activation (M x H) is never written. It is the custom op ``coda.ops.rmsnorm_swiglu``: the
+  (``silu(g r) (u r)``, r = rsqrt(mean(x^2) + eps) a per-row operand, gamma applied to x or folded into the
+  interleaved gate/up weight, whichever is smaller); the normalised activation (M x H) is never written. It is the custom op ``coda.ops.rmsnorm_swiglu``: the
   forward also stores the pre-activation (g, u), from which a K = 0 launch writes dacc and the per-row gradient of r
   in the backward, and the dX GEMM's epilogue applies gamma and the norm's radial term (see ``coda.ops.mlp``). The
   down projection is ``F.linear``.

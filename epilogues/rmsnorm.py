@@ -8,8 +8,10 @@ Notation (one row m of M tokens; K the model width, N the linear's output width)
 
 Forward (:data:`rmsnorm_scale`)
     y = diag(r) ((h * gamma) W^T) = diag(r) (h W'^T) with W' = W diag(gamma): the row scale commutes with the right
-    matmul and gamma folds into the weight. The GEMM reads h itself (never the normalised copy); acc = h W'^T and
-    the epilogue applies y = acc * r (r a VecM operand).
+    matmul and gamma goes to whichever GEMM operand is cheaper to scale: the weight (:data:`fold_gamma`, N x K) or
+    the activation (:data:`scale_sumsq`, M x K, which also gives r's sum of squares in the same pass). The
+    normalised activation diag(r) h diag(gamma) is never written; acc = (h * gamma) W^T and the epilogue applies
+    y = acc * r (r a VecM operand).
 
 Backward, dX GEMM (:data:`rmsnorm_dgrad`, :data:`rmsnorm_dgrad_residual`)
     The GEMM is acc = dy W (= dn, the gradient of the norm output; W unfolded, passed as ``weight.t()``, an
@@ -31,7 +33,7 @@ Backward, dX GEMM (:data:`rmsnorm_dgrad`, :data:`rmsnorm_dgrad_residual`)
 """
 import coda
 
-__all__ = ["rmsnorm_scale", "rmsnorm_dgrad", "rmsnorm_dgrad_residual", "row_dot", "fold_gamma"]
+__all__ = ["rmsnorm_scale", "rmsnorm_dgrad", "rmsnorm_dgrad_residual", "row_dot", "fold_gamma", "scale_sumsq"]
 
 
 @coda.epilogue
@@ -72,3 +74,11 @@ def fold_gamma(acc, w: coda.TileMN, gamma: coda.VecN):
     """W' = W diag(gamma): the forward's folded weight (N x K, gamma per column), the product in fp32 rounded once.
     The accumulator is not used: a K = 0 GEMM (one read and one write of W, by TMA)."""
     return w * gamma
+
+
+@coda.epilogue
+def scale_sumsq(acc, h: coda.TileMN, gamma: coda.VecN):
+    """The forward's activation-side pre-pass: h * gamma (M x K, the GEMM's A operand, rounded once) and the
+    per-row sum of squares sum_k h^2 (fp32; r = rsqrt(ss / K + eps)), one read of h. A K = 0 GEMM like
+    :data:`fold_gamma`."""
+    return {"out": h * gamma, "ss": coda.reduce_n(h * h)}

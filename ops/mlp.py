@@ -1,13 +1,13 @@
 """``coda.ops.mlp``: the Llama MLP sub-block ``x + down(SwiGLU(gate_up(RMSNorm(x))))`` from CODA's fused GEMMs, and
 ``coda.ops.rmsnorm_swiglu``, its first half (``silu(gate(n)) * up(n)``, n = RMSNorm(x) * norm_weight).
 
-Forward (h = x, r = rsqrt(mean(h^2) + eps) per row, W' = w_gate_up diag(gamma), gate/up rows interleaved)
-    1. r: a light fp32 pre-pass in torch (``ops.rmsnorm_linear``'s; one read of x, M floats).
-    2. W' = w_gate_up * norm_weight: one 2I x H product per call, rounded once (not saved; ``ops.rmsnorm_linear.fold``,
-       a K = 0 launch).
-    3. GEMM x W'^T with the pairs epilogue :func:`rms_swiglu`: a = silu(g r) (u r), M x I; with ``save_preact``
-       (default) the epilogue also stores the pairs' accumulator values g, u (two M x I outputs). The normalised
-       activation (M x H) is never written.
+Forward (h = x, r = rsqrt(mean(h^2) + eps) per row, gate/up rows interleaved)
+    1-2. r and gamma (``ops.rmsnorm_linear.normed_operands``): for M <= 2I one K = 0 launch writes x * gamma
+       (M x H) and the rows' sums of squares; for M > 2I, W' = w_gate_up diag(gamma) (2I x H, a K = 0 launch) and
+       r from a torch pre-pass. Neither product is saved.
+    3. GEMM (x gamma) w_gate_up^T (or x W'^T; the same acc) with the pairs epilogue :func:`rms_swiglu`:
+       a = silu(g r) (u r), M x I; with ``save_preact`` (default) the epilogue also stores the pairs' accumulator
+       values g, u (two M x I outputs). The normalised activation diag(r) x diag(gamma) is never written.
     4. (mlp) GEMM a W_down^T with the epilogue :func:`residual_add`: y = acc + x, one M x H write.
 
 Backward (dy the gradient of y; for rmsnorm_swiglu, dy is da and steps 1-2 and the residual are skipped)
@@ -16,7 +16,7 @@ Backward (dy the gradient of y; for rmsnorm_swiglu, dy is da and steps 1-2 and t
     3. The sympy backward of :func:`rms_swiglu` (with the VecM gradient of r; ``coda.ops.linear``'s program) writes
        dacc (M x 2I interleaved, transient) and d_r = sum_j da_j (partial a_j / partial r) (per row, fp32):
        on the saved g, u as a K = 0 launch (CODA's kernel running only the epilogue: one pass over memory), or
-       with ``save_preact=False`` in a GEMM x W'^T that recomputes them (W' recomputed too).
+       with ``save_preact=False`` in a GEMM that recomputes them (steps 1-3's operands formed again).
     4. dX GEMM dacc W_gu (the unfolded weight) with the epilogue :func:`rms_radial_residual`: gamma as a column
        scale (dacc W' = (dacc W_gu) diag(gamma)), the norm's radial term (dr/dh = -r^3 h / H) and the residual
        gradient: dx = acc gamma - r^3 d_r h / H + dy; one M x H write, no torch pass.
@@ -27,8 +27,8 @@ Backward (dy the gradient of y; for rmsnorm_swiglu, dy is da and steps 1-2 and t
     supported.
 
 Saved for the backward: x, norm_weight, w_gate_up, w_down (the inputs themselves), r (M floats), (mlp) the
-activation a (M x I, the dW_down operand) and (``save_preact``) g, u (M x I each). Never saved: W' (2I x H), the
-normalised activation.
+activation a (M x I, the dW_down operand) and (``save_preact``) g, u (M x I each). Never saved: x * gamma, W'
+(2I x H), the normalised activation.
 
 torch integration: custom ops ``torch.ops.coda.mlp`` (2-D x; returns (y, a, r, g, u)) and
 ``coda::rmsnorm_swiglu`` (returns (a, r, g, u); g, u empty without ``save_preact``) with fake implementations;
@@ -54,7 +54,7 @@ from ._common import (check_last_dim_contiguous, check_tensors, gemm_for, kernel
 from .gated import _check as _check_x_weight_gu
 from .gated import fake_preact, forward_preact
 from .linear import _evaluate, saved_preact
-from .rmsnorm_linear import _rstd, check_eps, check_norm_weight, fold
+from .rmsnorm_linear import check_eps, check_norm_weight, normed_operands
 
 __all__ = ["mlp", "rmsnorm_swiglu", "rms_swiglu", "residual_add"]
 
@@ -126,8 +126,8 @@ def _check(entry: str, named, eps) -> None:
 # ------------------------------------------------------------------------------------------------ custom ops (2-D)
 def _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm):
     """(a, g, u, r): the gate/up GEMM; g, u (the pre-activation, M x I each) empty unless ``save_preact``."""
-    r = _rstd(x, eps)
-    return (*forward_preact(gemm, x, fold(w_gate_up, norm_weight, gemm), rms_swiglu, save_preact, r=r), r)
+    a, b, r = normed_operands(x, norm_weight, w_gate_up, eps, gemm)
+    return (*forward_preact(gemm, a, b, rms_swiglu, save_preact, r=r), r)
 
 
 @torch.library.custom_op("coda::rmsnorm_swiglu", mutates_args=())
@@ -185,9 +185,9 @@ def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, 
     # dacc (M x 2I, interleaved) and d_r: rms_swiglu's sympy backward as coda.ops.linear(..., r=r) runs it, on the
     # saved pre-activation (a K = 0 launch: one memory pass) or on a recomputed one (a GEMM of x and W')
     preact = saved_preact(rms_swiglu, g, u)
-    res = _evaluate(rms_swiglu, (("out",), ("r",) if need_x else (), False), x,
-                    w_gate_up if preact else fold(w_gate_up, norm_weight, gemm), dict(r=r, **{grad_name("out"): da}),
-                    preact, x.dtype)
+    a_op, b_op = (x, w_gate_up) if preact else normed_operands(x, norm_weight, w_gate_up, None, gemm)[:2]
+    res = _evaluate(rms_swiglu, (("out",), ("r",) if need_x else (), False), a_op, b_op,
+                    dict(r=r, **{grad_name("out"): da}), preact, x.dtype)
     dacc = res["out"]
     if need_x:  # on the unfolded weight: gamma is a column scale of the epilogue
         ops = dict(gamma=norm_weight, r=r, dr=res[DGRAD + "r"], inv_h=1.0 / x.shape[1], h=x)

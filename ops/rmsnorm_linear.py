@@ -7,13 +7,15 @@ The rewrite (issue 4; algebra and its sympy checks: ``coda.epilogues.rmsnorm``, 
 
 Forward
     1. h = x + residual (only with a residual; in x's dtype, like the unfused module).
-    2. r: the standalone op computes r in a light pre-pass (torch, fp32: one read of h, M floats written). In a full model the producer GEMM of h emits the sum-of-squares partials instead
-       (shared/design/rewrites.md); this op stands alone, so it pays one extra read of h.
-    3. W' = weight * norm_weight, computed once per call (one read and one write of the N x K weight, rounded once
-       to weight's dtype; an N x K buffer): :func:`fold`, the epilogue ``fold_gamma`` as a K = 0 launch. W' is not
-       saved (the backward uses the unfolded weight).
-    4. One GEMM: y = (h W'^T) * r, epilogue ``rmsnorm_scale`` (r a VecM operand). The normalised activation is
-       never written.
+    2. gamma goes to the cheaper GEMM operand (:func:`normed_operands`; in a full model the producer GEMM of h
+       emits the sum-of-squares partials instead, shared/design/rewrites.md, and this op stands alone):
+       - M <= N: one K = 0 launch of the epilogue ``scale_sumsq`` reads h once and writes h * gamma (M x K, rounded
+         once to h's dtype) and the per-row sum of squares, so r = rsqrt(ss / K + eps) comes from the same pass;
+       - M > N: W' = weight * norm_weight (:func:`fold`, the epilogue ``fold_gamma`` as a K = 0 launch: one read
+         and one write of the N x K weight) and r from a light torch pre-pass (fp32, one read of h).
+       Neither product is saved (the backward uses h and the unfolded weight).
+    3. One GEMM: y = ((h * gamma) W^T) * r, epilogue ``rmsnorm_scale`` (r a VecM operand). The normalised
+       activation is never written.
 
 Backward (the incoming dy; dh_out, the gradient arriving on the returned residual stream h, if any)
     1. c = (1/K) sum_n dy * y per row (fp32): the epilogue ``row_dot`` as a K = 0 launch (CODA's kernel doing only
@@ -43,7 +45,8 @@ from typing import Optional
 
 import torch
 
-from coda.epilogues.rmsnorm import fold_gamma, rmsnorm_dgrad, rmsnorm_dgrad_residual, rmsnorm_scale, row_dot
+from coda.epilogues.rmsnorm import (fold_gamma, rmsnorm_dgrad, rmsnorm_dgrad_residual, rmsnorm_scale, row_dot,
+                                    scale_sumsq)
 
 from ._common import backward_gemm, check_last_dim_contiguous, check_tensors, epilogue_pass, gemm_for
 
@@ -132,10 +135,21 @@ def fold(weight: torch.Tensor, norm_weight: torch.Tensor, gemm) -> torch.Tensor:
                          gamma=norm_weight)
 
 
-def _rstd(h: torch.Tensor, eps: float) -> torch.Tensor:
-    """The light pre-pass: r = rsqrt(mean(h^2, -1) + eps) per row, in fp32."""
-    ss = torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32).square()
-    return torch.rsqrt(ss / max(h.shape[-1], 1) + eps)
+def normed_operands(h: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: Optional[float], gemm):
+    """(a, b, r) with diag(r) (a b^T) = RMSNorm(h) weight^T, r = rsqrt(mean(h^2, -1) + eps) (fp32, per row; None
+    when ``eps`` is None: a backward that recomputes the product with the saved r).
+
+    gamma scales whichever operand costs less memory traffic: the activation when M <= N (a = h * gamma and the
+    sum of squares from one K = 0 launch, ``scale_sumsq``), else the weight (b = :func:`fold`, r from a torch
+    reduction over h). Either product is rounded once to the operands' dtype."""
+    M, K = h.shape
+    if 0 < M <= weight.shape[0]:
+        res = epilogue_pass(gemm, h, M, K, epilogue=scale_sumsq, out_dtype=h.dtype, h=h, gamma=norm_weight)
+        a, b, ss = res["out"], weight, res["ss"]
+    else:
+        a, b = h, fold(weight, norm_weight, gemm)
+        ss = None if eps is None else torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32).square()
+    return a, b, (None if eps is None else torch.rsqrt(ss / max(K, 1) + eps))
 
 
 # ---------------------------------------------------------------------------------------- the custom ops (2-D)
@@ -145,8 +159,8 @@ def _rmsnorm_linear_op(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch
     """x, residual (M, K); returns y (M, N), h = x + residual (M, K; an empty tensor without residual), r (M,)."""
     gemm = gemm_for(x.device, _ENTRY)  # a non-Hopper GPU raises here, before anything runs
     h = x if residual is None else x + residual
-    r = _rstd(h, eps)
-    y = gemm(h, fold(weight, norm_weight, gemm), epilogue=rmsnorm_scale, r=r)
+    a, b, r = normed_operands(h, norm_weight, weight, eps, gemm)
+    y = gemm(a, b, epilogue=rmsnorm_scale, r=r)
     return y, (h if residual is not None else x.new_empty(0)), r
 
 

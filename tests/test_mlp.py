@@ -153,9 +153,9 @@ def test_backward_saves_only_what_it_needs(save_preact):
 
 @pytest.mark.parametrize("save_preact", [True, False])
 def test_backward_launches(monkeypatch, save_preact):
-    """Forward: the fold W' (a K = 0 launch), 2 GEMMs (rms_swiglu, with save_preact its _preact variant;
+    """Forward: x * gamma and r's sum of squares (a K = 0 launch; M <= 2I), 2 GEMMs (rms_swiglu, with save_preact its _preact variant;
     residual_add). Backward: da = dy W_down, dW_down = dy^T a, dacc and d_r (rms_swiglu's backward: a K = 0 launch
-    on the saved g, u, or the fold and the recompute GEMM),
+    on the saved g, u, or x * gamma again and the recompute GEMM),
     the dX GEMM with the gamma + radial + residual epilogue on the unfolded weight, dW' = dacc^T x with the
     fold_grads epilogue: no other launch."""
     log = []
@@ -170,12 +170,12 @@ def test_backward_launches(monkeypatch, save_preact):
     leaves = _inputs(M, H, I)
     y = coda.ops.mlp(*leaves, save_preact=save_preact)
     fwd = "rms_swiglu_preact" if save_preact else "rms_swiglu"
-    fold = ("fold_gamma", (2 * I, 0), (H, 0))  # W' = w_gate_up diag(gamma): a K = 0 launch
-    assert log == [fold, (fwd, (M, H), (2 * I, H)), ("residual_add", (M, I), (H, I))]
+    scale = ("scale_sumsq", (M, 0), (H, 0))  # M <= 2I: x * gamma and sum x^2, a K = 0 launch
+    assert log == [scale, (fwd, (M, H), (2 * I, H)), ("residual_add", (M, I), (H, I))]
     log.clear()
     torch.autograd.grad(y.float().sum(), leaves)
     dacc = ([("rms_swiglu_bwd_on_preact", (M, 0), (2 * I, 0))] if save_preact
-            else [fold, ("rms_swiglu_bwd", (M, H), (2 * I, H))])
+            else [scale, ("rms_swiglu_bwd", (M, H), (2 * I, H))])
     assert log == [(None, (M, H), (I, H)), (None, (H, M), (I, M)), *dacc,
                    ("rms_radial_residual", (M, 2 * I), (H, 2 * I)), ("fold_grads", (2 * I, M), (H, M))], log
 
@@ -192,7 +192,7 @@ def test_no_preact_without_autograd(monkeypatch):
         coda.ops.mlp(*leaves)
         coda.ops.rmsnorm_swiglu(*leaves[:3])
     coda.ops.mlp(*_inputs(grad=False))
-    mlp = ["fold_gamma", "rms_swiglu", "residual_add"]
+    mlp = ["scale_sumsq", "rms_swiglu", "residual_add"]
     assert log == mlp + mlp[:2] + mlp, log
     log.clear()
     coda.ops.mlp(*leaves)

@@ -196,7 +196,7 @@ def test_rejects_non_hopper_gpu_before_compute(monkeypatch):
     import importlib
     mod = importlib.import_module("coda.ops.rmsnorm_linear")  # the module (coda.ops.rmsnorm_linear is the op)
     calls = []
-    monkeypatch.setattr(mod, "_rstd", lambda *a: calls.append(a))
+    monkeypatch.setattr(mod, "normed_operands", lambda *a: calls.append(a))
     monkeypatch.setattr(mod, "gemm_for", lambda device, entry: (_ for _ in ()).throw(RuntimeError(f"{entry} needs")))
     x, g, w = _inputs(residual=False, grad=False)
     with pytest.raises(RuntimeError, match="coda.ops.rmsnorm_linear needs"):
@@ -217,3 +217,36 @@ def test_row_dot_compiles_for_sm90():
     dy, y = torch.randn(37, 200, generator=g).bfloat16(), torch.randn(37, 200, generator=g).bfloat16()
     got = coda.reference.gemm(dy[:, :0], torch.empty(200, 0, dtype=torch.bfloat16), epilogue=row_dot, dy=dy, y=y)["dot"]
     torch.testing.assert_close(got, (dy.double() * y.double()).sum(-1).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("M,N,first", [(16, 72, "scale_sumsq"), (72, 16, "fold_gamma"), (72, 72, "scale_sumsq")])
+def test_gamma_goes_to_the_cheaper_operand(monkeypatch, M, N, first):
+    """M <= N: one K = 0 pass writes x * gamma (M x K) and the sums of squares; M > N: gamma folds into the weight
+    (N x K). Either way one more GEMM (rmsnorm_scale) and the result matches float64 autograd."""
+    log, real = [], coda.reference.gemm
+    monkeypatch.setattr(coda.reference, "gemm", lambda a, b, *, epilogue=None, **kw: log.append(
+        (getattr(epilogue, "name", None), tuple(a.shape), tuple(b.shape))) or real(a, b, epilogue=epilogue, **kw))
+    K = 40
+    x, g, w = _inputs(M, K, N, residual=False, grad=False)
+    y = coda.ops.rmsnorm_linear(x, g, w, 1e-5)
+    rows = M if first == "scale_sumsq" else N
+    assert log == [(first, (rows, 0), (K, 0)), ("rmsnorm_scale", (M, K), (N, K))], log
+    ref = unfused(x.double(), None, g.double(), w.double(), 1e-5)[0]
+    assert (y.double() - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_scale_sumsq_compiles_for_sm90():
+    """The forward's activation-side pre-pass (TileMN h, VecN gamma, an output and a per-row reduction; accumulator
+    unused) compiles for sm_90a with no spills; its reference gives h * gamma and sum h^2."""
+    from coda.epilogues.rmsnorm import scale_sumsq
+    gen = torch.Generator().manual_seed(4)
+    h, g = torch.randn(37, 200, generator=gen).bfloat16(), torch.rand(200, generator=gen) + 0.5
+    got = coda.reference.gemm(h[:, :0], torch.empty(200, 0, dtype=torch.bfloat16), epilogue=scale_sumsq,
+                              out_dtype=torch.bfloat16, h=h, gamma=g)
+    torch.testing.assert_close(got["out"], (h.float() * g).bfloat16())
+    torch.testing.assert_close(got["ss"], h.double().square().sum(-1).float(), rtol=1e-5, atol=1e-5)
+    pytest.importorskip("cutlass")
+    from coda.check import compile_variant
+    from coda.config import default_config
+    row = compile_variant(default_config(8192, 4096, 8), scale_sumsq)
+    assert row["ok"] and row["spill_bytes"] == 0, row

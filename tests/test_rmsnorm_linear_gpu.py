@@ -12,8 +12,11 @@ DEV = "cuda"
 
 
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("lead,K,N", [((1000,), 520, 776), ((4, 250), 520, 776)])
+@pytest.mark.parametrize("lead,K,N", [((1000,), 520, 776), ((4, 250), 520, 776), ((2, 200), 520, 776),
+                                      ((3, 100), 520, 776)])
 def test_ragged_fwd_bwd(lead, K, N, residual):
+    """M = 1000 > N: gamma folded into the weight; M = 400, 300 <= N: x * gamma from the K = 0 pre-pass (M = 300:
+    the dW product on torch.matmul)."""
     check_against_fp64(lead, K, N, residual=residual, device=DEV)
 
 
