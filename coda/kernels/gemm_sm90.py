@@ -508,20 +508,26 @@ class GemmSm90:
                     for p in cutlass.range_constexpr(n_v // 2):
                         r, c = epi["cloc"][2 * p]
                         epi["souts"][i][(r, c // 2, buf)] = self.out_dtypes[i](vals[p])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            bar.arrive_and_wait()
-            if store_warp:
-                for i in cutlass.range_constexpr(len(names)):
-                    gTile = cute.local_tile(store_tensors[i], self.out_tile, (m, n, l))
-                    sT, gT = cpasync.tma_partition(store_atoms[i], 0, cute.make_layout(1),
-                                                   cute.group_modes(epi["souts"][i], 0, 2),
-                                                   cute.zipped_divide(gTile, self.store_tile))
-                    cute.copy(store_atoms[i], sT[(None, buf)], gT[(None, (0, e))])
-                store_pipe.producer_commit()
-                store_pipe.producer_acquire()
-            bar.arrive_and_wait()
+            if cutlass.const_expr(len(names) > 0):
+                cute.arch.fence_proxy("async.shared", space="cta")
+                bar.arrive_and_wait()
+                if store_warp:
+                    for i in cutlass.range_constexpr(len(names)):
+                        gTile = cute.local_tile(store_tensors[i], self.out_tile, (m, n, l))
+                        sT, gT = cpasync.tma_partition(store_atoms[i], 0, cute.make_layout(1),
+                                                       cute.group_modes(epi["souts"][i], 0, 2),
+                                                       cute.zipped_divide(gTile, self.store_tile))
+                        cute.copy(store_atoms[i], sT[(None, buf)], gT[(None, (0, e))])
+                    store_pipe.producer_commit()
+                    store_pipe.producer_acquire()
+            # no tile output (reductions only): no per-sub-tile barrier except before a TileMN buffer is reused
+            if cutlass.const_expr(len(names) > 0 or (len(self.tma_tiles) > 0 and e + 2 < n_epi)):
+                bar.arrive_and_wait()
             if cutlass.const_expr(e + 2 < n_epi):  # every thread is done with sub-tile e's TileMN buffer
                 self._load_tiles(stage["ld"], e + 2, m, n, l, tiles_done, cwg, stage["etidx"])
+        if cutlass.const_expr(len(names) == 0):
+            # one barrier per tile instead: the staged operands' and TileMN buffers are free for the next tile
+            bar.arrive_and_wait()
 
         # finish the per-row partials: the 4 lanes of a quad hold the same rows
         lane = cute.arch.lane_idx()
@@ -591,9 +597,9 @@ class GemmSm90:
             m_old, s_old = state
             m_new = cute.arch.fmax(m_old, m_sub, nan=True)
             s = s_old * cute.math.exp2((m_old - self._safe(m_new)) * LOG2E, fastmath=True)
-        ms = self._safe(m_new)
-        for x in xs:
-            s = s + cute.math.exp2((x - ms) * LOG2E, fastmath=True)
+        ms = self._safe(m_new) * LOG2E
+        for x in xs:  # exp(x - m) = exp2(x log2(e) - m log2(e)): one FFMA and one ex2 per element
+            s = s + cute.math.exp2(x * LOG2E - ms, fastmath=True)
         return (m_new, s)
 
     def _lse_finish(self, state):
