@@ -597,9 +597,9 @@ class GemmSm90:
             m_old, s_old = state
             m_new = cute.arch.fmax(m_old, m_sub, nan=True)
             s = s_old * cute.math.exp2((m_old - self._safe(m_new)) * LOG2E, fastmath=True)
-        ms = self._safe(m_new) * LOG2E
-        for x in xs:  # exp(x - m) = exp2(x log2(e) - m log2(e)): one FFMA and one ex2 per element
-            s = s + cute.math.exp2(x * LOG2E - ms, fastmath=True)
+        ms = self._safe(m_new)
+        for x in xs:  # (x - m) first: exact for x near m at any magnitude (x log2e - m log2e would lose it)
+            s = s + cute.math.exp2((x - ms) * LOG2E, fastmath=True)
         return (m_new, s)
 
     def _lse_finish(self, state):
