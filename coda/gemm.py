@@ -159,7 +159,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
     cute_args = [*ts[:3], cuda.CUstream(handle), *ts[3:]]
     fn = _compiled(key, cfg, epi, prob, cute_args)
     plan = None
-    if pkey is not None and not prob.zero_k and os.environ.get("CODA_LAUNCH_PLANS", "1") != "0":
+    if pkey is not None and os.environ.get("CODA_LAUNCH_PLANS", "1") != "0":
         plan = _make_plan(fn, cute_args, views, handle, prob, cfg, epi, (a, b, out), device_index, operands)
     if plan is not None:
         if len(_plans) >= _PLAN_LIMIT:
@@ -189,9 +189,10 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
         outs = {k: torch.empty(prob.out_shape, dtype=prob.out_dtype, device=a.device) for k in epi.outputs}
         return res, None, [], [], outs, empty_reductions(epi, prob)
     if prob.zero_k:
-        # the kernel needs rows of >= 16 bytes: K = 0 becomes one all-zero K-tile of 8 columns
-        a3 = torch.zeros((a3.shape[0], a3.shape[1], 8), dtype=a3.dtype, device=a3.device)
-        b3 = torch.zeros((b3.shape[0], prob.N, 8), dtype=b3.dtype, device=b3.device)
+        # the kernel needs rows of >= 16 bytes: K = 0 becomes one all-zero K-tile of 8 columns (cached zeros)
+        na, nb = a3.shape[0] * a3.shape[1] * 8, b3.shape[0] * prob.N * 8
+        z = _zeros(a3.device, a3.dtype, max(na, nb))
+        a3, b3 = z[:na].view(a3.shape[0], a3.shape[1], 8), z[:nb].view(b3.shape[0], prob.N, 8)
 
     args, outs, partials = epilogue_tensors(epi, prob, operands, out3, cfg)
     # the contiguous dim of A / B in the kernel's (rows, K, L) order: 1 = K-major, 0 = MN-major
@@ -208,6 +209,19 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
     key = (cfg, epi.key(), prob.in_dtype, prob.out_dtype, sig)
     leads = [la, lb, 1] + [lead for _, lead in args]
     return res, key, views, leads, outs, partials
+
+
+_zero_bufs: dict = {}
+
+
+def _zeros(device, dtype, n: int) -> torch.Tensor:
+    """A flat all-zero tensor of >= n elements: a K = 0 launch reads its A and B (one zero K-tile) from views of
+    it. One buffer per (device, dtype), never written; a larger one replaces it when needed (the old ones are
+    kept: kernels queued on other streams may still read them)."""
+    bufs = _zero_bufs.setdefault((device, dtype), [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 2 * bufs[-1].numel() if bufs else 0), dtype=dtype, device=device))
+    return bufs[-1]
 
 
 def _compiled(key, cfg: GemmConfig, epi: Epilogue, prob, cute_args):
@@ -274,6 +288,7 @@ def _make_plan(fn, cute_args, views, handle, prob, cfg, epi, tensors, device_ind
     plan.tensor_operands = tuple(op.name for op in epi.operands if op.kind != "scalar")
     a, b, out = tensors
     plan.extents = (_launch.byte_extent(a), _launch.byte_extent(b), 0 if out is None else _launch.byte_extent(out))
+    plan.zero_elems = max(views[0].numel(), views[1].numel()) if prob.zero_k else 0  # A, B: views of _zeros
     return plan
 
 
@@ -281,10 +296,13 @@ def _run_plan(plan, a, b, out, operands):
     """A repeated call through its launch plan; None when a per-call check fails (the full path then raises the
     proper error). Shapes, strides, dtypes, devices and the epilogue are the plan's (its key); what is left to check
     per call is what depends on the data pointers: 16-byte alignment and ``out`` sharing memory with ``a``/``b``."""
-    pa, pb = a.data_ptr(), b.data_ptr()
+    prob = plan.prob
+    if prob.zero_k:  # K = 0: A and B are the cached zeros (the buffer may have been replaced by a larger one)
+        pa = pb = _zeros(a.device, a.dtype, plan.zero_elems).data_ptr()
+    else:
+        pa, pb = a.data_ptr(), b.data_ptr()
     if (pa | pb) & 15 or any(operands[n].data_ptr() & 15 for n in plan.tensor_operands):
         return None
-    prob = plan.prob
     if out is None:
         res = _new_result(prob, plan.epi, a.device)
         po = res.data_ptr()

@@ -301,6 +301,45 @@ def test_two_threads_share_one_launch_plan():
     _check_stats(wants[0], *data[0])
 
 
+@coda.epilogue
+def rel_k0(acc, h: coda.TileMN, g: coda.VecN):
+    return {"out": acc + h * g, "ss": coda.reduce_n(h * h)}
+
+
+def test_k0_launch_plans(monkeypatch):
+    """K = 0 launches (the epilogue alone) go through launch plans like any call: repeated calls with new data,
+    and after a larger K = 0 call replaced the cached zero operand buffer, give the full path's bits."""
+    import importlib
+    gemm_mod = importlib.import_module("coda.gemm")
+    M, N = SHAPE[:2]
+
+    def call(m, seed):
+        gen = torch.Generator(device=DEV).manual_seed(seed)
+        h = torch.randn(m, N, device=DEV, generator=gen).to(BF16)
+        g = torch.randn(N, device=DEV, generator=gen)
+        x = torch.full((m, 8), float("nan"), device=DEV, dtype=BF16)
+        return coda.gemm(x[:, :0], torch.empty(N, 0, device=DEV, dtype=BF16), epilogue=rel_k0, h=h, g=g), h, g
+
+    first, h, g = call(M, 0)
+    assert gemm_mod._zero_bufs, "the K = 0 call did not use the cached zero operands"
+    calls = []
+    real = gemm_mod._run_plan
+    monkeypatch.setattr(gemm_mod, "_run_plan", lambda *a: calls.append(1) or real(*a))
+    later = [call(M, s) for s in (0, 1)]
+    call(4 * M, 2)  # a larger K = 0 launch: the zero buffer is replaced by a larger one
+    again = call(M, 1)
+    assert len(calls) >= 3
+    monkeypatch.setenv("CODA_LAUNCH_PLANS", "0")
+    full = [call(M, s) for s in (0, 1)]
+    torch.cuda.synchronize()
+    assert_bitwise(first, later[0][0], "plan, same data")
+    assert_bitwise(full[0][0], first, "full path")
+    assert_bitwise(full[1][0], later[1][0], "plan, new data")
+    assert_bitwise(full[1][0], again[0], "plan after the zero buffer grew")
+    torch.testing.assert_close(first["out"].float(), (h.float() * g).to(BF16).float())
+    torch.testing.assert_close(first["ss"], h.double().square().sum(-1).float(), rtol=1e-5, atol=1e-4)
+
+
 # ------------------------------------------------------------------------------------------- failed calls
 
 
