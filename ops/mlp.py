@@ -183,7 +183,7 @@ def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, 
     if not need_gate_up:
         return tuple(grads)
     # dacc (M x 2I, interleaved) and d_r: rms_swiglu's sympy backward as coda.ops.linear(..., r=r) runs it, on the
-    # saved pre-activation (a K = 0 launch: one memory pass) or on a recomputed one (a GEMM of x and W')
+    # saved pre-activation (a K = 0 launch: one memory pass) or on a recomputed one (the forward's GEMM operands)
     preact = saved_preact(rms_swiglu, g, u)
     a_op, b_op = (x, w_gate_up) if preact else normed_operands(x, norm_weight, w_gate_up, None, gemm)[:2]
     res = _evaluate(rms_swiglu, (("out",), ("r",) if need_x else (), False), a_op, b_op,

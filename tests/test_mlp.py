@@ -153,10 +153,9 @@ def test_backward_saves_only_what_it_needs(save_preact):
 
 @pytest.mark.parametrize("save_preact", [True, False])
 def test_backward_launches(monkeypatch, save_preact):
-    """Forward: x * gamma and r's sum of squares (a K = 0 launch; M <= 2I), 2 GEMMs (rms_swiglu, with save_preact its _preact variant;
-    residual_add). Backward: da = dy W_down, dW_down = dy^T a, dacc and d_r (rms_swiglu's backward: a K = 0 launch
-    on the saved g, u, or x * gamma again and the recompute GEMM),
-    the dX GEMM with the gamma + radial + residual epilogue on the unfolded weight, dW' = dacc^T x with the
+    """Forward: x * gamma and r's sum of squares (a K = 0 launch; M <= 2I), 2 GEMMs (rms_swiglu, with save_preact
+    its _preact variant; residual_add). Backward: da = dy W_down, dW_down = dy^T a, dacc and d_r (rms_swiglu's
+    backward: a K = 0 launch on the saved g, u, or x * gamma again and the recompute GEMM), the dX GEMM with the gamma + radial + residual epilogue on the unfolded weight, dW' = dacc^T x with the
     fold_grads epilogue: no other launch."""
     log = []
     real = coda.reference.gemm

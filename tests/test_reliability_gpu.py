@@ -301,15 +301,11 @@ def test_two_threads_share_one_launch_plan():
     _check_stats(wants[0], *data[0])
 
 
-@coda.epilogue
-def rel_k0(acc, h: coda.TileMN, g: coda.VecN):
-    return {"out": acc + h * g, "ss": coda.reduce_n(h * h)}
-
-
 def test_k0_launch_plans(monkeypatch):
     """K = 0 launches (the epilogue alone) go through launch plans like any call: repeated calls with new data,
     and after a larger K = 0 call replaced the cached zero operand buffer, give the full path's bits."""
     import importlib
+    from coda.epilogues.rmsnorm import scale_sumsq  # a K = 0 epilogue: a TileMN, a VecN, an output, a reduction
     gemm_mod = importlib.import_module("coda.gemm")
     M, N = SHAPE[:2]
 
@@ -318,7 +314,8 @@ def test_k0_launch_plans(monkeypatch):
         h = torch.randn(m, N, device=DEV, generator=gen).to(BF16)
         g = torch.randn(N, device=DEV, generator=gen)
         x = torch.full((m, 8), float("nan"), device=DEV, dtype=BF16)
-        return coda.gemm(x[:, :0], torch.empty(N, 0, device=DEV, dtype=BF16), epilogue=rel_k0, h=h, g=g), h, g
+        b = torch.empty(N, 0, device=DEV, dtype=BF16)
+        return coda.gemm(x[:, :0], b, epilogue=scale_sumsq, out_dtype=BF16, h=h, gamma=g), h, g
 
     first, h, g = call(M, 0)
     assert gemm_mod._zero_bufs, "the K = 0 call did not use the cached zero operands"
