@@ -6,11 +6,12 @@ Structure (one CTA = 3 warpgroups, persistent over output tiles):
 
 Phase 0 (host, ``__call__``): build the tiled WGMMA, the swizzled shared-memory layouts, the TMA descriptors (A/B
   loads, multicast across the cluster when it has more than one CTA along the other dimension; D and extra outputs
-  stores), the persistent scheduler's parameters (grouped rasterisation) and the shared-storage struct; the number of
-  pipeline stages is what the shared memory holds after the epilogue buffers.
+  stores), the persistent grid and the shared-storage struct; the number of pipeline stages is what the shared memory
+  holds after the epilogue buffers.
 Phase 1 (all warps): allocate shared memory, initialise the mainloop mbarrier pipeline, cluster-sync.
-Phase 2 (producer warpgroup, warp 0; registers lowered to 40): for each tile of this CTA, for each k-tile: wait for
-  an empty stage, TMA-load A and B into it (multicast to the cluster peers).
+Phase 2 (producer warpgroup, warp 0; registers lowered to 40): for each work unit of this CTA (``schedule.py``: a
+  tile in grouped raster order, or with stream-K a k-range of one), for each k-tile: wait for an empty stage,
+  TMA-load A and B into it (multicast to the cluster peers).
 Phase 3 (consumer warpgroups; registers raised to 232):
   cooperative: both warpgroups work on the same tile (64 or 128 rows each);
   ping-pong:   warpgroup w takes every other tile; an ordering barrier serialises the two mainloops so that one
@@ -21,8 +22,10 @@ Phase 3 (consumer warpgroups; registers raised to 232):
      reductions accumulate in registers across the sub-tiles and are reduced across the 4 lanes sharing a row, then
      written as one partial per (row, N-tile); per-column (axis m) reductions are reduced over a warp's rows
      (in-thread, then across the 8 lanes sharing a column) and written as one partial per (column, warp of the
-     M-tile). No atomics: deterministic. The scheduler pads the tile grid (cluster shape, swizzle groups); padded
-     tiles are computed but store nothing (TMA clips them; partial stores are predicated on the tile index).
+     M-tile). No atomics: deterministic. A stream-K tail segment stores its accumulator to the workspace instead;
+     the tile's head segment adds it before its epilogue (``schedule.py``). The grid is rounded up to whole
+     clusters only: the peer of a CTA past the last M- or N-tile computes a tile that stores nothing (TMA clips it,
+     partial stores are predicated on the tile index).
 """
 from __future__ import annotations
 
@@ -31,7 +34,6 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.tensor_utils import LayoutEnum
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -39,6 +41,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ..config import GemmConfig
+from . import schedule
 from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, EpiEnv, staged_operands,  # noqa: F401 (the x-slots)
                        tile_operand_cols, tile_tma_plan)
 
@@ -77,11 +80,18 @@ class GemmSm90:
     # ------------------------------------------------------------------------------------------------ phase 0: host
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor, max_active_clusters: cutlass.Constexpr,
-                 stream, x0=None, x1=None, x2=None, x3=None, x4=None, x5=None, x6=None, x7=None, x8=None, x9=None, x10=None, x11=None, x12=None, x13=None, x14=None, x15=None, x16=None, x17=None, x18=None, x19=None):
-        """x0..x19 (MAX_EPI_TENSORS): the epilogue's tensors in order: operands, extra outputs, reduction partial
-        buffers (the DSL takes no *args at the top level)."""
-        epi_args = [x for x in (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, x16, x17, x18, x19) if x is not None]
+                 stream, x0=None, x1=None, x2=None, x3=None, x4=None, x5=None, x6=None, x7=None, x8=None, x9=None, x10=None, x11=None, x12=None, x13=None, x14=None, x15=None, x16=None, x17=None, x18=None, x19=None,
+                 x20=None, x21=None):
+        """x0..x21: the epilogue's tensors in order (operands, extra outputs, reduction partial buffers; at most
+        MAX_EPI_TENSORS), then with ``cfg.streamk`` the stream-K workspace and flags (the DSL takes no *args at the
+        top level)."""
+        epi_args = [x for x in (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, x16, x17, x18,
+                                x19, x20, x21) if x is not None]
         cfg = self.cfg
+        sk_tensors = []
+        if cutlass.const_expr(cfg.streamk):
+            sk_tensors = epi_args[-2:]
+            epi_args = epi_args[:-2]
         self.ab_dtype = mA.element_type
         if cutlass.const_expr(mB.element_type != self.ab_dtype):
             raise TypeError(f"A is {self.ab_dtype} but B is {mB.element_type}")
@@ -140,12 +150,9 @@ class GemmSm90:
         self.tx_bytes = (cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0)))
                          + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0))))
 
-        # persistent scheduler over (M-tiles, N-tiles, L)
-        gD = cute.zipped_divide(mD, tiler=self.out_tile)
-        n_tiles_mnl = gD[(0, (None, None, None))].shape
-        sched = utils.PersistentTileSchedulerParams(n_tiles_mnl, (cfg.cluster_m, cfg.cluster_n, 1), cfg.swizzle,
-                                                    cfg.raster == "m")
-        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
+        # persistent grid (schedule.py): one cluster per cluster tile, at most what fits on the GPU at once
+        rows, cols = self._cluster_tiles(mD)
+        grid = (cfg.cluster_m, cfg.cluster_n, cutlass.min(rows * cols * mD.shape[2], max_active_clusters))
 
         ab_stage = self.ab_stage
         ab_dt = self.ab_dtype
@@ -159,8 +166,8 @@ class GemmSm90:
         self.shared_storage = SharedStorage  # the epilogue buffers (one per tile output) follow the struct
 
         self.kernel(tma_a, tA, tma_b, tB, mD, [s[0] for s in stores], [s[1] for s in stores], op_tensors,
-                    red_tensors, self.tiled_mma, a_smem, b_smem, epi_smems, sched,
-                    [x[0] for x in lds], [x[1] for x in lds], ld_smems).launch(
+                    red_tensors, self.tiled_mma, a_smem, b_smem, epi_smems,
+                    [x[0] for x in lds], [x[1] for x in lds], ld_smems, sk_tensors).launch(
             grid=grid, block=[3 * WG_THREADS, 1, 1], cluster=(cfg.cluster_m, cfg.cluster_n, 1),
             min_blocks_per_mp=1, stream=stream)
 
@@ -175,8 +182,8 @@ class GemmSm90:
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                mD: cute.Tensor, store_atoms: list, store_tensors: list, op_tensors: list, red_tensors: list,
                tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
-               epi_smems: list, sched_params: utils.PersistentTileSchedulerParams, ld_atoms: list,
-               ld_tensors: list, ld_smems: list):
+               epi_smems: list, ld_atoms: list,
+               ld_tensors: list, ld_smems: list, sk_tensors: list):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -236,13 +243,13 @@ class GemmSm90:
             # ---- phase 2: producer
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
-                sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
-                                                                   cute.arch.grid_dim())
-                work = sched.initial_work_tile_info()
+                w, n_dp, pos, end = self._work(mD, k_tiles)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-                while work.is_valid_tile:
-                    m, n, l = work.tile_idx
-                    for k in range(k_tiles):
+                u = cutlass.Int32(0)
+                while (u < n_dp) | (pos < end):  # every unit of this cluster (schedule.py), in order
+                    t, kb, ke, pos = schedule.unit(u, n_dp, pos, end, w["cluster"], w["n_clusters"], k_tiles)
+                    m, n, l = self._tile(w, t)
+                    for k in range(kb, ke):
                         mainloop.producer_acquire(state)
                         bar = mainloop.producer_get_barrier(state)
                         cute.copy(tma_a, tAgA[(None, m, k, l)], tAsA[(None, state.index)], tma_bar_ptr=bar,
@@ -251,18 +258,17 @@ class GemmSm90:
                                   mcast_mask=b_mask)
                         mainloop.producer_commit(state)
                         state.advance()
-                    sched.advance_to_next_work()
-                    work = sched.get_current_work()
+                    u += 1
                 mainloop.producer_tail(state)
         else:
             # ---- phase 3: consumers
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consumer(tidx, wg_idx - 1, mainloop, k_tiles, sA, sB, sOuts, sOps, tiled_mma, mD, store_atoms,
-                          store_tensors, op_tensors, red_tensors, sched_params, tile_ld)
+                          store_tensors, op_tensors, red_tensors, tile_ld, sk_tensors)
 
     @cute.jit
     def consumer(self, tidx, cwg, mainloop, k_tiles, sA, sB, sOuts, sOps, tiled_mma, mD, store_atoms,
-                 store_tensors, op_tensors, red_tensors, sched_params, tile_ld):
+                 store_tensors, op_tensors, red_tensors, tile_ld, sk_tensors):
         cfg = self.cfg
         pp = cfg.pingpong
         # thread index inside the group that shares a tile: the warpgroup (ping-pong) or both warpgroups
@@ -274,20 +280,23 @@ class GemmSm90:
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gD[(None, None, 0, 0, 0)]).shape, self.acc_dtype)
         k_blocks = cute.size(tCrA, mode=[2])
 
-        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
-                                                           cute.arch.grid_dim())
+        w, n_dp, pos, end = self._work(mD, k_tiles)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         tile_step = 1
+        u = cutlass.Int32(0)
         if cutlass.const_expr(pp):
             tile_step = 2
             if cwg == 1:  # warpgroup 1 starts on the CTA's second tile, after warpgroup 0's k-tiles
-                sched.advance_to_next_work()
+                u = cutlass.Int32(1)
                 read.advance(k_tiles)
                 release.advance(k_tiles)
                 # let warpgroup 0 start its first mainloop
                 cute.arch.barrier_arrive(barrier_id=BAR_ORDER, number_of_threads=2 * WG_THREADS)
-        work = sched.initial_work_tile_info() if cutlass.const_expr(not pp) else sched.get_current_work()
+        if cutlass.const_expr(cfg.streamk):
+            sk_bar = pipeline.NamedBarrier(barrier_id=BAR_EPI, num_threads=self.epi_threads)
+            sk_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            sk_size = cfg.cluster_m * cfg.cluster_n
 
         # ---- epilogue partitions (shared by every tile)
         epi = self._epi_setup(tiled_mma, etidx, cwg, sOuts, mD)
@@ -299,14 +308,17 @@ class GemmSm90:
         scalars = {o.name: op_tensors[i][0].to(cutlass.Float32)
                    for i, o in enumerate(self.epi.operands) if o.kind == "scalar"}
 
-        while work.is_valid_tile:
-            m, n, l = work.tile_idx
+        while (u < n_dp) | (pos < end):  # this consumer's units (schedule.py): whole tiles or stream-K segments
+            t, kb, ke, pos = schedule.unit(u, n_dp, pos, end, w["cluster"], w["n_clusters"], k_tiles)
+            m, n, l = self._tile(w, t)
             # this tile's VecN / VecM operand values, loaded now so the global-memory latency hides under the
             # mainloop; the epilogue writes them to shared memory
             pre = self._prefetch(op_tensors, m, n, l, etidx)
-            # and the TMA loads of its first two TileMN sub-tiles (into buffers the previous tile is done with)
-            for e in cutlass.range_constexpr(min(2, cfg.tile_n // cfg.epi_n)):
-                self._load_tiles(tile_ld, e, m, n, l, tiles_done, cwg, etidx)
+            # and the TMA loads of its first two TileMN sub-tiles (into buffers the previous tile is done with);
+            # a stream-K tail segment (kb > 0) runs no epilogue
+            if kb == 0:
+                for e in cutlass.range_constexpr(min(2, cfg.tile_n // cfg.epi_n)):
+                    self._load_tiles(tile_ld, e, m, n, l, tiles_done, cwg, etidx)
             # ---- 3a mainloop
             if cutlass.const_expr(pp):
                 cute.arch.barrier(barrier_id=BAR_ORDER + cwg, number_of_threads=2 * WG_THREADS)
@@ -314,17 +326,17 @@ class GemmSm90:
             mainloop.consumer_wait(read)
             warpgroup.fence()
             tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-            for kb in cutlass.range_constexpr(k_blocks):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
+            for j in cutlass.range_constexpr(k_blocks):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, j, read.index)], tCrB[(None, None, j, read.index)], acc)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
             read.advance()
-            for k in range(1, k_tiles):
+            for k in range(kb + 1, ke):
                 mainloop.consumer_wait(read)
                 warpgroup.fence()
-                for kb in cutlass.range_constexpr(k_blocks):
-                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
-                              tCrB[(None, None, kb, read.index)], acc)
+                for j in cutlass.range_constexpr(k_blocks):
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, j, read.index)],
+                              tCrB[(None, None, j, read.index)], acc)
                 warpgroup.commit_group()
                 warpgroup.wait_group(1)  # the previous k-tile's WGMMAs are done: release its stage
                 mainloop.consumer_release(release)
@@ -339,14 +351,54 @@ class GemmSm90:
                 read.advance(k_tiles)
                 release.advance(k_tiles)
 
-            # ---- 3b epilogue
-            self._epilogue(epi, acc, m, n, l, tiles_done, store_pipe, mD, store_atoms, store_tensors,
-                           op_tensors, red_tensors, cwg, dict(pre=pre, sOps=sOps, scalars=scalars, ld=tile_ld,
-                                                              etidx=etidx))
-            tiles_done += 1
-            sched.advance_to_next_work(advance_count=tile_step)
-            work = sched.get_current_work()
+            # ---- 3b epilogue (stream-K: a tail segment hands its partial to the tile's head, the head adds it)
+            stage = dict(pre=pre, sOps=sOps, scalars=scalars, ld=tile_ld, etidx=etidx)
+            if cutlass.const_expr(cfg.streamk):
+                ws, flags = sk_tensors
+                if kb > 0:
+                    schedule.store_partial(acc, ws, flags, w["cluster"] * sk_size + sk_rank, etidx,
+                                           self.epi_threads, sk_bar)
+                else:
+                    if ke < k_tiles:
+                        schedule.add_partial(acc, ws, flags, (w["cluster"] + 1) * sk_size + sk_rank, etidx,
+                                             self.epi_threads, sk_bar)
+                    self._epilogue(epi, acc, m, n, l, tiles_done, store_pipe, mD, store_atoms, store_tensors,
+                                   op_tensors, red_tensors, cwg, stage)
+                    tiles_done += 1
+            else:
+                self._epilogue(epi, acc, m, n, l, tiles_done, store_pipe, mD, store_atoms, store_tensors,
+                               op_tensors, red_tensors, cwg, stage)
+                tiles_done += 1
+            u += tile_step
         store_pipe.producer_tail()
+
+    def _cluster_tiles(self, mD):
+        """(cluster rows, cluster columns) of the output (a batch adds mD.shape[2] times as many cluster tiles)."""
+        cfg = self.cfg
+        tiles_m = (mD.shape[0] + self.out_tile[0] - 1) // self.out_tile[0]
+        tiles_n = (mD.shape[1] + self.out_tile[1] - 1) // self.out_tile[1]
+        return (tiles_m + cfg.cluster_m - 1) // cfg.cluster_m, (tiles_n + cfg.cluster_n - 1) // cfg.cluster_n
+
+    @cute.jit
+    def _work(self, mD, k_tiles):
+        """This CTA's place in the schedule (schedule.py): (facts for ``_tile``, data-parallel tile count,
+        stream-K iteration range)."""
+        cfg = self.cfg
+        bidx, bidy, bidz = cute.arch.block_idx()
+        _, _, n_clusters = cute.arch.grid_dim()
+        rows, cols = self._cluster_tiles(mD)
+        n_dp, pos, end = schedule.plan(k_tiles, rows * cols * mD.shape[2], bidz, n_clusters, cfg.streamk)
+        w = dict(rows=rows, cols=cols, cluster=bidz, n_clusters=n_clusters, rank_m=bidx % cfg.cluster_m,
+                 rank_n=bidy % cfg.cluster_n)
+        return w, n_dp, pos, end
+
+    @cute.jit
+    def _tile(self, w, t):
+        """CTA tile (m, n, l) of linear cluster tile t."""
+        cfg = self.cfg
+        mc, nc, l = schedule.tile_coord(t, w["rows"], w["cols"], cfg.swizzle, cfg.raster == "m")
+        return (cute.arch.make_warp_uniform(mc * cfg.cluster_m + w["rank_m"]),
+                cute.arch.make_warp_uniform(nc * cfg.cluster_n + w["rank_n"]), cute.arch.make_warp_uniform(l))
 
     # ------------------------------------------------------------------------------------------------- epilogue
     @cute.jit
