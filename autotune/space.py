@@ -35,19 +35,18 @@ RASTERS = ("m", "n")
 SWIZZLES = (1, 4, 8, 16)
 STAGES = (None, 3, 4, 5, 6)
 EPI_N = (32, 64)
-STREAMK = (False, True)
 
 # the first-order knobs: what the quick tuning level varies (the rest stay at GemmConfig's defaults)
-QUICK_DEFAULTS = dict(swizzle=GemmConfig.swizzle, stages=None, epi_n=GemmConfig.epi_n, streamk=False)
+QUICK_DEFAULTS = dict(swizzle=GemmConfig.swizzle, stages=None, epi_n=GemmConfig.epi_n)
 
 VERIFIED_TILES = frozenset((c.tile_m, c.tile_n, c.pingpong) for c in all_configs())
 
 
 def enumerate_space() -> Iterator[GemmConfig]:
-    for tm, tn, pp, (cm, cn), r, sw, st, en, sk in itertools.product(TILE_M, TILE_N, SCHEDULES, CLUSTERS, RASTERS,
-                                                                       SWIZZLES, STAGES, EPI_N, STREAMK):
+    for tm, tn, pp, (cm, cn), r, sw, st, en in itertools.product(TILE_M, TILE_N, SCHEDULES, CLUSTERS, RASTERS,
+                                                                   SWIZZLES, STAGES, EPI_N):
         yield GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=pp, raster=r, swizzle=sw,
-                         stages=st, epi_n=en, streamk=sk)
+                         stages=st, epi_n=en)
 
 
 def epilogue_tensor_count(epi: Any) -> int:

@@ -18,11 +18,9 @@ from .config import GemmConfig, all_configs
 from .kernels.epilogue import IDENTITY, Epilogue
 
 
-def fake_args(epi: Epilogue, in_dtype: str = "bf16", out_dtype: str = "bf16", majors=("k", "k"),
-              streamk: bool = False):
-    """Fake (shape-symbolic) tensors in the kernel's argument order: A, B, D, then the epilogue's tensors (and the
-    stream-K workspace and flags with ``streamk``). ``majors``: the contiguous dim of A and B, "k" (K-major, the
-    default) or "mn" (M / N contiguous)."""
+def fake_args(epi: Epilogue, in_dtype: str = "bf16", out_dtype: str = "bf16", majors=("k", "k")):
+    """Fake (shape-symbolic) tensors in the kernel's argument order: A, B, D, then the epilogue's tensors.
+    ``majors``: the contiguous dim of A and B, "k" (K-major, the default) or "mn" (M / N contiguous)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor
@@ -44,8 +42,6 @@ def fake_args(epi: Epilogue, in_dtype: str = "bf16", out_dtype: str = "bf16", ma
     xs += [mat(out_dtype, M, N) for _ in epi.outputs]
     for r in epi.kernel_reductions():
         xs.append(f32(M if r.axis == "n" else N, cute.sym_int32(), L, order=(0, 1, 2)))
-    if streamk:
-        xs += [f32(cute.sym_int32()), make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(),), assumed_align=16)]
     return [mat(in_dtype, M, K, majors[0]), mat(in_dtype, N, K, majors[1]), mat(out_dtype, M, N)], xs
 
 
@@ -63,7 +59,7 @@ def compile_variant(cfg: GemmConfig, epi: Epilogue = IDENTITY, in_dtype="bf16", 
     with tempfile.TemporaryDirectory() as d:
         try:
             t = time.time()
-            (a, b, c), xs = fake_args(epi, in_dtype, out_dtype, majors, cfg.streamk)
+            (a, b, c), xs = fake_args(epi, in_dtype, out_dtype, majors)
             cute.compile(GemmSm90(cfg, epi), a, b, c, 132 // (cfg.cluster_m * cfg.cluster_n),
                          crt.make_fake_stream(), *xs, options=f"--gpu-arch={arch} --keep-ptx --dump-dir={d}")
             row["seconds"] = time.time() - t

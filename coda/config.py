@@ -9,9 +9,7 @@ A :class:`GemmConfig` selects, at compile time:
 - the cluster shape ``cluster_m x cluster_n`` (1x1, 2x1, 1x2): A is TMA-multicast along the cluster's N extent, B
   along its M extent;
 - the persistent tile scheduler's rasterisation (``raster="m"`` walks down M inside a group of ``swizzle`` N-tiles);
-- the number of pipeline stages (``stages=None`` derives it from the shared memory left after the epilogue);
-- ``streamk`` (cooperative only): the last partial wave of tiles is shared out as equal k-ranges over all the
-  persistent clusters, split tiles fixed up through an fp32 workspace (``coda/kernels/schedule.py``).
+- the number of pipeline stages (``stages=None`` derives it from the shared memory left after the epilogue).
 
 No object in this module imports cutlass: configs are plain data and cheap to enumerate.
 """
@@ -39,7 +37,6 @@ class GemmConfig:
     swizzle: int = 8
     stages: Optional[int] = None
     epi_n: int = 32
-    streamk: bool = False
 
     # -- derived ---------------------------------------------------------------------------------------------------
     @property
@@ -60,9 +57,8 @@ class GemmConfig:
     def name(self) -> str:
         sched = "pp" if self.pingpong else "coop"
         st = f"_s{self.stages}" if self.stages else ""
-        sk = "_sk" if self.streamk else ""
         return (f"{self.tile_m}x{self.tile_n}_{sched}_c{self.cluster_m}x{self.cluster_n}"
-                f"_r{self.raster}{self.swizzle}{st}{sk}")
+                f"_r{self.raster}{self.swizzle}{st}")
 
     def problems(self) -> list[str]:
         """Reasons this config cannot be built (empty list: valid)."""
@@ -87,8 +83,6 @@ class GemmConfig:
             out.append(f"epi_n must be 16, 32 or 64 and divide tile_n={self.tile_n}, got {self.epi_n}")
         if self.stages is not None and self.stages < 2:
             out.append(f"stages must be >= 2, got {self.stages}")
-        if self.streamk and self.pingpong:
-            out.append("streamk needs the cooperative schedule (pingpong=False)")
         return out
 
     def validate(self) -> "GemmConfig":
@@ -125,10 +119,9 @@ def all_configs() -> Iterator[GemmConfig]:
     tiles = {False: [(128, 128), (128, 256), (256, 128)], True: [(128, 128), (64, 256), (64, 128)]}
     for pingpong, shapes in tiles.items():
         for (tm, tn), (cm, cn) in itertools.product(shapes, [(1, 1), (2, 1), (1, 2)]):
-            for sk in (False, True) if not pingpong else (False,):
-                cfg = GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=pingpong, streamk=sk)
-                if not cfg.problems():
-                    yield cfg
+            cfg = GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=pingpong)
+            if not cfg.problems():
+                yield cfg
 
 
 def default_config(M: int, N: int, K: int) -> GemmConfig:

@@ -204,9 +204,6 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
     views = [_canonical(_mnl(a3), la), _canonical(_mnl(b3), lb), _canonical(_mnl(out3), 1)]
     views += [_canonical(t, lead) for t, lead in args]
     leads = [la, lb, 1] + [lead for _, lead in args]
-    if cfg.streamk:  # the fixup workspace of the current stream (coda/kernels/schedule.py)
-        views += _streamk_workspace(cfg, res.device, _launch.stream_handle(_device_index(res.device)))
-        leads += [0, 0]
     tiles = [v for op, v in zip(epi.operands, views[3:]) if op.kind == "tile"]
     if tiles:  # TileMN operands: TMA-loaded when 16-byte aligned (and the smem allows), else element by element
         sig += (("tile_aligned", tuple(tma_aligned(v) for v in tiles)),)
@@ -214,29 +211,8 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
     return res, key, views, leads, outs, partials
 
 
-_sk_bufs: dict = {}
-
-
 def _device_index(device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _streamk_workspace(cfg: GemmConfig, device, stream: int):
-    """[workspace, flags] of a stream-K launch on ``stream``: one fp32 tile slot and one int32 flag per persistent
-    CTA (17 MB for 128 x 256 tiles on 132 SMs). The flags are zero between launches (a launch resets every flag it
-    raises). One pair per (device, stream): kernels on different streams never share one; a pair too small for
-    this config is replaced (stream-ordered: launches queued on the old one finish first)."""
-    size = cfg.cluster_m * cfg.cluster_n
-    ctas = _max_active_clusters(size, device) * size
-    n = ctas * cfg.tile_m * cfg.tile_n
-    key = (device, stream)
-    bufs = _sk_bufs.get(key)
-    if bufs is None or bufs[0].numel() < n or bufs[1].numel() < ctas:
-        n = max(n, bufs[0].numel() if bufs else 0)
-        bufs = [torch.empty(n, dtype=torch.float32, device=device),
-                torch.zeros(max(ctas, bufs[1].numel() if bufs else 0), dtype=torch.int32, device=device)]
-        _sk_bufs[key] = bufs
-    return bufs
 
 
 _zero_bufs: dict = {}
@@ -304,7 +280,6 @@ def _make_plan(fn, cute_args, views, handle, prob, cfg, epi, tensors, device_ind
     except _launch.PlanError:
         return None
     plan.prob, plan.cfg, plan.epi, plan.device_index = prob, cfg, epi, device_index
-    plan.has_epi_args = len(views) - (2 if cfg.streamk else 0) > 3  # the stream-K workspace is not the epilogue's
     # an epilogue with tensor operands only (no extra outputs, no reductions, no scalars) whose kernel arguments
     # are the operands' own memory (views): a repeated call only needs the operands' data pointers
     plan.operand_names = None
@@ -343,21 +318,18 @@ def _run_plan(plan, a, b, out, operands):
         res = out
     epi = plan.epi
     stream = _launch.stream_handle(plan.device_index)
-    sk = ()
-    if plan.cfg.streamk:
-        sk = tuple(t.data_ptr() for t in _streamk_workspace(plan.cfg, res.device, stream))
     if plan.operand_names is not None:  # operands only, each passed as is: just their pointers
-        plan.launch((pa, pb, po, *(operands[n].data_ptr() for n in plan.operand_names), *sk), stream)
+        plan.launch((pa, pb, po, *(operands[n].data_ptr() for n in plan.operand_names)), stream)
         return res
     if plan.has_epi_args:
         out3 = res if res.dim() == 3 else res.unsqueeze(0)
         if prob.b_broadcast:
             out3 = out3.reshape(1, prob.L * prob.M, prob.out_shape[-1])
         args, outs, partials = epilogue_tensors(epi, prob, operands, out3, plan.cfg)
-        plan.launch([pa, pb, po, *(t.data_ptr() for t, _ in args), *sk], stream)
+        plan.launch([pa, pb, po, *(t.data_ptr() for t, _ in args)], stream)
         reds = {name: finish_reduction(p, op) for name, (p, op) in partials.items()}
         return _package(epi, res, outs, reds, prob)
-    plan.launch((pa, pb, po, *sk), stream)
+    plan.launch((pa, pb, po), stream)
     return _package(epi, res, {}, {}, prob)
 
 

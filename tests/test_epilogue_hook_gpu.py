@@ -93,16 +93,6 @@ def test_everything(cfg, L, epi):
     _check_everything(cfg, L, epi, 333, 520, 264)  # ragged: partial tiles in M and N
 
 
-@pytest.mark.parametrize("epi", [OperandsAndReductions(), Everything()], ids=lambda e: e.name)
-@pytest.mark.parametrize("cfg", [GemmConfig(streamk=True), GemmConfig(tile_m=256, tile_n=128, cluster_m=1,
-                                                                        cluster_n=2, streamk=True)],
-                         ids=lambda c: c.name)
-def test_everything_streamk(cfg, epi):
-    """Stream-K: split tiles run the epilogue (operands, outputs, reductions) once, at the tile's head segment;
-    4000 x 2104 has more cluster tiles than clusters and a partial last wave (K = 520: 9 ragged k-tiles)."""
-    _check_everything(cfg, None, epi, 4000, 2104, 520)
-
-
 def _check_everything(cfg, L, epi, M, N, K):
     lead = (L,) if L else ()
     dev, dt = "cuda", torch.bfloat16

@@ -96,67 +96,10 @@ def test_tensors_that_require_grad_are_read_not_tracked():
     torch.testing.assert_close(out.float(), (a.detach().float() @ b.detach().float().T), rtol=2e-2, atol=2e-2)
 
 
-# ---- stream-K (coda/kernels/schedule.py): the last wave split into k-ranges, partials fixed up through a workspace
-SK_CONFIGS = [c for c in all_configs() if c.streamk]
 
-
-def _split_shape(cfg, K, L=1):
-    """(M, N) whose last wave ``cfg`` splits: the kernel's schedule (its Python mirror) has split tiles."""
-    from coda.gemm import _max_active_clusters
-    from coda.kernels.schedule import schedule
-    P = _max_active_clusters(cfg.cluster_m * cfg.cluster_n)
-    for M, N in [(4000, 2104), (8191, 4104), (3000, 5000), (6000, 3000), (2000, 9000)]:
-        rows = -(-(-(-M // cfg.tile_m)) // cfg.cluster_m)
-        cols = -(-(-(-N // cfg.tile_n)) // cfg.cluster_n)
-        if any(kb > 0 for units in schedule(rows * cols * L, P, -(-K // 64)) for _, kb, _ in units):
-            return M, N
-    raise AssertionError(f"no shape splits the last wave of {cfg.name}")
-
-
-@pytest.mark.parametrize("cfg", SK_CONFIGS, ids=lambda c: c.name)
-@pytest.mark.parametrize("K", [136, 1032])
-def test_streamk_exact_on_integers(cfg, K):
-    """Small-integer inputs make every fp32 sum exact, so the output must equal the fp64 reference bit for bit: a
-    k-tile counted twice or dropped by the split shows. Fresh inputs on every launch, so a flag left raised by the
-    previous launch (a stale partial) would show too."""
-    M, N = _split_shape(cfg, K)
-    for _ in range(3):
-        a = torch.randint(-2, 3, (M, K), device="cuda").to(torch.bfloat16)
-        b = torch.randint(-2, 3, (N, K), device="cuda").to(torch.bfloat16)
-        out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float32)
-        coda.gemm(a, b, out=out, config=cfg)
-        ref = a.double() @ b.double().T
-        assert torch.equal(out.double(), ref), f"{cfg.name} {M}x{N}x{K}: {(out.double() - ref).abs().max().item()}"
-
-
-@pytest.mark.parametrize("cfg", [GemmConfig(streamk=True), GemmConfig(tile_m=256, tile_n=128, cluster_m=1,
-                                                                        cluster_n=2, streamk=True)],
-                         ids=lambda c: c.name)
-def test_streamk_random_batched_and_transposed(cfg):
-    """The 2x rule with random data: batched (the split runs across batches), ragged K, MN-major operands (the
-    backward's dW = dY^T X), fp16; and bitwise determinism (head + tail, always in that order)."""
-    M, N = _split_shape(cfg, 1000, L=3)
-    run_check(M, N, 1000, torch.bfloat16, L=3, config=cfg)
-    M, N = _split_shape(cfg, 1032)
-    run_check(M, N, 1032, torch.float16, config=cfg, majors=("mn", "mn"))
-    a = torch.randn(M, 1032, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(N, 1032, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(coda.gemm(a, b, config=cfg), coda.gemm(a, b, config=cfg))
-
-
-def test_streamk_two_streams():
-    """Kernels on two streams at once use separate workspaces (a shared one would mix their partials)."""
-    cfg = GemmConfig(streamk=True)
-    M, N = _split_shape(cfg, 2056)
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    jobs = []
-    torch.cuda.synchronize()
-    for i in range(6):
-        s = streams[i % 2]
-        with torch.cuda.stream(s):
-            a = torch.randint(-2, 3, (M, 2056), device="cuda").to(torch.bfloat16)
-            b = torch.randint(-2, 3, (N, 2056), device="cuda").to(torch.bfloat16)
-            jobs.append((a, b, coda.gemm(a, b, out_dtype=torch.float32, config=cfg)))
-    torch.cuda.synchronize()
-    for a, b, out in jobs:
-        assert torch.equal(out.double(), a.double() @ b.double().T)
+@pytest.mark.parametrize("N,K", [(1024, 1024), (2816, 1032), (4104, 136)])
+def test_tiles_past_a_swizzle_group(N, K):
+    """Column-tile counts that are not a multiple of the raster's swizzle group (4, 11, 17 tiles of 256 for a
+    group of 8): the narrower last group (schedule.py) must still cover every tile once."""
+    run_check(8192, N, K, torch.bfloat16)
+    run_check(1000, N, K, torch.bfloat16, L=2, config=GemmConfig(raster="n", swizzle=4))

@@ -9,9 +9,9 @@ Phase 0 (host, ``__call__``): build the tiled WGMMA, the swizzled shared-memory 
   stores), the persistent grid and the shared-storage struct; the number of pipeline stages is what the shared memory
   holds after the epilogue buffers.
 Phase 1 (all warps): allocate shared memory, initialise the mainloop mbarrier pipeline, cluster-sync.
-Phase 2 (producer warpgroup, warp 0; registers lowered to 40): for each work unit of this CTA (``schedule.py``: a
-  tile in grouped raster order, or with stream-K a k-range of one), for each k-tile: wait for an empty stage,
-  TMA-load A and B into it (multicast to the cluster peers).
+Phase 2 (producer warpgroup, warp 0; registers lowered to 40): for each tile of this CTA (``schedule.py``: grouped
+  raster order), for each k-tile: wait for an empty stage, TMA-load A and B into it (multicast to the cluster
+  peers).
 Phase 3 (consumer warpgroups; registers raised to 232):
   cooperative: both warpgroups work on the same tile (64 or 128 rows each);
   ping-pong:   warpgroup w takes every other tile; an ordering barrier serialises the two mainloops so that one
@@ -22,9 +22,7 @@ Phase 3 (consumer warpgroups; registers raised to 232):
      reductions accumulate in registers across the sub-tiles and are reduced across the 4 lanes sharing a row, then
      written as one partial per (row, N-tile); per-column (axis m) reductions are reduced over a warp's rows
      (in-thread, then across the 8 lanes sharing a column) and written as one partial per (column, warp of the
-     M-tile). No atomics: deterministic. A stream-K tail segment stores its accumulator to the workspace instead;
-     the tile's head segment adds it before its epilogue (``schedule.py``). The grid is rounded up to whole
-     clusters only: the peer of a CTA past the last M- or N-tile computes a tile that stores nothing (TMA clips it,
+     M-tile). No atomics: deterministic. The tile grid is rounded up to whole clusters only: the peer of a CTA past the last M- or N-tile computes a tile that stores nothing (TMA clips it,
      partial stores are predicated on the tile index).
 """
 from __future__ import annotations
@@ -80,18 +78,12 @@ class GemmSm90:
     # ------------------------------------------------------------------------------------------------ phase 0: host
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor, max_active_clusters: cutlass.Constexpr,
-                 stream, x0=None, x1=None, x2=None, x3=None, x4=None, x5=None, x6=None, x7=None, x8=None, x9=None, x10=None, x11=None, x12=None, x13=None, x14=None, x15=None, x16=None, x17=None, x18=None, x19=None,
-                 x20=None, x21=None):
-        """x0..x21: the epilogue's tensors in order (operands, extra outputs, reduction partial buffers; at most
-        MAX_EPI_TENSORS), then with ``cfg.streamk`` the stream-K workspace and flags (the DSL takes no *args at the
-        top level)."""
+                 stream, x0=None, x1=None, x2=None, x3=None, x4=None, x5=None, x6=None, x7=None, x8=None, x9=None, x10=None, x11=None, x12=None, x13=None, x14=None, x15=None, x16=None, x17=None, x18=None, x19=None):
+        """x0..x19 (MAX_EPI_TENSORS): the epilogue's tensors in order: operands, extra outputs, reduction partial
+        buffers (the DSL takes no *args at the top level)."""
         epi_args = [x for x in (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, x16, x17, x18,
-                                x19, x20, x21) if x is not None]
+                                x19) if x is not None]
         cfg = self.cfg
-        sk_tensors = []
-        if cutlass.const_expr(cfg.streamk):
-            sk_tensors = epi_args[-2:]
-            epi_args = epi_args[:-2]
         self.ab_dtype = mA.element_type
         if cutlass.const_expr(mB.element_type != self.ab_dtype):
             raise TypeError(f"A is {self.ab_dtype} but B is {mB.element_type}")
@@ -167,7 +159,7 @@ class GemmSm90:
 
         self.kernel(tma_a, tA, tma_b, tB, mD, [s[0] for s in stores], [s[1] for s in stores], op_tensors,
                     red_tensors, self.tiled_mma, a_smem, b_smem, epi_smems,
-                    [x[0] for x in lds], [x[1] for x in lds], ld_smems, sk_tensors).launch(
+                    [x[0] for x in lds], [x[1] for x in lds], ld_smems).launch(
             grid=grid, block=[3 * WG_THREADS, 1, 1], cluster=(cfg.cluster_m, cfg.cluster_n, 1),
             min_blocks_per_mp=1, stream=stream)
 
@@ -183,7 +175,7 @@ class GemmSm90:
                mD: cute.Tensor, store_atoms: list, store_tensors: list, op_tensors: list, red_tensors: list,
                tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
                epi_smems: list, ld_atoms: list,
-               ld_tensors: list, ld_smems: list, sk_tensors: list):
+               ld_tensors: list, ld_smems: list):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -243,13 +235,12 @@ class GemmSm90:
             # ---- phase 2: producer
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
-                w, n_dp, pos, end = self._work(mD, k_tiles)
+                w = self._work(mD)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-                u = cutlass.Int32(0)
-                while (u < n_dp) | (pos < end):  # every unit of this cluster (schedule.py), in order
-                    t, kb, ke, pos = schedule.unit(u, n_dp, pos, end, w["cluster"], w["n_clusters"], k_tiles)
+                t = w["cluster"]
+                while t < w["n_tiles"]:  # this cluster's tiles: c, c + P, ... (schedule.py)
                     m, n, l = self._tile(w, t)
-                    for k in range(kb, ke):
+                    for k in range(k_tiles):
                         mainloop.producer_acquire(state)
                         bar = mainloop.producer_get_barrier(state)
                         cute.copy(tma_a, tAgA[(None, m, k, l)], tAsA[(None, state.index)], tma_bar_ptr=bar,
@@ -258,17 +249,17 @@ class GemmSm90:
                                   mcast_mask=b_mask)
                         mainloop.producer_commit(state)
                         state.advance()
-                    u += 1
+                    t += w["n_clusters"]
                 mainloop.producer_tail(state)
         else:
             # ---- phase 3: consumers
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consumer(tidx, wg_idx - 1, mainloop, k_tiles, sA, sB, sOuts, sOps, tiled_mma, mD, store_atoms,
-                          store_tensors, op_tensors, red_tensors, tile_ld, sk_tensors)
+                          store_tensors, op_tensors, red_tensors, tile_ld)
 
     @cute.jit
     def consumer(self, tidx, cwg, mainloop, k_tiles, sA, sB, sOuts, sOps, tiled_mma, mD, store_atoms,
-                 store_tensors, op_tensors, red_tensors, tile_ld, sk_tensors):
+                 store_tensors, op_tensors, red_tensors, tile_ld):
         cfg = self.cfg
         pp = cfg.pingpong
         # thread index inside the group that shares a tile: the warpgroup (ping-pong) or both warpgroups
@@ -280,23 +271,19 @@ class GemmSm90:
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gD[(None, None, 0, 0, 0)]).shape, self.acc_dtype)
         k_blocks = cute.size(tCrA, mode=[2])
 
-        w, n_dp, pos, end = self._work(mD, k_tiles)
+        w = self._work(mD)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         tile_step = 1
-        u = cutlass.Int32(0)
+        t = w["cluster"]
         if cutlass.const_expr(pp):
             tile_step = 2
             if cwg == 1:  # warpgroup 1 starts on the CTA's second tile, after warpgroup 0's k-tiles
-                u = cutlass.Int32(1)
+                t += w["n_clusters"]
                 read.advance(k_tiles)
                 release.advance(k_tiles)
                 # let warpgroup 0 start its first mainloop
                 cute.arch.barrier_arrive(barrier_id=BAR_ORDER, number_of_threads=2 * WG_THREADS)
-        if cutlass.const_expr(cfg.streamk):
-            sk_bar = pipeline.NamedBarrier(barrier_id=BAR_EPI, num_threads=self.epi_threads)
-            sk_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            sk_size = cfg.cluster_m * cfg.cluster_n
 
         # ---- epilogue partitions (shared by every tile)
         epi = self._epi_setup(tiled_mma, etidx, cwg, sOuts, mD)
@@ -308,17 +295,14 @@ class GemmSm90:
         scalars = {o.name: op_tensors[i][0].to(cutlass.Float32)
                    for i, o in enumerate(self.epi.operands) if o.kind == "scalar"}
 
-        while (u < n_dp) | (pos < end):  # this consumer's units (schedule.py): whole tiles or stream-K segments
-            t, kb, ke, pos = schedule.unit(u, n_dp, pos, end, w["cluster"], w["n_clusters"], k_tiles)
+        while t < w["n_tiles"]:  # this consumer's tiles (schedule.py)
             m, n, l = self._tile(w, t)
             # this tile's VecN / VecM operand values, loaded now so the global-memory latency hides under the
             # mainloop; the epilogue writes them to shared memory
             pre = self._prefetch(op_tensors, m, n, l, etidx)
-            # and the TMA loads of its first two TileMN sub-tiles (into buffers the previous tile is done with);
-            # a stream-K tail segment (kb > 0) runs no epilogue
-            if kb == 0:
-                for e in cutlass.range_constexpr(min(2, cfg.tile_n // cfg.epi_n)):
-                    self._load_tiles(tile_ld, e, m, n, l, tiles_done, cwg, etidx)
+            # and the TMA loads of its first two TileMN sub-tiles (into buffers the previous tile is done with)
+            for e in cutlass.range_constexpr(min(2, cfg.tile_n // cfg.epi_n)):
+                self._load_tiles(tile_ld, e, m, n, l, tiles_done, cwg, etidx)
             # ---- 3a mainloop
             if cutlass.const_expr(pp):
                 cute.arch.barrier(barrier_id=BAR_ORDER + cwg, number_of_threads=2 * WG_THREADS)
@@ -331,7 +315,7 @@ class GemmSm90:
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
             read.advance()
-            for k in range(kb + 1, ke):
+            for k in range(1, k_tiles):
                 mainloop.consumer_wait(read)
                 warpgroup.fence()
                 for j in cutlass.range_constexpr(k_blocks):
@@ -351,25 +335,12 @@ class GemmSm90:
                 read.advance(k_tiles)
                 release.advance(k_tiles)
 
-            # ---- 3b epilogue (stream-K: a tail segment hands its partial to the tile's head, the head adds it)
-            stage = dict(pre=pre, sOps=sOps, scalars=scalars, ld=tile_ld, etidx=etidx)
-            if cutlass.const_expr(cfg.streamk):
-                ws, flags = sk_tensors
-                if kb > 0:
-                    schedule.store_partial(acc, ws, flags, w["cluster"] * sk_size + sk_rank, etidx,
-                                           self.epi_threads, sk_bar)
-                else:
-                    if ke < k_tiles:
-                        schedule.add_partial(acc, ws, flags, (w["cluster"] + 1) * sk_size + sk_rank, etidx,
-                                             self.epi_threads, sk_bar)
-                    self._epilogue(epi, acc, m, n, l, tiles_done, store_pipe, mD, store_atoms, store_tensors,
-                                   op_tensors, red_tensors, cwg, stage)
-                    tiles_done += 1
-            else:
-                self._epilogue(epi, acc, m, n, l, tiles_done, store_pipe, mD, store_atoms, store_tensors,
-                               op_tensors, red_tensors, cwg, stage)
-                tiles_done += 1
-            u += tile_step
+            # ---- 3b epilogue
+            self._epilogue(epi, acc, m, n, l, tiles_done, store_pipe, mD, store_atoms, store_tensors,
+                           op_tensors, red_tensors, cwg, dict(pre=pre, sOps=sOps, scalars=scalars, ld=tile_ld,
+                                                              etidx=etidx))
+            tiles_done += 1
+            t += tile_step * w["n_clusters"]
         store_pipe.producer_tail()
 
     def _cluster_tiles(self, mD):
@@ -380,17 +351,15 @@ class GemmSm90:
         return (tiles_m + cfg.cluster_m - 1) // cfg.cluster_m, (tiles_n + cfg.cluster_n - 1) // cfg.cluster_n
 
     @cute.jit
-    def _work(self, mD, k_tiles):
-        """This CTA's place in the schedule (schedule.py): (facts for ``_tile``, data-parallel tile count,
-        stream-K iteration range)."""
+    def _work(self, mD):
+        """This CTA's place in the persistent schedule (schedule.py): cluster tiles, this cluster's index, the
+        number of clusters, the CTA's rank in its cluster."""
         cfg = self.cfg
         bidx, bidy, bidz = cute.arch.block_idx()
         _, _, n_clusters = cute.arch.grid_dim()
         rows, cols = self._cluster_tiles(mD)
-        n_dp, pos, end = schedule.plan(k_tiles, rows * cols * mD.shape[2], bidz, n_clusters, cfg.streamk)
-        w = dict(rows=rows, cols=cols, cluster=bidz, n_clusters=n_clusters, rank_m=bidx % cfg.cluster_m,
-                 rank_n=bidy % cfg.cluster_n)
-        return w, n_dp, pos, end
+        return dict(rows=rows, cols=cols, n_tiles=rows * cols * mD.shape[2], cluster=bidz, n_clusters=n_clusters,
+                    rank_m=bidx % cfg.cluster_m, rank_n=bidy % cfg.cluster_n)
 
     @cute.jit
     def _tile(self, w, t):
