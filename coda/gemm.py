@@ -154,7 +154,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
         return _package(epi, res, outs, partials, prob)
     ts = [_cute(v, lead) for v, lead in zip(views, leads)]
     import cuda.bindings.driver as cuda
-    device_index = _device_index(res.device)
+    device_index = res.device.index if res.device.index is not None else torch.cuda.current_device()
     handle = _launch.stream_handle(device_index)
     cute_args = [*ts[:3], cuda.CUstream(handle), *ts[3:]]
     fn = _compiled(key, cfg, epi, prob, cute_args)
@@ -203,16 +203,12 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
         sig += (("major", la, lb),)
     views = [_canonical(_mnl(a3), la), _canonical(_mnl(b3), lb), _canonical(_mnl(out3), 1)]
     views += [_canonical(t, lead) for t, lead in args]
-    leads = [la, lb, 1] + [lead for _, lead in args]
     tiles = [v for op, v in zip(epi.operands, views[3:]) if op.kind == "tile"]
     if tiles:  # TileMN operands: TMA-loaded when 16-byte aligned (and the smem allows), else element by element
         sig += (("tile_aligned", tuple(tma_aligned(v) for v in tiles)),)
     key = (cfg, epi.key(), prob.in_dtype, prob.out_dtype, sig)
+    leads = [la, lb, 1] + [lead for _, lead in args]
     return res, key, views, leads, outs, partials
-
-
-def _device_index(device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 _zero_bufs: dict = {}
@@ -317,19 +313,19 @@ def _run_plan(plan, a, b, out, operands):
             return None
         res = out
     epi = plan.epi
-    stream = _launch.stream_handle(plan.device_index)
     if plan.operand_names is not None:  # operands only, each passed as is: just their pointers
-        plan.launch((pa, pb, po, *(operands[n].data_ptr() for n in plan.operand_names)), stream)
+        plan.launch((pa, pb, po, *(operands[n].data_ptr() for n in plan.operand_names)),
+                    _launch.stream_handle(plan.device_index))
         return res
     if plan.has_epi_args:
         out3 = res if res.dim() == 3 else res.unsqueeze(0)
         if prob.b_broadcast:
             out3 = out3.reshape(1, prob.L * prob.M, prob.out_shape[-1])
         args, outs, partials = epilogue_tensors(epi, prob, operands, out3, plan.cfg)
-        plan.launch([pa, pb, po, *(t.data_ptr() for t, _ in args)], stream)
+        plan.launch([pa, pb, po, *(t.data_ptr() for t, _ in args)], _launch.stream_handle(plan.device_index))
         reds = {name: finish_reduction(p, op) for name, (p, op) in partials.items()}
         return _package(epi, res, outs, reds, prob)
-    plan.launch((pa, pb, po), stream)
+    plan.launch((pa, pb, po), _launch.stream_handle(plan.device_index))
     return _package(epi, res, {}, {}, prob)
 
 

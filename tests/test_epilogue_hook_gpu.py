@@ -90,10 +90,7 @@ class OperandsAndReductions(Everything):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
 @pytest.mark.parametrize("L", [None, 2])
 def test_everything(cfg, L, epi):
-    _check_everything(cfg, L, epi, 333, 520, 264)  # ragged: partial tiles in M and N
-
-
-def _check_everything(cfg, L, epi, M, N, K):
+    M, N, K = 333, 520, 264  # ragged: partial tiles in M and N
     lead = (L,) if L else ()
     dev, dt = "cuda", torch.bfloat16
     a = torch.randn(*lead, M, K, device=dev, dtype=dt)

@@ -96,7 +96,6 @@ def test_tensors_that_require_grad_are_read_not_tracked():
     torch.testing.assert_close(out.float(), (a.detach().float() @ b.detach().float().T), rtol=2e-2, atol=2e-2)
 
 
-
 @pytest.mark.parametrize("N,K", [(1024, 1024), (2816, 1032), (4104, 136)])
 def test_tiles_past_a_swizzle_group(N, K):
     """Column-tile counts that are not a multiple of the raster's swizzle group (4, 11, 17 tiles of 256 for a

@@ -1,7 +1,6 @@
 """CPU (CI): the persistent kernel's tile order (coda/kernels/schedule.py's Python mirror of the kernel's arithmetic).
 The kernel itself is checked on the H100 (tests/test_gemm_gpu.py::test_tiles_past_a_swizzle_group and every other
 GPU test)."""
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -22,8 +22,9 @@ Phase 3 (consumer warpgroups; registers raised to 232):
      reductions accumulate in registers across the sub-tiles and are reduced across the 4 lanes sharing a row, then
      written as one partial per (row, N-tile); per-column (axis m) reductions are reduced over a warp's rows
      (in-thread, then across the 8 lanes sharing a column) and written as one partial per (column, warp of the
-     M-tile). No atomics: deterministic. The tile grid is rounded up to whole clusters only: the peer of a CTA past the last M- or N-tile computes a tile that stores nothing (TMA clips it,
-     partial stores are predicated on the tile index).
+     M-tile). No atomics: deterministic. The tile grid is rounded up to whole clusters only: the peer of a CTA
+     past the last M- or N-tile computes a tile that stores nothing (TMA clips it, partial stores are predicated
+     on the tile index).
 """
 from __future__ import annotations
 
@@ -174,8 +175,7 @@ class GemmSm90:
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                mD: cute.Tensor, store_atoms: list, store_tensors: list, op_tensors: list, red_tensors: list,
                tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
-               epi_smems: list, ld_atoms: list,
-               ld_tensors: list, ld_smems: list):
+               epi_smems: list, ld_atoms: list, ld_tensors: list, ld_smems: list):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
