@@ -26,6 +26,12 @@ Backward, dX GEMM (:data:`rmsnorm_dgrad`, :data:`rmsnorm_dgrad_residual`)
         normed = h * r * gamma              (an extra M x K output: n, the operand of the dW GEMM)
     so dW = dy^T n is a plain GEMM of transposed views (``dy.t()``, ``normed.t()``).
 
+    Wide linears (N > 2.5 K, e.g. the Llama gate/up projection): c also equals (r / K) sum_k h_k (acc gamma)_k, a
+    row sum over the dX GEMM's own tile, so the pass over dy and y (4 N bytes per row) is traded for an fp32 M x K
+    round trip (~10 K bytes per row): :data:`rmsnorm_dgrad_split` writes acc and the per-row partials of
+    s = sum_k h acc gamma (c = r s / K); a K = 0 pass of :data:`rmsnorm_dgrad_finish` forms dh = r (acc gamma -
+    h r c) (+ dres), normed and dgamma from it. The output y then need not be saved for the backward at all.
+
     This is the formulation of rewrites.md (dgrad on the unfolded W, gamma a VecN of the dX GEMM). The alternative
     with the folded W' (acc' = dy W' = dxhat; dW = (dy^T xhat) diag(gamma), dgamma_k = sum_n W_nk (dy^T xhat)_nk)
     gives the same values (tests/test_rmsnorm_linear.py checks both with sympy) but needs W' in the backward and
@@ -33,7 +39,8 @@ Backward, dX GEMM (:data:`rmsnorm_dgrad`, :data:`rmsnorm_dgrad_residual`)
 """
 import coda
 
-__all__ = ["rmsnorm_scale", "rmsnorm_dgrad", "rmsnorm_dgrad_residual", "row_dot", "fold_gamma", "scale_sumsq"]
+__all__ = ["rmsnorm_scale", "rmsnorm_dgrad", "rmsnorm_dgrad_residual", "rmsnorm_dgrad_split", "rmsnorm_dgrad_finish",
+           "rmsnorm_dgrad_finish_residual", "row_dot", "fold_gamma", "scale_sumsq"]
 
 
 @coda.epilogue
@@ -58,6 +65,29 @@ def rmsnorm_dgrad(acc, gamma: coda.VecN, h: coda.TileMN, r: coda.VecM, c: coda.V
 def rmsnorm_dgrad_residual(acc, gamma: coda.VecN, h: coda.TileMN, r: coda.VecM, c: coda.VecM, dres: coda.TileMN):
     """:data:`rmsnorm_dgrad` plus the gradient arriving on the residual stream: dh = r (acc gamma - h r c) + dres."""
     res = _dgrad(acc, gamma, h, r, c)
+    res["out"] = res["out"] + dres
+    return res
+
+
+@coda.epilogue
+def rmsnorm_dgrad_split(acc, gamma: coda.VecN, h: coda.TileMN):
+    """dX GEMM of the split backward: acc = dy W itself (stored fp32) and the per-row partials of
+    s = sum_k h acc gamma (c = r s / K: no pass over dy and y)."""
+    return {"out": acc, "s": coda.reduce_n(h * acc * gamma)}
+
+
+@coda.epilogue
+def rmsnorm_dgrad_finish(acc, t: coda.TileMN, h: coda.TileMN, r: coda.VecM, c: coda.VecM, gamma: coda.VecN):
+    """The split backward's K = 0 pass (t = dy W from :data:`rmsnorm_dgrad_split`; the accumulator is not used):
+    dh = r (t gamma - h r c), normed = h r gamma (the dW GEMM's operand), dgamma = sum_m t h r."""
+    return _dgrad(t, gamma, h, r, c)
+
+
+@coda.epilogue
+def rmsnorm_dgrad_finish_residual(acc, t: coda.TileMN, h: coda.TileMN, r: coda.VecM, c: coda.VecM,
+                                  gamma: coda.VecN, dres: coda.TileMN):
+    """:data:`rmsnorm_dgrad_finish` plus the gradient arriving on the residual stream (+ dres)."""
+    res = _dgrad(t, gamma, h, r, c)
     res["out"] = res["out"] + dres
     return res
 

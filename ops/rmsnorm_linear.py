@@ -25,10 +25,14 @@ Backward (the incoming dy; dh_out, the gradient arriving on the returned residua
        n = h r gamma (M x K extra output) and dgamma = sum_m acc h r (per-column partials, no atomics).
     3. dW GEMM: dweight = dy^T n on transposed views (``ops._common.backward_gemm``: CODA's kernel, or
        ``torch.matmul`` when M is not a multiple of 8), skipped when weight needs no gradient.
+    Wide linears (N > 2.5 K, :func:`split_backward`) skip step 1: c = (r / K) sum_k h (acc gamma)_k comes from the
+    dX GEMM itself (``rmsnorm_dgrad_split``: acc as fp32 M x K and row partials of sum h acc gamma), then one
+    K = 0 pass (``rmsnorm_dgrad_finish[_residual]``) forms dh, n and dgamma: ~10 K instead of 4 N bytes per row,
+    and y is not saved.
     dx = dresidual = dh. Double backward is not supported.
 
-Saved for the backward: h (x itself without a residual), r (M floats), the output y (M x N, for c); not the
-normed activation (M x K), which the dX GEMM re-forms.
+Saved for the backward: h (x itself without a residual), r (M floats), the output y (M x N, for c; not for a
+wide linear); not the normed activation (M x K), which the backward re-forms.
 
 torch integration: the op is the custom op ``torch.ops.coda.rmsnorm_linear`` (2-D x; returns (y, h or an empty
 tensor, r)) with a fake (meta) implementation and an autograd formula whose backward is the custom op
@@ -45,8 +49,8 @@ from typing import Optional
 
 import torch
 
-from coda.epilogues.rmsnorm import (fold_gamma, rmsnorm_dgrad, rmsnorm_dgrad_residual, rmsnorm_scale, row_dot,
-                                    scale_sumsq)
+from coda.epilogues.rmsnorm import (fold_gamma, rmsnorm_dgrad, rmsnorm_dgrad_finish, rmsnorm_dgrad_finish_residual,
+                                    rmsnorm_dgrad_residual, rmsnorm_dgrad_split, rmsnorm_scale, row_dot, scale_sumsq)
 
 from ._common import backward_gemm, check_last_dim_contiguous, check_tensors, epilogue_pass, gemm_for
 
@@ -171,11 +175,19 @@ def _(x, norm_weight, weight, residual, eps):
     return x.new_empty(M, weight.shape[0]), h, x.new_empty(M, dtype=torch.float32)
 
 
+def split_backward(N: int, K: int) -> bool:
+    """Whether the backward gets c from the dX GEMM (fp32 M x K round trip, ~10 K bytes per row) instead of a pass
+    over dy and the saved y (4 N bytes per row): for N > 2.5 K; then y is not saved either."""
+    return 2 * N > 5 * K
+
+
 @torch.library.custom_op("coda::rmsnorm_linear_backward", mutates_args=())
 def _rmsnorm_linear_backward_op(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torch.Tensor,
-                                norm_weight: torch.Tensor, weight: torch.Tensor, r: torch.Tensor, y: torch.Tensor,
+                                norm_weight: torch.Tensor, weight: torch.Tensor, r: torch.Tensor,
+                                y: Optional[torch.Tensor],
                                 need_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns dh (M, K) (including dh_out), dnorm_weight (K,), dweight (N, K; empty unless need_weight)."""
+    """Returns dh (M, K) (including dh_out), dnorm_weight (K,), dweight (N, K; empty unless need_weight).
+    ``y`` None: the split backward (:func:`split_backward`)."""
     gemm = gemm_for(dy.device, _ENTRY)
     M, K = h.shape
     if M == 0 or K == 0:  # nothing to compute: zero gradients without launching anything
@@ -183,12 +195,16 @@ def _rmsnorm_linear_backward_op(dy: torch.Tensor, dh_out: Optional[torch.Tensor]
         dw = torch.zeros_like(weight) if need_weight else weight.new_empty(0)
         return dh, torch.zeros_like(norm_weight), dw
     dy = dy.contiguous()  # autograd may hand over expanded (stride-0) gradients
-    c = epilogue_pass(gemm, h, *dy.shape, epilogue=row_dot, dy=dy, y=y)["dot"] / K  # one pass over dy and y
-    ops = {"gamma": norm_weight, "h": h, "r": r, "c": c}
-    epi = rmsnorm_dgrad
-    if dh_out is not None:
-        epi, ops["dres"] = rmsnorm_dgrad_residual, dh_out.contiguous()
-    res = gemm(dy, weight.t(), epilogue=epi, out_dtype=h.dtype, **ops)  # acc = dy W
+    dres = {} if dh_out is None else {"dres": dh_out.contiguous()}
+    if y is None:  # c from the dX GEMM's own tile, then one K = 0 pass for dh and the normed activation
+        part = gemm(dy, weight.t(), epilogue=rmsnorm_dgrad_split, out_dtype=torch.float32, gamma=norm_weight, h=h)
+        c = r * part["s"] / K
+        res = epilogue_pass(gemm, h, M, K, epilogue=rmsnorm_dgrad_finish_residual if dres else rmsnorm_dgrad_finish,
+                            out_dtype=h.dtype, t=part["out"], h=h, r=r, c=c, gamma=norm_weight, **dres)
+    else:
+        c = epilogue_pass(gemm, h, *dy.shape, epilogue=row_dot, dy=dy, y=y)["dot"] / K  # one pass over dy and y
+        res = gemm(dy, weight.t(), epilogue=rmsnorm_dgrad_residual if dres else rmsnorm_dgrad, out_dtype=h.dtype,
+                   gamma=norm_weight, h=h, r=r, c=c, **dres)  # acc = dy W
     dw = backward_gemm(dy.t(), res["normed"].t(), _ENTRY) if need_weight else weight.new_empty(0)
     return res["out"], res["dgamma"].to(norm_weight.dtype), dw
 
@@ -203,15 +219,17 @@ def _setup_context(ctx, inputs, output):
     x, norm_weight, weight, residual, _ = inputs
     y, h, r = output
     ctx.has_residual = residual is not None
+    ctx.out_shape = y.shape
     ctx.set_materialize_grads(False)  # no zero tensors for outputs that got no gradient
-    ctx.save_for_backward(h if ctx.has_residual else x, norm_weight, weight, r, y)
+    keep_y = not split_backward(weight.shape[0], weight.shape[1])
+    ctx.save_for_backward(h if ctx.has_residual else x, norm_weight, weight, r, y if keep_y else None)
 
 
 def _backward(ctx, dy, dh_out, _dr):
     h, norm_weight, weight, r, y = ctx.saved_tensors
     need_x, need_gamma, need_w, need_res = ctx.needs_input_grad[:4]
     if dy is None:  # only the residual stream h received a gradient
-        dy = torch.zeros_like(y)
+        dy = h.new_zeros(ctx.out_shape)
     if not ctx.has_residual:
         dh_out = None
     dh, dgamma, dw = torch.ops.coda.rmsnorm_linear_backward(dy, dh_out, h, norm_weight, weight, r, y, need_w)

@@ -7,7 +7,8 @@ import torch
 
 import coda.ops
 from coda.dsl import ACC, operand_symbol
-from coda.epilogues.rmsnorm import rmsnorm_dgrad, rmsnorm_dgrad_residual, rmsnorm_scale
+from coda.epilogues.rmsnorm import (rmsnorm_dgrad, rmsnorm_dgrad_finish, rmsnorm_dgrad_finish_residual,
+                                    rmsnorm_dgrad_residual, rmsnorm_dgrad_split, rmsnorm_scale)
 from rmsnorm_linear_ref import check_against_fp64, unfused
 
 # ------------------------------------------------------------------------------------ the algebra (sympy)
@@ -67,6 +68,46 @@ def test_backward_identities():
     for n in range(N):
         for k in range(K):
             assert _zero(sp.diff(loss, w[n, k]) - dw[n, k])
+
+
+def test_split_backward_identities():
+    """The wide-linear backward (ops.rmsnorm_linear.split_backward): c = (r / K) sum_k h (acc gamma)_k from the dX
+    GEMM's own tile equals (1/K) sum_n dy y, and the split pair of epilogues gives the same dh, normed, dgamma."""
+    h, w, g, dy, r, y, loss = _symbols()
+    dn = dy * w
+    dres = sp.Symbol("dres", real=True)
+    for m in range(M):
+        t = [_apply(rmsnorm_dgrad_split.exprs["out"], dn[m, k], gamma=g[k], h=h[m, k]) for k in range(K)]
+        s = sum(_apply(rmsnorm_dgrad_split.red_specs["s"][2], dn[m, k], gamma=g[k], h=h[m, k]) for k in range(K))
+        c = r[m] * s / K
+        assert _zero(c - sum(dy[m, n] * y[m, n] for n in range(N)) / K)
+        for k in range(K):
+            fin = dict(t=t[k], h=h[m, k], r=r[m], c=c, gamma=g[k])
+            dh = sp.diff(loss, h[m, k])
+            assert _zero(dh - _apply(rmsnorm_dgrad_finish.exprs["out"], 0, **fin))
+            assert _zero(dh + dres - _apply(rmsnorm_dgrad_finish_residual.exprs["out"], 0, **fin, dres=dres))
+            assert _zero(_apply(rmsnorm_dgrad_finish.exprs["normed"], 0, **fin) - h[m, k] * r[m] * g[k])
+    for k in range(K):  # dgamma: the finishing pass's column reduction, summed over the rows
+        got = sum(_apply(rmsnorm_dgrad_finish.red_specs["dgamma"][2], 0, t=dn[m, k], h=h[m, k], r=r[m], c=0,
+                         gamma=g[k]) for m in range(M))
+        assert _zero(sp.diff(loss, g[k]) - got)
+
+
+@pytest.mark.parametrize("K,N,split", [(16, 72, True), (40, 24, False), (32, 80, False), (32, 88, True)])
+def test_split_backward_launches(monkeypatch, K, N, split):
+    """N > 2.5 K: the backward runs the dX GEMM with rmsnorm_dgrad_split and one K = 0 rmsnorm_dgrad_finish pass
+    (no row_dot pass over dy and y, and y is not saved); otherwise row_dot then rmsnorm_dgrad. Both match float64
+    autograd (test_matches_fp64_autograd covers both branches with residuals and batch dims)."""
+    x, g, w = _inputs(24, K, N, residual=False, grad=True)
+    y = coda.ops.rmsnorm_linear(x, g, w, 1e-5)
+    saved = y.grad_fn.next_functions[0][0].saved_tensors  # the custom op's node (y.grad_fn: the reshape)
+    assert (saved[-1] is None) == split  # the output y is saved only for the row_dot pass
+    log, real = [], coda.reference.gemm
+    monkeypatch.setattr(coda.reference, "gemm", lambda a, b, *, epilogue=None, **kw: log.append(
+        getattr(epilogue, "name", None)) or real(a, b, epilogue=epilogue, **kw))
+    y.backward(torch.randn_like(y))
+    want = ["rmsnorm_dgrad_split", "rmsnorm_dgrad_finish", None] if split else ["row_dot", "rmsnorm_dgrad", None]
+    assert log == want, log
 
 
 def test_folded_weight_alternative():
@@ -202,6 +243,19 @@ def test_rejects_non_hopper_gpu_before_compute(monkeypatch):
     with pytest.raises(RuntimeError, match="coda.ops.rmsnorm_linear needs"):
         coda.ops.rmsnorm_linear(x, g, w)
     assert not calls
+
+
+@pytest.mark.parametrize("name", ["rmsnorm_dgrad_split", "rmsnorm_dgrad_finish", "rmsnorm_dgrad_finish_residual"])
+def test_split_backward_epilogues_compile_for_sm90(name):
+    """The split backward's kernels (the dX GEMM's fp32 output with a row reduction; the K = 0 pass with an fp32
+    TileMN operand, an extra output and a column reduction) compile for sm_90a with WGMMA and no spills."""
+    pytest.importorskip("cutlass")
+    import coda.epilogues.rmsnorm as lib
+    from coda.check import compile_variant
+    from coda.config import default_config
+    out = "fp32" if name == "rmsnorm_dgrad_split" else "bf16"
+    row = compile_variant(default_config(8192, 4096, 8), getattr(lib, name), out_dtype=out)
+    assert row["ok"] and row["wgmma"] > 0 and row["spill_bytes"] == 0, row
 
 
 def test_row_dot_compiles_for_sm90():
