@@ -173,9 +173,11 @@ def test_opcheck(residual):
     args = (x, g, w, res[0] if res else None, 1e-5)
     torch.library.opcheck(torch.ops.coda.rmsnorm_linear.default, args)
     y, h, r = torch.ops.coda.rmsnorm_linear(*args)
-    bargs = (torch.randn_like(y), torch.randn_like(h) if residual else None, h if residual else x, g, w, r, y, True)
-    torch.library.opcheck(torch.ops.coda.rmsnorm_linear_backward.default, tuple(
-        a.detach() if isinstance(a, torch.Tensor) else a for a in bargs))
+    for saved_y in (y, None):  # None: the split backward of wide linears (N > 2.5 K)
+        bargs = (torch.randn_like(y), torch.randn_like(h) if residual else None, h if residual else x, g, w, r,
+                 saved_y, True)
+        torch.library.opcheck(torch.ops.coda.rmsnorm_linear_backward.default, tuple(
+            a.detach() if isinstance(a, torch.Tensor) else a for a in bargs))
 
 
 def test_torch_compile_fullgraph():

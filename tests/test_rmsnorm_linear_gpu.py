@@ -23,7 +23,7 @@ def test_ragged_fwd_bwd(lead, K, N, residual):
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("lead,K,N", [((1000,), 264, 776), ((2, 1024), 1024, 4096)])
 def test_split_backward(lead, K, N, residual):
-    """N > 2.5 K: c from the dX GEMM (rmsnorm_dgrad_split, fp32 dxhat) and a K = 0 finishing pass; no row_dot."""
+    """N > 2.5 K: c from the dX GEMM (rmsnorm_dgrad_split, acc in fp32) and a K = 0 finishing pass; no row_dot."""
     check_against_fp64(lead, K, N, residual=residual, device=DEV)
 
 
