@@ -42,11 +42,10 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from coda._validate import check_gemm_args
 from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_general, ce_forward,
                                           ce_forward_smooth)
 
-from ._common import gemm_for
+from ._common import gemm_for, kernel_aligned
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES"]
 
@@ -125,25 +124,6 @@ def _tail_logits(x: Tensor, weight: Tensor, v0: int) -> Tensor:
     pad = weight.new_zeros((ALIGN, weight.shape[1]))
     pad[:weight.shape[0] - v0] = weight[v0:]
     return gemm_for(x.device, ENTRY)(x, pad, out_dtype=torch.float32)[:, :weight.shape[0] - v0]
-
-
-def _gemm_into(a: Tensor, b: Tensor, out: Tensor, checked: dict) -> None:
-    """out = a @ b.T on CODA's GEMM, or ``torch.matmul`` where the kernel cannot align the shapes (the rule of
-    ``ops._common.backward_gemm``, writing into ``out``: e.g. dW rows, no temporary). ``checked``: the decision per
-    chunk width, made once (every chunk of one width has the same shapes, strides and 16-byte alignment: chunk
-    offsets are multiples of 8 rows), so the argument checks do not run per chunk."""
-    ok = checked.get(out.shape[0])
-    if ok is None:
-        try:
-            check_gemm_args(a, b, out=out)
-            ok = True
-        except ValueError:
-            ok = False
-        checked[out.shape[0]] = ok
-    if not ok:
-        torch.matmul(a, b.transpose(-1, -2), out=out)
-        return
-    gemm_for(a.device, ENTRY)(a, b, out=out)
 
 
 def _chunk_columns(M: int, esize: int, chunk_size: Optional[int]) -> int:
@@ -225,14 +205,21 @@ def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoot
     v8 = V // ALIGN * ALIGN
     vc = min(_chunk_columns(M, x.element_size(), chunk_size), max(v8, ALIGN))
     buf = torch.empty((M, vc), dtype=x.dtype, device=x.device) if v8 else None  # the only M x chunk tensor
-    first, checked = True, {}
+    # dW rows on CODA's kernel unless it cannot align dz^T x (M not a multiple of 8: torch.matmul, the rule of
+    # ops._common.backward_gemm); every chunk's dz.t() has buf.t()'s strides and each dW row block starts 16-byte
+    # aligned, so one decision serves all chunks
+    dw_on_kernel = need_w and buf is not None and kernel_aligned(buf.t(), x.t())
+    first = True
     for v0 in range(0, v8, vc):
         v1 = min(v0 + vc, v8)
         w_c = weight[v0:v1]  # a row slice: a view
         dz = buf[:, :v1 - v0]
         gemm(x, w_c, epilogue=epi, out=dz, t=tcol - v0, **ops)  # recomputed logits -> dz, never the logits
-        if need_w:
-            _gemm_into(dz.t(), x.t(), dw[v0:v1], checked)  # dW rows [v0, v1) = dz^T x, written in place
+        if need_w:  # dW rows [v0, v1) = dz^T x, written in place
+            if dw_on_kernel:
+                gemm(dz.t(), x.t(), out=dw[v0:v1])
+            else:
+                torch.matmul(dz.t(), x, out=dw[v0:v1])
         if need_x:  # dX (+)= dz W_c: W_c.t() and dz are read by TMA as they are
             if first:
                 gemm(dz, w_c.t(), out=dx32)
