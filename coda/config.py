@@ -100,9 +100,10 @@ class GemmConfig:
     def ab_stage_bytes(self, in_bytes: int = 2) -> int:
         return (self.tile_m + self.tile_n) * TILE_K * in_bytes
 
-    def derive_stages(self, out_bytes: list[int], extra_smem: int = 0, in_bytes: int = 2) -> int:
-        """Pipeline stages that fit in the shared memory left after the epilogue (and barriers/scratch)."""
-        left = SMEM_CAPACITY - 2048 - extra_smem - self.epi_smem_bytes(out_bytes)
+    def derive_stages(self, out_bytes: list[int], extra_smem: int = 0, in_bytes: int = 2, epi_stages: int = 2) -> int:
+        """Pipeline stages that fit in the shared memory left after the epilogue (``epi_stages`` sub-tile buffers
+        per tile output) and barriers/scratch."""
+        left = SMEM_CAPACITY - 2048 - extra_smem - self.epi_smem_bytes(out_bytes, epi_stages)
         n = left // self.ab_stage_bytes(in_bytes)
         if self.stages is not None:
             if self.stages > n:
@@ -112,6 +113,17 @@ class GemmConfig:
         if n < 2:
             raise ValueError(f"GemmConfig {self.name}: shared memory too small for 2 pipeline stages")
         return min(n, 8)
+
+    def epi_buffers(self, out_bytes: list[int], extra_smem: int = 0, in_bytes: int = 2) -> int:
+        """Epilogue sub-tile buffers per tile output and consumer tile: 4 where two more leave the pipeline stage
+        count as it is with 2 (then sub-tile e's store waits for sub-tile e - 3's to be read, not e - 1's), else
+        2."""
+        base = self.derive_stages(out_bytes, extra_smem, in_bytes)
+        try:
+            more = self.derive_stages(out_bytes, extra_smem, in_bytes, epi_stages=4)
+        except ValueError:
+            return 2
+        return 4 if more == base else 2
 
 
 def all_configs() -> Iterator[GemmConfig]:

@@ -79,6 +79,21 @@ def test_every_pruned_config_has_a_reason_and_kept_ones_are_valid():
         assert default_config(M, 8192, 8192) in kept
 
 
+def test_epilogue_buffers_never_cost_a_pipeline_stage():
+    cfg = GemmConfig()  # 128x256: 48 KB per pipeline stage
+    # one bf16 output: 4 sub-tile buffers (32 KB) leave the stages of 2
+    assert cfg.derive_stages([2], epi_stages=4) == cfg.derive_stages([2]) == 4
+    assert cfg.epi_buffers([2]) == 4
+    # fp32 out, or three half-width bf16 outputs (swiglu and its pre-activation: 1 byte per accumulator column):
+    # 4 buffers would drop a stage, so 2
+    for out_bytes in ([4], [1, 1, 1]):
+        assert cfg.derive_stages(out_bytes, epi_stages=4) < cfg.derive_stages(out_bytes)
+        assert cfg.epi_buffers(out_bytes) == 2
+    # an explicit stage count: 4 buffers only when the stages still fit with them
+    assert GemmConfig(stages=4).epi_buffers([2]) == 4
+    assert GemmConfig(stages=4).epi_buffers([4]) == 2 and GemmConfig(stages=3).epi_buffers([4]) == 4
+
+
 def test_pruning_rules_state_their_reason():
     cfg = GemmConfig(tile_m=256, tile_n=256)  # 256 fp32 accumulators per thread
     assert "registers/thread" in space.config_reason(cfg)

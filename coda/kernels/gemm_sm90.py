@@ -65,7 +65,6 @@ class GemmSm90:
         self.atom_layout = (1, 1, 1) if cfg.pingpong else (2, 1, 1)
         self.num_tiles_in_flight = 2 if cfg.pingpong else 1  # consumer tiles resident at once
         self.epi_threads = WG_THREADS if cfg.pingpong else 2 * WG_THREADS
-        self.epi_stages = 2
         self.red_n = [r for r in epi.reductions if r.axis == "n"]
         self.red_m = [r for r in epi.reductions if r.axis == "m"]
         self.staged = staged_operands(epi, cfg)  # VecN / VecM operands read through shared memory (3b)
@@ -115,10 +114,13 @@ class GemmSm90:
             self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
             self.acc_dtype, self.atom_layout, tiler_mn=(64, cfg.tile_n))
 
+        # shared memory per accumulator column of each tile output's sub-tile buffer (half of its element size for
+        # a half-width output)
+        out_b = [d.width // (16 if self.half else 8) for d in out_dtypes]
         # TileMN operands read by TMA (3b): per operand a ring of sub-tile buffers, one mbarrier per buffer
         flags, extra_smem = tile_tma_plan(self.epi, cfg, self.tile_aligned,
                                           [op_tensors[i].element_type.width // 8 for i in self.tiles],
-                                          [d.width // 8 for d in out_dtypes], self.ab_dtype.width // 8)
+                                          out_b, self.ab_dtype.width // 8)
         self.tma_tiles = [i for i, f in zip(self.tiles, flags) if f]
         ld_ops = [op_tensors[i] for i in self.tma_tiles]
         ld_smems = [sm90_utils.make_smem_layout_epi(t.element_type, LayoutEnum.from_tensor(t), self.op_tile,
@@ -126,8 +128,10 @@ class GemmSm90:
         lds = [cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), t, cute.slice_(sl, (None, None, 0)),
                                            self.op_tile) for t, sl in zip(ld_ops, ld_smems)]
         self.ld_tx = sum(self.op_tile[0] * self.op_tile[1] * t.element_type.width // 8 for t in ld_ops)
-        self.ab_stage = cfg.derive_stages([d.width // 8 for d in out_dtypes], extra_smem=extra_smem,
-                                          in_bytes=self.ab_dtype.width // 8)
+        # epilogue sub-tile buffers: 4 where they cost no pipeline stage, else 2 (GemmConfig.epi_buffers)
+        self.epi_stages = cfg.epi_buffers(out_b, extra_smem, self.ab_dtype.width // 8)
+        self.ab_stage = cfg.derive_stages(out_b, extra_smem=extra_smem, in_bytes=self.ab_dtype.width // 8,
+                                          epi_stages=self.epi_stages)
         a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
         epi_bufs = self.epi_stages * self.num_tiles_in_flight
@@ -529,8 +533,14 @@ class GemmSm90:
                     for p in cutlass.range_constexpr(n_v // 2):
                         r, c = epi["cloc"][2 * p]
                         epi["souts"][i][(r, c // 2, buf)] = self.out_dtypes[i](vals[p])
+            # one barrier per sub-tile: before it, the store warp waits until at most epi_stages - 2 of its stores
+            # still read shared memory, i.e. the store of sub-tile e - epi_stages + 1 is done with the buffer that
+            # sub-tile e + 1 writes after the barrier (sub-tile e's buffer was freed the same way one barrier ago).
+            # After it, every thread is also done with sub-tile e's TileMN buffers and staged operands.
             if cutlass.const_expr(len(names) > 0):
                 cute.arch.fence_proxy("async.shared", space="cta")
+                if store_warp:
+                    cute.arch.cp_async_bulk_wait_group(self.epi_stages - 2, read=True)
                 bar.arrive_and_wait()
                 if store_warp:
                     for i in cutlass.range_constexpr(len(names)):
@@ -540,9 +550,8 @@ class GemmSm90:
                                                        cute.zipped_divide(gTile, self.store_tile))
                         cute.copy(store_atoms[i], sT[(None, buf)], gT[(None, (0, e))])
                     store_pipe.producer_commit()
-                    store_pipe.producer_acquire()
             # no tile output (reductions only): no per-sub-tile barrier except before a TileMN buffer is reused
-            if cutlass.const_expr(len(names) > 0 or (len(self.tma_tiles) > 0 and e + 2 < n_epi)):
+            elif cutlass.const_expr(len(self.tma_tiles) > 0 and e + 2 < n_epi):
                 bar.arrive_and_wait()
             if cutlass.const_expr(e + 2 < n_epi):  # every thread is done with sub-tile e's TileMN buffer
                 self._load_tiles(stage["ld"], e + 2, m, n, l, tiles_done, cwg, stage["etidx"])
