@@ -139,5 +139,9 @@ def all_configs() -> Iterator[GemmConfig]:
 def default_config(M: int, N: int, K: int) -> GemmConfig:
     """Heuristic choice without timing (used when autotuning is off)."""
     if M * N <= 2048 * 2048 or M <= 256:
-        return GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, pingpong=True)
-    return GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, pingpong=False)
+        cfg = GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, pingpong=True)
+    else:
+        cfg = GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, pingpong=False)
+    # K = 0 (an epilogue-only pass over memory): one all-zero k-tile, so 2 stages; the shared memory left deepens
+    # the TileMN operands' TMA rings and the output buffers (kernels/epilogue.py: tile_ring, GemmConfig.epi_buffers)
+    return dataclasses.replace(cfg, stages=2) if K == 0 else cfg

@@ -263,3 +263,27 @@ def test_rejects_non_hopper_gpu_before_compute(monkeypatch):
         coda.ops.linear_swiglu(x, w)
     with pytest.raises(RuntimeError, match="coda.ops.linear_geglu needs"):
         coda.ops.linear_geglu(x, w)
+
+
+def test_backward_pass_on_preact_compiles_with_deep_rings():
+    """The K = 0 backward pass on the saved pre-activation (three TileMN operands, a full-width pairs output) with
+    the K = 0 default config (2 stages): 8-deep TMA rings, 4 output buffers; compiles for sm_90a, WGMMA, no
+    spills. A K > 0 config deepens its rings only where that costs no pipeline stage."""
+    pytest.importorskip("cutlass")
+    from coda.check import compile_variant
+    from coda.config import default_config
+    from coda.kernels.epilogue import staged_smem_bytes, tile_ring, tile_tma_plan
+    from coda.ops.linear import _backward_of
+    epi = _backward_of(swiglu, ("out",), (), False, preact=True)
+    cfg = default_config(8192, 28672, 0)
+    assert cfg.stages == 2
+    flags, _ = tile_tma_plan(epi, cfg, (True,) * 3, [2, 2, 2], [2])
+    ring = tile_ring(epi, cfg, [2, 2, 2], [2])
+    assert all(flags) and ring == 8
+    assert cfg.epi_buffers([2], staged_smem_bytes(epi, cfg, [2, 2, 2], ring)) == 4
+    k_cfg = default_config(8192, 28672, 4096)
+    stages = [k_cfg.derive_stages([2], extra_smem=staged_smem_bytes(epi, k_cfg, [2, 2, 2], r))
+              for r in (2, tile_ring(epi, k_cfg, [2, 2, 2], [2]))]
+    assert stages[0] == stages[1]
+    row = compile_variant(cfg, epi)
+    assert row["ok"] and row["wgmma"] > 0 and row["spill_bytes"] == 0, row

@@ -196,16 +196,36 @@ def tile_operand_cols(epi: Epilogue, cfg) -> int:
     return cfg.epi_n // 2 if epi.pair_mode else cfg.epi_n
 
 
-def staged_smem_bytes(epi: Epilogue, cfg, tile_bytes) -> int:
+def staged_smem_bytes(epi: Epilogue, cfg, tile_bytes, ring: int = 2) -> int:
     """Shared memory of the epilogue's operands besides the output buffers: staged VecN / VecM values (fp32) and
-    the TMA ring of TileMN operands (2 sub-tile buffers each, ``tile_bytes``: the element size of each TMA-loaded
-    TileMN operand) and its mbarriers, per consumer tile in flight. Alignment padding is covered by
+    the TMA ring of TileMN operands (``ring`` sub-tile buffers each, ``tile_bytes``: the element size of each
+    TMA-loaded TileMN operand) and its mbarriers, per consumer tile in flight. Alignment padding is covered by
     ``GemmConfig.derive_stages``' reserve."""
     in_flight = 2 if cfg.pingpong else 1
     n = sum(4 * n for _, n in staged_operands(epi, cfg))
     if tile_bytes:  # ring buffers are multiples of 1024 bytes (no alignment padding after the output buffers)
-        n += sum(cfg.tile_m * tile_operand_cols(epi, cfg) * 2 * b for b in tile_bytes) + 8 * 2
+        n += sum(cfg.tile_m * tile_operand_cols(epi, cfg) * ring * b for b in tile_bytes) + 8 * ring
     return n * in_flight
+
+
+def tile_ring(epi: Epilogue, cfg, tile_bytes, out_bytes, in_bytes: int = 2) -> int:
+    """Sub-tile buffers in each TMA-loaded TileMN operand's ring (``tile_bytes``: their element sizes): the deepest
+    of 8, 4 (at most the sub-tiles of one tile) that leaves the pipeline stage count as it is with 2, else 2. So
+    the ring deepens where the stage count is fixed and shared memory is left (a K = 0 launch: 2 stages, an
+    epilogue that is all memory traffic), and never costs a K > 0 GEMM a stage."""
+    if not tile_bytes:
+        return 2
+    def stages(ring):
+        try:
+            return cfg.derive_stages(out_bytes, extra_smem=staged_smem_bytes(epi, cfg, tile_bytes, ring),
+                                     in_bytes=in_bytes)
+        except ValueError:
+            return 0
+    base = stages(2)
+    for ring in (8, 4):
+        if ring <= cfg.tile_n // cfg.epi_n and stages(ring) == base:
+            return ring
+    return 2
 
 
 def tile_tma_plan(epi: Epilogue, cfg, aligned, tile_bytes, out_bytes, in_bytes: int = 2):

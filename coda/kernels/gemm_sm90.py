@@ -42,7 +42,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from ..config import GemmConfig
 from . import schedule
 from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, EpiEnv, staged_operands,  # noqa: F401 (the x-slots)
-                       tile_operand_cols, tile_tma_plan)
+                       staged_smem_bytes, tile_operand_cols, tile_ring, tile_tma_plan)
 
 WG_THREADS = 128
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -73,7 +73,6 @@ class GemmSm90:
         if len(self.tile_aligned) != len(self.tiles):
             raise ValueError(f"tile_aligned: {len(self.tile_aligned)} flags for {len(self.tiles)} TileMN operands")
         self.op_tile = (cfg.tile_m, tile_operand_cols(epi, cfg))
-        self.ld_bufs = 2 * self.num_tiles_in_flight  # a ring of 2 sub-tile buffers per consumer tile in flight
 
     # ------------------------------------------------------------------------------------------------ phase 0: host
     @cute.jit
@@ -117,10 +116,15 @@ class GemmSm90:
         # shared memory per accumulator column of each tile output's sub-tile buffer (half of its element size for
         # a half-width output)
         out_b = [d.width // (16 if self.half else 8) for d in out_dtypes]
-        # TileMN operands read by TMA (3b): per operand a ring of sub-tile buffers, one mbarrier per buffer
-        flags, extra_smem = tile_tma_plan(self.epi, cfg, self.tile_aligned,
-                                          [op_tensors[i].element_type.width // 8 for i in self.tiles],
-                                          out_b, self.ab_dtype.width // 8)
+        # TileMN operands read by TMA (3b): per operand a ring of sub-tile buffers (per consumer tile in flight),
+        # one mbarrier per buffer
+        in_b = self.ab_dtype.width // 8
+        tile_b = [op_tensors[i].element_type.width // 8 for i in self.tiles]
+        flags, _ = tile_tma_plan(self.epi, cfg, self.tile_aligned, tile_b, out_b, in_b)
+        chosen_b = [b for f, b in zip(flags, tile_b) if f]
+        self.ring = tile_ring(self.epi, cfg, chosen_b, out_b, in_b)
+        self.ld_bufs = self.ring * self.num_tiles_in_flight
+        extra_smem = staged_smem_bytes(self.epi, cfg, chosen_b, self.ring)
         self.tma_tiles = [i for i, f in zip(self.tiles, flags) if f]
         ld_ops = [op_tensors[i] for i in self.tma_tiles]
         ld_smems = [sm90_utils.make_smem_layout_epi(t.element_type, LayoutEnum.from_tensor(t), self.op_tile,
@@ -129,9 +133,8 @@ class GemmSm90:
                                            self.op_tile) for t, sl in zip(ld_ops, ld_smems)]
         self.ld_tx = sum(self.op_tile[0] * self.op_tile[1] * t.element_type.width // 8 for t in ld_ops)
         # epilogue sub-tile buffers: 4 where they cost no pipeline stage, else 2 (GemmConfig.epi_buffers)
-        self.epi_stages = cfg.epi_buffers(out_b, extra_smem, self.ab_dtype.width // 8)
-        self.ab_stage = cfg.derive_stages(out_b, extra_smem=extra_smem, in_bytes=self.ab_dtype.width // 8,
-                                          epi_stages=self.epi_stages)
+        self.epi_stages = cfg.epi_buffers(out_b, extra_smem, in_b)
+        self.ab_stage = cfg.derive_stages(out_b, extra_smem=extra_smem, in_bytes=in_b, epi_stages=self.epi_stages)
         a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
         epi_bufs = self.epi_stages * self.num_tiles_in_flight
@@ -304,8 +307,8 @@ class GemmSm90:
             # this tile's VecN / VecM operand values, loaded now so the global-memory latency hides under the
             # mainloop; the epilogue writes them to shared memory
             pre = self._prefetch(op_tensors, m, n, l, etidx)
-            # and the TMA loads of its first two TileMN sub-tiles (into buffers the previous tile is done with)
-            for e in cutlass.range_constexpr(min(2, cfg.tile_n // cfg.epi_n)):
+            # and the TMA loads of its first `ring` TileMN sub-tiles (into buffers the previous tile is done with)
+            for e in cutlass.range_constexpr(min(self.ring, cfg.tile_n // cfg.epi_n)):
                 self._load_tiles(tile_ld, e, m, n, l, tiles_done, cwg, etidx)
             # ---- 3a mainloop
             if cutlass.const_expr(pp):
@@ -404,9 +407,9 @@ class GemmSm90:
 
     def _ld_buf(self, tiles_done, e, cwg):
         """(ring buffer, mbarrier phase) of TileMN sub-tile e of this consumer's tiles_done-th tile: the sub-tiles
-        u = tiles_done * n_epi + e alternate between the consumer's 2 buffers."""
+        u = tiles_done * n_epi + e take the consumer's ``ring`` buffers in turn."""
         u = tiles_done * (self.cfg.tile_n // self.cfg.epi_n) + e
-        return (2 * cwg if self.cfg.pingpong else 0) + u % 2, (u // 2) % 2
+        return (self.ring * cwg if self.cfg.pingpong else 0) + u % self.ring, (u // self.ring) % 2
 
     @cute.jit
     def _load_tiles(self, ld, e, m, n, l, tiles_done, cwg, etidx):
@@ -551,10 +554,10 @@ class GemmSm90:
                         cute.copy(store_atoms[i], sT[(None, buf)], gT[(None, (0, e))])
                     store_pipe.producer_commit()
             # no tile output (reductions only): no per-sub-tile barrier except before a TileMN buffer is reused
-            elif cutlass.const_expr(len(self.tma_tiles) > 0 and e + 2 < n_epi):
+            elif cutlass.const_expr(len(self.tma_tiles) > 0 and e + self.ring < n_epi):
                 bar.arrive_and_wait()
-            if cutlass.const_expr(e + 2 < n_epi):  # every thread is done with sub-tile e's TileMN buffer
-                self._load_tiles(stage["ld"], e + 2, m, n, l, tiles_done, cwg, stage["etidx"])
+            if cutlass.const_expr(e + self.ring < n_epi):  # every thread is done with sub-tile e's TileMN buffer
+                self._load_tiles(stage["ld"], e + self.ring, m, n, l, tiles_done, cwg, stage["etidx"])
         if cutlass.const_expr(len(names) == 0):
             # one barrier per tile instead: the staged operands' and TileMN buffers are free for the next tile
             bar.arrive_and_wait()
