@@ -18,9 +18,11 @@ Phase 3 (consumer warpgroups; registers raised to 232):
                warpgroup's epilogue runs under the other's tensor-core work.
   3a mainloop: wait for a full stage, issue WGMMAs, keep one WGMMA batch in flight, release the previous stage.
   3b epilogue: per sub-tile (tile_m x epi_n): call the epilogue hook on every accumulator element (with its global
-     row/column and operand values), convert, write to shared memory with stmatrix, TMA-store; per-row (axis n)
-     reductions accumulate in registers across the sub-tiles and are reduced across the 4 lanes sharing a row, then
-     written as one partial per (row, N-tile); per-column (axis m) reductions are reduced over a warp's rows
+     row/column and operand values), convert, write to shared memory with stmatrix (into a ring of 2 or 4 sub-tile
+     buffers), one named barrier, TMA-store (one warp; before that barrier it waits until its older stores have
+     left the buffer the next sub-tile writes); TileMN operands arrive by TMA in a ring of 2-8 sub-tiles; per-row
+     (axis n) reductions accumulate in registers across the sub-tiles and are reduced across the 4 lanes sharing a
+     row, then written as one partial per (row, N-tile); per-column (axis m) reductions are reduced over a warp's rows
      (in-thread, then across the 8 lanes sharing a column) and written as one partial per (column, warp of the
      M-tile). No atomics: deterministic. The tile grid is rounded up to whole clusters only: the peer of a CTA
      past the last M- or N-tile computes a tile that stores nothing (TMA clips it, partial stores are predicated
