@@ -114,16 +114,19 @@ class GemmConfig:
             raise ValueError(f"GemmConfig {self.name}: shared memory too small for 2 pipeline stages")
         return min(n, 8)
 
+    def fit_stages(self, out_bytes: list[int], extra_smem: int = 0, in_bytes: int = 2, epi_stages: int = 2) -> int:
+        """:meth:`derive_stages`, or 0 where the shared memory does not hold them (to compare layouts)."""
+        try:
+            return self.derive_stages(out_bytes, extra_smem, in_bytes, epi_stages)
+        except ValueError:
+            return 0
+
     def epi_buffers(self, out_bytes: list[int], extra_smem: int = 0, in_bytes: int = 2) -> int:
         """Epilogue sub-tile buffers per tile output and consumer tile: 4 where two more leave the pipeline stage
         count as it is with 2 (then sub-tile e's store waits for sub-tile e - 3's to be read, not e - 1's), else
         2."""
         base = self.derive_stages(out_bytes, extra_smem, in_bytes)
-        try:
-            more = self.derive_stages(out_bytes, extra_smem, in_bytes, epi_stages=4)
-        except ValueError:
-            return 2
-        return 4 if more == base else 2
+        return 4 if self.fit_stages(out_bytes, extra_smem, in_bytes, epi_stages=4) == base else 2
 
 
 def all_configs() -> Iterator[GemmConfig]:

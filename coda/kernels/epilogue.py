@@ -216,14 +216,10 @@ def tile_ring(epi: Epilogue, cfg, tile_bytes, out_bytes, in_bytes: int = 2) -> i
     if not tile_bytes:
         return 2
     def stages(ring):
-        try:
-            return cfg.derive_stages(out_bytes, extra_smem=staged_smem_bytes(epi, cfg, tile_bytes, ring),
-                                     in_bytes=in_bytes)
-        except ValueError:
-            return 0
+        return cfg.fit_stages(out_bytes, staged_smem_bytes(epi, cfg, tile_bytes, ring), in_bytes)
     base = stages(2)
     for ring in (8, 4):
-        if ring <= cfg.tile_n // cfg.epi_n and stages(ring) == base:
+        if base and ring <= cfg.tile_n // cfg.epi_n and stages(ring) == base:
             return ring
     return 2
 
@@ -234,10 +230,7 @@ def tile_tma_plan(epi: Epilogue, cfg, aligned, tile_bytes, out_bytes, in_bytes: 
     its ring leaves the mainloop min(3, stages without any ring) pipeline stages; the others are read element by
     element (``tile_bytes``: element size of each TileMN operand; ``out_bytes``: of each tile output)."""
     def stages(chosen):
-        try:
-            return cfg.derive_stages(out_bytes, extra_smem=staged_smem_bytes(epi, cfg, chosen), in_bytes=in_bytes)
-        except ValueError:
-            return 0
+        return cfg.fit_stages(out_bytes, staged_smem_bytes(epi, cfg, chosen), in_bytes)
     target = min(3, stages([]))
     flags, chosen = [], []
     for ok, b in zip(aligned, tile_bytes):

@@ -296,9 +296,6 @@ class GemmSm90:
 
         # ---- epilogue partitions (shared by every tile)
         epi = self._epi_setup(tiled_mma, etidx, cwg, sOuts, mD)
-        store_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads))
         tiles_done = cutlass.Int32(0)
         # run-time Scalar operands: read once per kernel
         scalars = {o.name: op_tensors[i][0].to(cutlass.Float32)
@@ -345,12 +342,12 @@ class GemmSm90:
                 release.advance(k_tiles)
 
             # ---- 3b epilogue
-            self._epilogue(epi, acc, m, n, l, tiles_done, store_pipe, mD, store_atoms, store_tensors,
+            self._epilogue(epi, acc, m, n, l, tiles_done, mD, store_atoms, store_tensors,
                            op_tensors, red_tensors, cwg, dict(pre=pre, sOps=sOps, scalars=scalars, ld=tile_ld,
                                                               etidx=etidx))
             tiles_done += 1
             t += tile_step * w["n_clusters"]
-        store_pipe.producer_tail()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last TMA stores are done with shared memory
 
     def _cluster_tiles(self, mD):
         """(cluster rows, cluster columns) of the output (a batch adds mD.shape[2] times as many cluster tiles)."""
@@ -452,7 +449,7 @@ class GemmSm90:
         return pre
 
     @cute.jit
-    def _epilogue(self, epi, acc, m, n, l, tiles_done, store_pipe, mD, store_atoms, store_tensors, op_tensors,
+    def _epilogue(self, epi, acc, m, n, l, tiles_done, mD, store_atoms, store_tensors, op_tensors,
                   red_tensors, cwg, stage):
         cfg = self.cfg
         pp = cfg.pingpong
@@ -554,7 +551,7 @@ class GemmSm90:
                                                        cute.group_modes(epi["souts"][i], 0, 2),
                                                        cute.zipped_divide(gTile, self.store_tile))
                         cute.copy(store_atoms[i], sT[(None, buf)], gT[(None, (0, e))])
-                    store_pipe.producer_commit()
+                    cute.arch.cp_async_bulk_commit_group()
             # no tile output (reductions only): no per-sub-tile barrier except before a TileMN buffer is reused
             elif cutlass.const_expr(len(self.tma_tiles) > 0 and e + self.ring < n_epi):
                 bar.arrive_and_wait()
