@@ -159,15 +159,17 @@ def _powi(x, n: int, B):
 
 
 class TorchOps:
-    """fp32 torch ops (the reference); constants are Python floats, booleans are bool tensors."""
+    """fp32 torch ops (the reference). Constants and booleans are 0-d tensors on ``like``'s device made by a fill
+    (``torch.full``), not ``torch.tensor``: on a GPU the latter is a host-to-device copy that synchronizes the
+    stream, and this path runs inside training steps (ops.linear's elementwise backward, the CE tail)."""
 
     def __init__(self, like):
         import torch
         self.t = torch
         self.like = like
 
-    def const(self, v): return self.t.tensor(v, dtype=self.like.dtype, device=self.like.device)
-    def boolean(self, v): return self.t.tensor(v, device=self.like.device)
+    def const(self, v): return self.t.full((), v, dtype=self.like.dtype, device=self.like.device)
+    def boolean(self, v): return self.t.full((), bool(v), dtype=self.t.bool, device=self.like.device)
     def add(self, a, b): return a + b
     def mul(self, a, b): return a * b
     def div(self, a, b): return a / b

@@ -315,13 +315,19 @@ class LMHeadCrossEntropy(_NormConsumer):
     """Final RMSNorm + LM head (+ cross entropy): ``forward(x, target)`` returns the loss
     (``coda.ops.linear_cross_entropy`` on the normed x: logits never stored), ``forward(x)`` the logits
     (``coda.ops.rmsnorm_linear``). ``weight`` (V, H) is in the stock layout (``nn.Linear``); pass ``weight=`` to
-    share a Parameter (tied embeddings). Loss options as ``coda.ops.linear_cross_entropy``; the loss is float32."""
+    share a Parameter (tied embeddings). Loss options as ``coda.ops.linear_cross_entropy``; the loss is float32.
+    ``check_targets`` defaults to "async" here: the target range is asserted on the device, so a training step never
+    waits on the host (as ``F.cross_entropy`` on CUDA); pass True for the op's ValueError (one device sync)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, eps: float = 1e-6, *, norm=None,
                  weight: Optional[nn.Parameter] = None, ignore_index: int = -100, label_smoothing: float = 0.0,
-                 z_loss: float = 0.0, device=None, dtype=None):
+                 z_loss: float = 0.0, check_targets="async", device=None, dtype=None):
         super().__init__()
         _check_aligned("LMHeadCrossEntropy", hidden_size=hidden_size)
+        if not (isinstance(check_targets, bool) or check_targets == "async"):
+            raise TypeError(f"LMHeadCrossEntropy: check_targets must be True, False or \"async\", got "
+                            f"{check_targets!r}")
+        self.check_targets = check_targets
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.ignore_index, self.label_smoothing, self.z_loss = ignore_index, label_smoothing, z_loss
         if weight is None:
@@ -352,7 +358,8 @@ class LMHeadCrossEntropy(_NormConsumer):
         n = self._normed(x)
         if fused:
             return ops.linear_cross_entropy(n.to(dtype), self.weight.to(dtype), target, self.ignore_index,
-                                            reduction, self.label_smoothing, self.z_loss)
+                                            reduction, self.label_smoothing, self.z_loss,
+                                            check_targets=self.check_targets)
         logits = F.linear(n, self.weight).flatten(0, -2)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 (fp64 stays)
         t = target.flatten()

@@ -24,10 +24,15 @@ token count M that is not a multiple of 8 runs on ``torch.matmul`` (the ``backwa
 
 Semantics to note: the loss is float32 (torch returns x's dtype); ``reduction="mean"`` divides by the number of
 non-ignored rows, so with every row ignored the loss is NaN, as in torch, and the gradients are zero (as in torch);
-targets are checked to lie in [0, V) or equal ``ignore_index`` (one device sync, before any GEMM;
-``check_targets=False`` skips it, so the call never blocks the host -- for CUDA graphs or overlapping host work;
-on the H100 back-to-back calls measured the same either way -- and an out-of-range target is then simply a class no
-logit matches: its z_t is 0, the loss is wrong, no memory outside the tensors is touched); the dz chunks
+targets are checked to lie in [0, V) or equal ``ignore_index`` before any GEMM (``check_targets``): ``True``
+(default) reads the check's result on the host -- one device sync, then a ValueError naming the first bad target;
+``"async"`` asserts it on the device instead (``torch._assert_async``: no sync; a bad target fails the CUDA context
+with a device-side assert at the next synchronizing call, as ``F.cross_entropy`` does on CUDA; on CPU tensors it is
+the ``True`` check, which costs no device sync there); ``False`` skips it (an out-of-range target is then simply a
+class no logit matches: its z_t is 0, the loss is wrong, no memory outside the tensors is touched). The sync matters
+in a training step, not in an op alone: it stops the host from queueing ahead of the GPU (llama_train small on the
+H100, fused + torch.compile: 23-34 ms per step with the sync, see docs/NOTES.md), which is why the ``coda.nn``
+LM-head module uses ``"async"``. The dz chunks
 are in x's dtype, like torch's logits gradient (fp16 underflows tiny probabilities exactly as torch's fp16 does).
 
 Registered as ``torch.ops.coda.linear_cross_entropy`` (a ``torch.library.custom_op`` with a fake implementation
@@ -37,7 +42,7 @@ and autograd, so ``torch.compile(fullgraph=True)`` traces through it); its backw
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -103,8 +108,17 @@ def _check(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, 
                              f"(vocabulary columns per backward chunk), got {chunk_size}")
 
 
-def _check_target_range(target: Tensor, V: int, ignore_index: int) -> None:
+_CHECKS = {True: "sync", "async": "async", False: "off"}  # check_targets -> the custom op's ``check``
+
+
+def _check_target_range(target: Tensor, V: int, ignore_index: int, check: str) -> None:
+    if check == "off":
+        return
     bad = (target != ignore_index) & ((target < 0) | (target >= V))
+    if check == "async" and target.device.type != "cpu":  # a device-side assert: the host does not wait
+        torch._assert_async(~bad.any(), f"linear_cross_entropy: target values must be in [0, {V}) or equal "
+                                        f"ignore_index={ignore_index}")
+        return
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"linear_cross_entropy: target values must be in [0, {V}) or equal ignore_index="
@@ -134,10 +148,9 @@ def _chunk_columns(M: int, esize: int, chunk_size: Optional[int]) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ forward
-def _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, check_targets=True):
+def _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, check="sync"):
     M, V = x.shape[0], weight.shape[0]
-    if check_targets:
-        _check_target_range(target, V, ignore_index)
+    _check_target_range(target, V, ignore_index, check)
     valid, tcol = _target_columns(target, ignore_index)
     smooth = label_smoothing > 0
     epi = ce_forward_smooth if smooth else ce_forward
@@ -170,13 +183,14 @@ def _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss
 
 @torch.library.custom_op("coda::linear_cross_entropy", mutates_args=())
 def _op(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-        z_loss: float, chunk_size: Optional[int], check_targets: bool = True) -> Tuple[Tensor, Tensor]:
-    """(loss, lse) for x (M, H), weight (V, H), target (M,); lse (M,) fp32 is saved for the backward."""
-    return _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, check_targets)
+        z_loss: float, chunk_size: Optional[int], check: str = "sync") -> Tuple[Tensor, Tensor]:
+    """(loss, lse) for x (M, H), weight (V, H), target (M,); lse (M,) fp32 is saved for the backward.
+    ``check``: "sync", "async" or "off" (``linear_cross_entropy``'s check_targets True, "async", False)."""
+    return _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, check)
 
 
 @_op.register_fake
-def _op_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size, check_targets=True):
+def _op_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size, check="sync"):
     M = x.shape[0]
     loss = x.new_empty((M,) if reduction == "none" else (), dtype=torch.float32)
     return loss, x.new_empty((M,), dtype=torch.float32)
@@ -256,7 +270,7 @@ def _op_backward_fake(grad, x, weight, target, lse, ignore_index, reduction, lab
 def _setup_context(ctx, inputs, output):
     x, weight, target, *args = inputs
     ctx.save_for_backward(x, weight, target, output[1])
-    ctx.args = tuple(args[:5])  # ignore_index .. chunk_size (check_targets is the forward's only)
+    ctx.args = tuple(args[:5])  # ignore_index .. chunk_size (check is the forward's only)
     ctx.mark_non_differentiable(output[1])
 
 
@@ -274,20 +288,21 @@ _op.register_autograd(_autograd_backward, setup_context=_setup_context)
 # ------------------------------------------------------------------------------------------------ public entry
 def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0, *,
-                         chunk_size: Optional[int] = None, check_targets: bool = True) -> Tensor:
+                         chunk_size: Optional[int] = None, check_targets: Union[bool, str] = True) -> Tensor:
     """``F.cross_entropy(x @ weight.T, target, ...)`` (+ ``z_loss * logsumexp**2`` per row) without storing logits.
 
     x (..., H) bfloat16/float16, weight (V, H) of x's dtype, target (...) int64 in [0, V) or ``ignore_index``.
     ``reduction``: "mean" (over non-ignored rows), "sum" or "none" (shape of ``target``). ``label_smoothing`` in
     [0, 1] (torch semantics); ``z_loss`` >= 0. ``chunk_size``: vocabulary columns per backward chunk (a multiple of
-    8; default: chunks of at most ``CHUNK_BYTES``). ``check_targets=False`` skips the target range check and its
-    device sync (for training loops that know their targets are valid). Returns a float32 loss. See the module
-    docstring."""
+    8; default: chunks of at most ``CHUNK_BYTES``). ``check_targets``: True (a device sync,
+    ValueError on a bad target), "async" (a device-side assert, no sync) or False (no check). Returns a float32
+    loss. See the module docstring."""
     _check(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size)
-    if not isinstance(check_targets, bool):
-        raise TypeError(f"linear_cross_entropy: check_targets must be a bool, got {type(check_targets).__name__}")
+    if not (isinstance(check_targets, bool) or check_targets == "async"):
+        raise TypeError(f"linear_cross_entropy: check_targets must be True, False or \"async\", got "
+                        f"{check_targets!r}")
     H = x.shape[-1]
     loss, _ = torch.ops.coda.linear_cross_entropy(x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
                                                   reduction, float(label_smoothing), float(z_loss), chunk_size,
-                                                  check_targets)
+                                                  _CHECKS[check_targets])
     return loss.reshape(target.shape) if reduction == "none" else loss

@@ -225,7 +225,10 @@ def test_bad_inputs(monkeypatch):
         (ValueError, "one device", dict(w=w.to("meta"))),
         (ValueError, r"x must be \(\.\.\., H\)", dict(x=x[0, 0])),
         (ValueError, r"found -5 at \(flattened\) position 1", dict(t=t.index_fill(0, torch.tensor([1]), -5))),
-        (TypeError, "check_targets must be a bool", dict(check_targets=1)),
+        (TypeError, "check_targets must be True, False or", dict(check_targets=1)),
+        (TypeError, "check_targets must be True, False or", dict(check_targets="sync")),
+        (ValueError, r"found 40 at \(flattened\) position 2",  # "async" on CPU: the host check (no device)
+         dict(t=t.index_fill(0, torch.tensor([2]), 40), check_targets="async")),
     ]
     for exc, msg, change in bad:
         args = dict(x=x, w=w, t=t)
@@ -258,7 +261,9 @@ def test_opcheck(reduction, smooth, zl):
     w.requires_grad_()
     torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default, (x, w, t, -100, reduction, smooth, zl, 8))
     torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default,
-                          (x, w, t, -100, reduction, smooth, zl, 8, False))
+                          (x, w, t, -100, reduction, smooth, zl, 8, "off"))
+    torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default,
+                          (x, w, t, -100, reduction, smooth, zl, 8, "async"))
 
 
 def test_compile_fullgraph():

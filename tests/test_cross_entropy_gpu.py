@@ -2,6 +2,8 @@
 peak memory (no M x V tensor), and non-finite / huge logits."""
 import gc
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -106,3 +108,29 @@ def test_non_finite_rows(bad):
     assert ours[1] == 0 and want[1] == 0
     assert torch.isfinite(ours[2:]).all()
     assert rel(ours[2:], want[2:]) < 1e-3
+
+
+def test_async_target_check_never_syncs_and_asserts_on_the_device():
+    """check_targets="async": valid targets give the sync check's loss and gradients with no synchronizing call
+    (torch's sync debug mode raises on one); a bad target fails the CUDA context with a device-side assert (run in
+    a child process: the context is lost), while True raises a ValueError first."""
+    x, w, t = _problem(333, 1003, 256)
+    up = torch.tensor(1.0, device=DEV, dtype=torch.float64)
+    want = run(lce, x, w, t, up)
+    x.requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = lce(x, w, t, check_targets="async")
+        with pytest.raises(RuntimeError, match="synchroniz"):  # the debug mode is armed: True syncs
+            lce(x, w, t)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), want[0], rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, want[1], rtol=0, atol=0)
+    child = ("import torch, coda.ops; x = torch.randn(64, 128, device='cuda', dtype=torch.bfloat16); "
+             "w = torch.randn(512, 128, device='cuda', dtype=torch.bfloat16); t = torch.arange(64, device='cuda'); "
+             "t[5] = 512; l = coda.ops.linear_cross_entropy(x, w, t, check_targets='async'); print(float(l))")
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "device-side assert" in r.stderr and "ValueError" not in r.stderr, r.stderr[-2000:]

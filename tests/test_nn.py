@@ -128,6 +128,15 @@ def test_lm_head_cross_entropy_matches_stock(smoothing, z_loss):
     for name, a, t, r in zip("loss dx dgamma dw".split(), (loss, xb.grad, mod.norm.weight.grad, mod.weight.grad),
                              runs["torch"], runs["ref"]):
         _two_x(name, a, t, r)
+    # the target check: "async" (the default) is the host check on CPU tensors, False skips it, others are refused
+    bad = target.clone()
+    bad[0, 1] = V
+    with pytest.raises(ValueError, match=f"found {V} at"):
+        mod(xb, bad)
+    mod.check_targets = False
+    assert torch.isfinite(mod(xb, bad))
+    with pytest.raises(TypeError, match="check_targets must be True, False or"):
+        LMHeadCrossEntropy(H, V, EPS, check_targets="yes")
     # float64 module (plain torch path) equals the reference
     mod64 = LMHeadCrossEntropy(H, V, EPS, label_smoothing=smoothing, z_loss=z_loss, dtype=torch.float64)
     mod64.load_state_dict({"norm.weight": gamma, "weight": w})

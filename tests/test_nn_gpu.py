@@ -42,3 +42,22 @@ def test_fuse_matches_stock_on_cuda():
         err = lambda g: (g.double() - gr[k]).abs().max().item()  # noqa: E731
         assert err(gf[k]) <= 2 * err(gs[k]) + 2e-2 * gr[k].abs().max().item(), k
     torch.testing.assert_close(fused(ids).float(), stock(ids).float(), rtol=0.05, atol=0.02)
+
+
+def test_fused_training_step_never_synchronizes():
+    """A fused forward + backward queues its kernels without waiting on the GPU (torch's sync debug mode raises on
+    a synchronizing call): the LM head's target check is a device-side assert ("async"), so the host keeps running
+    ahead of the GPU in a training loop."""
+    fused = _model(torch.bfloat16)
+    coda.fuse(fused)
+    assert fused.lm_head.check_targets == "async"
+    ids = torch.randint(0, 1000, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    fused(ids, labels=ids).backward()  # compiles and loads the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = fused(ids, labels=ids)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss).item()
