@@ -1,0 +1,104 @@
+"""CUDA graphs: coda.gemm and the coda.ops forward + backward passes can be captured in a ``torch.cuda.CUDAGraph``
+and replayed on new data (the launches use the current stream, build no host-side state that a replay would miss,
+and never synchronize). Each case captures once, then for fresh inputs copied into the static tensors poisons the
+static outputs with NaN, replays, and requires every output to equal an eager call on the same inputs bitwise (the
+kernels are deterministic). linear_cross_entropy is captured with ``check_targets="async"`` (the default True reads
+the check's result on the host, which a capture does not allow)."""
+import pytest
+import torch
+
+import coda
+import coda.ops
+
+pytestmark = pytest.mark.gpu
+DEV, BF = "cuda", torch.bfloat16
+M, H, N, I, V = 520, 256, 392, 344, 1000  # ragged against the tiles
+
+
+@coda.epilogue
+def bias_gelu(acc, bias: coda.VecN):
+    return coda.gelu(acc + bias)
+
+
+def _inputs(g):
+    """Fresh random inputs (the same names every time; the leaves that get gradients first)."""
+    r = lambda *s, scale=1.0: (torch.randn(*s, device=DEV, generator=g) * scale).to(BF)  # noqa: E731
+    return dict(x=r(M, H), nw=1 + r(H, scale=0.2), w=r(N, H, scale=H ** -0.5), wgu=r(2 * I, H, scale=H ** -0.5),
+                wdn=r(H, I, scale=I ** -0.5), wv=r(V, H, scale=H ** -0.5), res=r(M, H), bias=r(N),
+                dy=r(M, N), dh=r(M, H), t=torch.randint(0, V, (M,), device=DEV, generator=g))
+
+
+def _grads(out, leaves, dys):
+    outs = out if isinstance(out, tuple) else (out,)
+    return (*outs, *torch.autograd.grad(outs, leaves, dys))
+
+
+CASES = {
+    "gemm+bias_gelu": lambda i: (coda.gemm(i["x"], i["w"], epilogue=bias_gelu, bias=i["bias"]),),
+    "rmsnorm_linear+residual": lambda i: _grads(
+        coda.ops.rmsnorm_linear(i["x"], i["nw"], i["w"], 1e-6, residual=i["res"]),
+        [i["x"], i["nw"], i["w"], i["res"]], (i["dy"], i["dh"])),
+    "mlp": lambda i: _grads(coda.ops.mlp(i["x"], i["nw"], i["wgu"], i["wdn"]),
+                            [i["x"], i["nw"], i["wgu"], i["wdn"]], (i["dh"],)),
+    "linear_cross_entropy": lambda i: _grads(
+        coda.ops.linear_cross_entropy(i["x"], i["wv"], i["t"], check_targets="async"), [i["x"], i["wv"]],
+        (torch.ones((), device=DEV),)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_capture_and_replay_matches_eager(case):
+    fn = CASES[case]
+    g = torch.Generator(device=DEV).manual_seed(7)
+    static = _inputs(g)
+    for k in ("x", "nw", "w", "wgu", "wdn", "wv", "res"):
+        static[k].requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture: compiles / loads the kernels, fills the caches
+        for _ in range(2):
+            fn(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn(static)
+    for _ in range(2):
+        fresh = _inputs(g)
+        with torch.no_grad():
+            for k, v in fresh.items():
+                static[k].copy_(v)
+            for o in outs:
+                o.fill_(float("nan"))
+        graph.replay()
+        want = fn({k: (v.clone().requires_grad_() if static[k].requires_grad else v) for k, v in fresh.items()})
+        torch.cuda.synchronize()
+        assert len(outs) == len(want)
+        for j, (o, e) in enumerate(zip(outs, want)):
+            assert not torch.isnan(o).any(), f"{case}: output {j} not written by the replay"
+            assert torch.equal(o, e), f"{case}: output {j} differs from eager"
+
+
+def test_reduce_overhead_compile_runs_the_ops_in_cudagraph_trees():
+    """torch.compile(mode="reduce-overhead") records the ops into CUDA-graph trees: its warm-up runs them with the
+    graph's private memory pool active and refuses any tensor that outlives the call in that pool (CODA's cached
+    zero buffer for K = 0 launches is allocated outside it: M here is larger than in the other cases, so the buffer
+    grows inside the warm-up). Loss and gradients over three steps equal eager ones bitwise."""
+    g = torch.Generator(device=DEV).manual_seed(9)
+    m = 2 * M + 8
+    r = lambda *s, scale=1.0: (torch.randn(*s, device=DEV, generator=g) * scale).to(BF)  # noqa: E731
+    leaves = [r(m, H), 1 + r(H, scale=0.2), r(2 * I, H, scale=H ** -0.5), r(H, I, scale=I ** -0.5)]
+
+    def step(x, nw, wgu, wdn):
+        return coda.ops.mlp(x, nw, wgu, wdn).float().square().mean()
+
+    compiled = torch.compile(step, mode="reduce-overhead")
+    for _ in range(3):
+        outs = []
+        for fn in (compiled, step):
+            ls = [t.detach().clone().requires_grad_() for t in leaves]
+            loss = fn(*ls)
+            loss.backward()
+            outs.append([loss.detach().clone(), *(t.grad for t in ls)])
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+        leaves[0] = r(m, H)
