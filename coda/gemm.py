@@ -217,23 +217,10 @@ _zero_bufs: dict = {}
 def _zeros(device, dtype, n: int) -> torch.Tensor:
     """A flat all-zero tensor of >= n elements: a K = 0 launch reads its A and B (one zero K-tile) from views of
     it. One buffer per (device, dtype), never written; a larger one replaces it when needed (the old ones are
-    kept: kernels queued on other streams may still read them).
-
-    A new buffer is allocated on a stream of its own and waited for once (a host sync of that stream only):
-    torch.compile's CUDA-graph trees route the allocations of the stream they run on into the graph's private
-    pool, and refuse a tensor that outlives the call there. Inside a stream capture it is allocated on the
-    capturing stream (a host sync is not allowed there)."""
+    kept: kernels queued on other streams may still read them)."""
     bufs = _zero_bufs.setdefault((device, dtype), [])
     if not bufs or bufs[-1].numel() < n:
-        size = max(n, 2 * bufs[-1].numel() if bufs else 0)
-        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            side = torch.cuda.Stream(device)
-            with torch.cuda.stream(side):
-                buf = torch.zeros(size, dtype=dtype, device=device)
-            side.synchronize()
-        else:
-            buf = torch.zeros(size, dtype=dtype, device=device)
-        bufs.append(buf)
+        bufs.append(torch.zeros(max(n, 2 * bufs[-1].numel() if bufs else 0), dtype=dtype, device=device))
     return bufs[-1]
 
 
