@@ -30,9 +30,9 @@ targets are checked to lie in [0, V) or equal ``ignore_index`` before any GEMM (
 with a device-side assert at the next synchronizing call, as ``F.cross_entropy`` does on CUDA; on CPU tensors it is
 the ``True`` check, which costs no device sync there); ``False`` skips it (an out-of-range target is then simply a
 class no logit matches: its z_t is 0, the loss is wrong, no memory outside the tensors is touched). The sync matters
-in a training step, not in an op alone: it stops the host from queueing ahead of the GPU (llama_train small on the
-H100, fused + torch.compile: 23-34 ms per step with the sync, see docs/NOTES.md), which is why the ``coda.nn``
-LM-head module uses ``"async"``. The dz chunks
+in a training step, not in an op alone: it stops the host from queueing ahead of the GPU (llama_train small, fused
++ torch.compile on an H200: 18.8-19.0 ms per step with it, 18.45 ms without; docs/NOTES.md, session 10), which is
+why the ``coda.nn`` LM-head module uses ``"async"``. The dz chunks
 are in x's dtype, like torch's logits gradient (fp16 underflows tiny probabilities exactly as torch's fp16 does).
 
 Registered as ``torch.ops.coda.linear_cross_entropy`` (a ``torch.library.custom_op`` with a fake implementation
