@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from coda import ops
+from coda.ops.cross_entropy import check_targets_option
 from coda.ops.mlp import rms_swiglu, rmsnorm_swiglu  # noqa: F401 (re-exported)
 
 __all__ = ["RMSNormLinear", "SwiGLUMLP", "LMHeadCrossEntropy", "DeferredRMSNorm", "rms_norm", "rmsnorm_swiglu",
@@ -324,9 +325,7 @@ class LMHeadCrossEntropy(_NormConsumer):
                  z_loss: float = 0.0, check_targets="async", device=None, dtype=None):
         super().__init__()
         _check_aligned("LMHeadCrossEntropy", hidden_size=hidden_size)
-        if not (isinstance(check_targets, bool) or check_targets == "async"):
-            raise TypeError(f"LMHeadCrossEntropy: check_targets must be True, False or \"async\", got "
-                            f"{check_targets!r}")
+        check_targets_option("LMHeadCrossEntropy", check_targets)
         self.check_targets = check_targets
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.ignore_index, self.label_smoothing, self.z_loss = ignore_index, label_smoothing, z_loss

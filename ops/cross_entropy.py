@@ -111,6 +111,13 @@ def _check(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, 
 _CHECKS = {True: "sync", "async": "async", False: "off"}  # check_targets -> the custom op's ``check``
 
 
+def check_targets_option(entry: str, check_targets) -> str:
+    """``check_targets`` (True, "async" or False; else a TypeError naming ``entry``) as the custom op's ``check``."""
+    if not (isinstance(check_targets, bool) or check_targets == "async"):
+        raise TypeError(f"{entry}: check_targets must be True, False or \"async\", got {check_targets!r}")
+    return _CHECKS[check_targets]
+
+
 def _check_target_range(target: Tensor, V: int, ignore_index: int, check: str) -> None:
     if check == "off":
         return
@@ -298,11 +305,9 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
     ValueError on a bad target), "async" (a device-side assert, no sync) or False (no check). Returns a float32
     loss. See the module docstring."""
     _check(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size)
-    if not (isinstance(check_targets, bool) or check_targets == "async"):
-        raise TypeError(f"linear_cross_entropy: check_targets must be True, False or \"async\", got "
-                        f"{check_targets!r}")
+    check = check_targets_option("linear_cross_entropy", check_targets)
     H = x.shape[-1]
     loss, _ = torch.ops.coda.linear_cross_entropy(x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
                                                   reduction, float(label_smoothing), float(z_loss), chunk_size,
-                                                  _CHECKS[check_targets])
+                                                  check)
     return loss.reshape(target.shape) if reduction == "none" else loss
