@@ -220,8 +220,32 @@ def _zeros(device, dtype, n: int) -> torch.Tensor:
     kept: kernels queued on other streams may still read them)."""
     bufs = _zero_bufs.setdefault((device, dtype), [])
     if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 2 * bufs[-1].numel() if bufs else 0), dtype=dtype, device=device))
+        bufs.append(_persistent_zeros(max(n, 2 * bufs[-1].numel() if bufs else 0), dtype, device))
     return bufs[-1]
+
+
+def _persistent_zeros(size: int, dtype, device) -> torch.Tensor:
+    """``torch.zeros`` for a buffer that outlives the call. On a GPU (outside a stream capture) it is allocated and
+    filled by a helper thread, which then waits for its own stream: torch.compile's CUDA-graph trees route every
+    allocation of the thread that warms up a graph into the graph's private pool and refuse a tensor that outlives
+    the call there. Inside a capture it is the capturing thread's allocation (no host wait is allowed there)."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(size, dtype=dtype, device=device)
+    box: list = []
+
+    def alloc():
+        try:
+            box.append(torch.zeros(size, dtype=dtype, device=device))
+            torch.cuda.current_stream(device).synchronize()
+        except BaseException as e:  # re-raised in the caller (e.g. out of memory)
+            box.append(e)
+
+    t = threading.Thread(target=alloc, name="coda-zeros")
+    t.start()
+    t.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
 
 
 def _compiled(key, cfg: GemmConfig, epi: Epilogue, prob, cute_args):

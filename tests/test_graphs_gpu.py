@@ -5,8 +5,8 @@ static outputs with NaN, replays, and requires every output to equal an eager ca
 kernels are deterministic). linear_cross_entropy is captured with ``check_targets="async"`` (the default True reads
 the check's result on the host, which a capture does not allow). The warm-up calls run before the capture, on a
 side stream, as torch documents: the first call of a shape compiles or loads its kernels and may grow CODA's cached
-zero buffer for K = 0 launches. (torch.compile(mode="reduce-overhead") is not covered: its CUDA-graph trees refuse
-the fused ops so far -- "1 tensor in the cudagraph pool not tracked as outputs", see docs/NOTES.md, session 10.)"""
+zero buffer for K = 0 launches. torch.compile(mode="reduce-overhead") (CUDA-graph trees) is covered by the last
+test."""
 import pytest
 import torch
 
@@ -80,3 +80,29 @@ def test_capture_and_replay_matches_eager(case):
             assert not torch.isnan(o).any(), f"{case}: output {j} not written by the replay"
             assert torch.equal(o, e), f"{case}: output {j} differs from eager"
 
+
+def test_reduce_overhead_compile_runs_the_ops_in_cudagraph_trees():
+    """torch.compile(mode="reduce-overhead") records the ops into CUDA-graph trees: its warm-up runs them with the
+    graph's private memory pool active and refuses any tensor that outlives the call in that pool (CODA's cached
+    zero buffer for K = 0 launches is allocated outside it: M here is larger than in the other cases, so the buffer
+    grows inside the warm-up; a helper thread allocates it, outside the pool). Loss and gradients over three steps
+    equal eager ones bitwise."""
+    g = torch.Generator(device=DEV).manual_seed(9)
+    m = 2 * M + 8
+    r = lambda *s, scale=1.0: (torch.randn(*s, device=DEV, generator=g) * scale).to(BF)  # noqa: E731
+    leaves = [r(m, H), 1 + r(H, scale=0.2), r(2 * I, H, scale=H ** -0.5), r(H, I, scale=I ** -0.5)]
+
+    def step(x, nw, wgu, wdn):
+        return coda.ops.mlp(x, nw, wgu, wdn).float().square().mean()
+
+    compiled = torch.compile(step, mode="reduce-overhead")
+    for _ in range(3):
+        outs = []
+        for fn in (compiled, step):
+            ls = [t.detach().clone().requires_grad_() for t in leaves]
+            loss = fn(*ls)
+            loss.backward()
+            outs.append([loss.detach().clone(), *(t.grad for t in ls)])
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+        leaves[0] = r(m, H)
