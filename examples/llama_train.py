@@ -3,6 +3,7 @@
 
     python examples/llama_train.py --device cuda --steps 300                  # both, same init and data
     python examples/llama_train.py --device cuda --steps 300 --stock --compile
+    python examples/llama_train.py --device cuda --compile --compile-fused --compile-mode reduce-overhead
     python examples/llama_train.py --device cpu --steps 3                     # tiny smoke test (reference path)
     python examples/llama_train.py --device cuda --grad-check [--compile]     # one batch: gradients vs float64
 
@@ -69,7 +70,7 @@ def train(mode: str, args, cfg: LlamaConfig) -> dict:
         coda.fuse(model)
     step_fn = model
     if args.compile and (mode == "stock" or args.compile_fused):
-        step_fn = torch.compile(model)
+        step_fn = torch.compile(model, mode=args.compile_mode)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     chain, g = make_chain(cfg.vocab_size, args.seed), torch.Generator().manual_seed(args.seed + 1)
     data = [batch(chain, args.batch, args.seq, g) for _ in range(min(args.steps, 64))]
@@ -95,7 +96,8 @@ def train(mode: str, args, cfg: LlamaConfig) -> dict:
         torch.cuda.synchronize(dev)
     elapsed = time.perf_counter() - t0 if t0 is not None else float("nan")
     peak = torch.cuda.max_memory_allocated(dev) / 2 ** 20 if dev.type == "cuda" else float("nan")
-    return {"mode": mode + ("+compile" if step_fn is not model else ""), "points": points,
+    comp = "" if step_fn is model else "+compile" + ("" if args.compile_mode == "default" else f"({args.compile_mode})")
+    return {"mode": mode + comp, "points": points,
             "tok_s": timed_tokens / elapsed if timed_tokens else float("nan"), "peak_mib": peak}
 
 
@@ -158,6 +160,8 @@ def main(argv=None) -> int:
     which.add_argument("--stock", action="store_true", help="only the stock model")
     p.add_argument("--compile", action="store_true", help="torch.compile the stock model")
     p.add_argument("--compile-fused", action="store_true", help="with --compile, compile the fused model too")
+    p.add_argument("--compile-mode", default="default", choices=["default", "reduce-overhead", "max-autotune"],
+                   help="torch.compile mode (reduce-overhead: CUDA-graph trees, no per-op host cost)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="model size (default: tiny on CPU, small on CUDA)")
@@ -183,9 +187,10 @@ def main(argv=None) -> int:
         grad_check(args, cfg)
         return 0
     results = [train(m, args, cfg) for m in modes]
-    print("\nmode             final loss   tokens/s   peak MiB")
+    w = max(16, *(len(r["mode"]) for r in results))
+    print(f"\n{'mode':<{w}} final loss   tokens/s   peak MiB")
     for r in results:
-        print(f"{r['mode']:<16} {r['points'][-1][1]:10.4f} {r['tok_s']:10.0f} {r['peak_mib']:10.1f}")
+        print(f"{r['mode']:<{w}} {r['points'][-1][1]:10.4f} {r['tok_s']:10.0f} {r['peak_mib']:10.1f}")
     return 0
 
 
