@@ -630,8 +630,8 @@ class GemmSm90:
             m_new = cute.arch.fmax(m_old, m_sub, nan=True)
             s = s_old * cute.math.exp2((m_old - self._safe(m_new)) * LOG2E, fastmath=True)
         ms = self._safe(m_new)
-        for x in xs:  # (x - m) first: exact for x near m at any magnitude (x log2e - m log2e would lose it)
-            s = s + cute.math.exp2((x - ms) * LOG2E, fastmath=True)
+        for x in xs:  # (x - m) first: exact for x near m at any magnitude (x log2e - m log2e would lose it:
+            s = s + cute.math.exp2((x - ms) * LOG2E, fastmath=True)  # at |x| ~ 1e10 by ~1e3, tests/reliability)
         return (m_new, s)
 
     def _lse_finish(self, state):
@@ -784,11 +784,11 @@ class GemmSm90:
         return cutlass.Float32(0.0 if op == "sum" else -math.inf)
 
     def _mask_reductions(self, res, lazy, v):
-        """Reduction values of out-of-range elements (register v: a padded row or column) -> the neutral element."""
-        if cutlass.const_expr(len(self.epi.reductions) > 0):
-            inside = (lazy.coord(v, 0) < lazy.M) & (lazy.coord(v, 1) < lazy.N)
-            for r in self.epi.reductions:
-                res[r.name] = cutlass.select_(inside, cutlass.Float32(res[r.name]), self._neutral(r.op))
+        """Reduction values of out-of-range elements -> the neutral element, along the reduced axis only (axis n
+        masks padded columns, axis m padded rows): a padded row's (column's) own partial is never stored."""
+        for r in self.epi.reductions:
+            inside = lazy.coord(v, 1) < lazy.N if r.axis == "n" else lazy.coord(v, 0) < lazy.M
+            res[r.name] = cutlass.select_(inside, cutlass.Float32(res[r.name]), self._neutral(r.op))
 
     @staticmethod
     def _load_tile(t, row, col, l, M, N):
