@@ -178,9 +178,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
 
     ``save_preact=True``: the forward kernel also stores the pre-activation (no second GEMM) and the backward
     evaluates dacc and the operand gradients on it (a K = 0 launch: one memory pass) instead of recomputing the
-    accumulator with a GEMM (M x N saved bytes, in the output dtype, for an M x N x K GEMM). A half-mode pairs epilogue saves it as two
-    extra M x N/2 outputs, the pairs' even and odd accumulator values (interleaved back for the backward). A 2 -> 2
-    pairs epilogue cannot carry extra outputs in the kernel: ``save_preact=True`` is a ValueError there."""
+    accumulator with a GEMM (M x N saved bytes, in the output dtype, for an M x N x K GEMM). A half-mode pairs
+    epilogue saves it as two extra M x N/2 outputs, the pairs' even and odd accumulator values (interleaved back for
+    the backward). A 2 -> 2 pairs epilogue cannot carry extra outputs in the kernel: ``save_preact=True`` is a
+    ValueError there."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"linear: x and weight must be torch tensors, got {type(x).__name__} and "
                         f"{type(weight).__name__}")
