@@ -6,9 +6,11 @@ into kept configs and ``(config, reason)`` pairs; every rule states its reason:
 
 - ``GemmConfig.problems()``: tile / schedule / cluster / register-budget validity;
 - the tile shape is not one of the variants CODA builds and tests (``coda.config.all_configs``);
-- shared memory: ``derive_stages`` with the epilogue's outputs (main + extra tile outputs, 2 sub-tile buffers each,
-  doubled for ping-pong) must leave >= 2 pipeline stages; an explicit ``stages`` must fit;
-- an explicit ``stages`` equal to what ``stages=None`` derives is a duplicate;
+- shared memory: the kernel's own plan (``coda.kernels.epilogue.smem_plan``) must leave >= 2 pipeline stages; an
+  explicit ``stages`` must fit. It counts the tile outputs the kernel stores (no D where the epilogue stores none,
+  half-width outputs at half size), takes TileMN operands as fp32 (the largest rings) and TMA-aligned, and deepens
+  their rings and the output buffers where that costs no stage;
+- an explicit ``stages`` whose plan is the one ``stages=None`` derives is a duplicate;
 - the epilogue needs more than 12 kernel tensors (operands + extra outputs + reduction partials).
 
 :func:`shape_reasons` adds the rules that depend on the problem (a cluster dimension of 2 over a single tile, a
@@ -24,7 +26,7 @@ from coda.config import GemmConfig, all_configs
 
 from .keys import DTYPE_BYTES, dtype_name
 
-from coda.kernels.epilogue import MAX_EPI_TENSORS, tile_tma_plan  # noqa: E402 (MAX: the x-slots of GemmSm90.__call__)
+from coda.kernels.epilogue import MAX_EPI_TENSORS, out_col_bytes, smem_plan  # noqa: E402 (MAX: GemmSm90's x-slots)
 INT32_MAX = 2**31 - 1
 
 TILE_M = (64, 128, 256)
@@ -73,20 +75,31 @@ def config_reason(cfg: GemmConfig, epi: Any = None, in_dtype: Any = "bfloat16",
         sched = "ping-pong" if cfg.pingpong else "cooperative"
         return (f"tile {cfg.tile_m}x{cfg.tile_n} {sched} is not one of the variants CODA builds and tests "
                 "(coda.config.all_configs)")
-    out_b = DTYPE_BYTES[dtype_name(out_dtype)]
-    out_bytes = [out_b] * (1 + len(epi.outputs))
-    in_b = DTYPE_BYTES[dtype_name(in_dtype)]
-    n_tiles = sum(o.kind == "tile" for o in epi.operands)
-    _, extra = tile_tma_plan(epi, cfg, [True] * n_tiles, [4] * n_tiles, out_bytes, in_b)  # fp32 TileMN: the most
     try:
-        stages = cfg.derive_stages(out_bytes, extra_smem=extra, in_bytes=in_b)
+        plan = kernel_smem_plan(cfg, epi, in_dtype, out_dtype)
     except ValueError as e:
-        return f"shared memory: {e} (epilogue buffers {cfg.epi_smem_bytes(out_bytes)} B)"
+        cols = out_col_bytes(epi, smem_plan_outputs(epi, out_dtype))
+        return f"shared memory: {e} (epilogue buffers {cfg.epi_smem_bytes(cols)} B)"
     if cfg.stages is not None:
-        derived = dataclasses.replace(cfg, stages=None).derive_stages(out_bytes, extra_smem=extra, in_bytes=in_b)
-        if stages == derived:
-            return f"duplicate: stages={stages} is what stages=None derives"
+        derived = kernel_smem_plan(dataclasses.replace(cfg, stages=None), epi, in_dtype, out_dtype)
+        if plan == derived:
+            return f"duplicate: stages={plan.stages} is what stages=None derives"
     return None
+
+
+def smem_plan_outputs(epi: Any, out_dtype: Any) -> list:
+    """Element sizes of the tile outputs the kernel stores: D (unless the epilogue stores no main output), then
+    the extra outputs, all of ``out_dtype``."""
+    return [DTYPE_BYTES[dtype_name(out_dtype)]] * (int(bool(epi.stores_out)) + len(epi.outputs))
+
+
+def kernel_smem_plan(cfg: GemmConfig, epi: Any = None, in_dtype: Any = "bfloat16", out_dtype: Any = "bfloat16"):
+    """The kernel's shared-memory plan (``coda.kernels.epilogue.smem_plan``) for these dtypes, with every TileMN
+    operand fp32 (the largest rings) and TMA-aligned; ValueError where the stages do not fit."""
+    epi = epi if epi is not None else _identity()
+    n_tiles = sum(o.kind == "tile" for o in epi.operands)
+    return smem_plan(epi, cfg, smem_plan_outputs(epi, out_dtype), [4] * n_tiles, [True] * n_tiles,
+                     DTYPE_BYTES[dtype_name(in_dtype)])
 
 
 def prune(epi: Any = None, in_dtype: Any = "bfloat16", out_dtype: Any = "bfloat16",

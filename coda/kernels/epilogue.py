@@ -240,6 +240,45 @@ def tile_tma_plan(epi: Epilogue, cfg, aligned, tile_bytes, out_bytes, in_bytes: 
     return tuple(flags), staged_smem_bytes(epi, cfg, chosen)
 
 
+def out_col_bytes(epi: Epilogue, out_bytes) -> tuple:
+    """Shared memory per accumulator column of each tile output's sub-tile buffer (``out_bytes``: element sizes):
+    the element size, half of it for a half-width output (element bits // 16, else // 8)."""
+    return tuple(b * 8 // (16 if epi.pair_mode == "half" else 8) for b in out_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class SmemPlan:
+    """How one kernel variant spends its shared memory (:func:`smem_plan`)."""
+    out_bytes: tuple  # shared memory per accumulator column of each stored tile output's sub-tile buffer
+    tma_flags: tuple  # per TileMN operand (declaration order): TMA-loaded through a ring of sub-tile buffers
+    ring: int  # sub-tile buffers in each TMA-loaded TileMN operand's ring (per consumer tile in flight)
+    extra_smem: int  # bytes of the staged VecN / VecM values and TileMN rings (staged_smem_bytes)
+    epi_buffers: int  # sub-tile buffers per tile output and consumer tile in flight (2 or 4)
+    stages: int  # mainloop pipeline stages
+
+
+def smem_plan(epi: Epilogue, cfg, out_bytes, tile_bytes, tile_aligned, in_bytes: int = 2) -> SmemPlan:
+    """The shared-memory plan of the kernel (``GemmSm90.__call__``) and of the autotuner's pruning: one function so
+    that both agree. ``out_bytes``: element size of each tile output the kernel stores (D if ``epi.stores_out``,
+    then the extra outputs); ``tile_bytes`` / ``tile_aligned``: element size and 16-byte alignment of each TileMN
+    operand; ``in_bytes``: of A and B. In order: which TileMN operands are TMA-loaded (:func:`tile_tma_plan`),
+    their ring depth (:func:`tile_ring`), the operands' shared memory (:func:`staged_smem_bytes`), the output
+    buffers (``GemmConfig.epi_buffers``), the pipeline stages (``GemmConfig.derive_stages``; its ValueError when
+    they do not fit). A half-width output (``pair_mode == "half"``) takes half its element size per accumulator
+    column (its sub-tile is tile_m x epi_n / 2)."""
+    out_b = out_col_bytes(epi, out_bytes)
+    tile_bytes, tile_aligned = tuple(tile_bytes), tuple(tile_aligned)
+    if len(tile_bytes) != len(tile_aligned):
+        raise ValueError(f"smem_plan: {len(tile_bytes)} TileMN element sizes for {len(tile_aligned)} alignment flags")
+    flags, _ = tile_tma_plan(epi, cfg, tile_aligned, tile_bytes, list(out_b), in_bytes)
+    chosen = [b for f, b in zip(flags, tile_bytes) if f]
+    ring = tile_ring(epi, cfg, chosen, list(out_b), in_bytes)
+    extra = staged_smem_bytes(epi, cfg, chosen, ring)
+    bufs = cfg.epi_buffers(list(out_b), extra, in_bytes)
+    stages = cfg.derive_stages(list(out_b), extra_smem=extra, in_bytes=in_bytes, epi_stages=bufs)
+    return SmemPlan(out_b, tuple(flags), ring, extra, bufs, stages)
+
+
 def finish_reduction(partials, op: str):
     """Finish a tile-partial reduction: partials (L, tiles, len) -> (L, len). Deterministic (fixed order)."""
     if op == "sum":

@@ -44,7 +44,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from ..config import GemmConfig
 from . import schedule
 from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, EpiEnv, staged_operands,  # noqa: F401 (the x-slots)
-                       staged_smem_bytes, tile_operand_cols, tile_ring, tile_tma_plan)
+                       smem_plan, tile_operand_cols)
 
 WG_THREADS = 128
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -115,19 +115,16 @@ class GemmSm90:
             self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
             self.acc_dtype, self.atom_layout, tiler_mn=(64, cfg.tile_n))
 
-        # shared memory per accumulator column of each tile output's sub-tile buffer (half of its element size for
-        # a half-width output)
-        out_b = [d.width // (16 if self.half else 8) for d in out_dtypes]
-        # TileMN operands read by TMA (3b): per operand a ring of sub-tile buffers (per consumer tile in flight),
-        # one mbarrier per buffer
+        # shared memory (epilogue.smem_plan, also the autotuner's pruning): TileMN operands read by TMA (3b), per
+        # operand a ring of sub-tile buffers (per consumer tile in flight), one mbarrier per buffer; the tile outputs'
+        # sub-tile buffers (a half-width output takes half its element size per accumulator column); the stages
         in_b = self.ab_dtype.width // 8
         tile_b = [op_tensors[i].element_type.width // 8 for i in self.tiles]
-        flags, _ = tile_tma_plan(self.epi, cfg, self.tile_aligned, tile_b, out_b, in_b)
-        chosen_b = [b for f, b in zip(flags, tile_b) if f]
-        self.ring = tile_ring(self.epi, cfg, chosen_b, out_b, in_b)
+        plan = smem_plan(self.epi, cfg, [d.width // 8 for d in out_dtypes], tile_b, self.tile_aligned, in_b)
+        self.ring = plan.ring
         self.ld_bufs = self.ring * self.num_tiles_in_flight
-        extra_smem = staged_smem_bytes(self.epi, cfg, chosen_b, self.ring)
-        self.tma_tiles = [i for i, f in zip(self.tiles, flags) if f]
+        extra_smem = plan.extra_smem  # noqa: F841 (staged VecN / VecM values and TileMN rings, in plan.stages)
+        self.tma_tiles = [i for i, f in zip(self.tiles, plan.tma_flags) if f]
         ld_ops = [op_tensors[i] for i in self.tma_tiles]
         ld_smems = [sm90_utils.make_smem_layout_epi(t.element_type, LayoutEnum.from_tensor(t), self.op_tile,
                                                     self.ld_bufs) for t in ld_ops]
@@ -135,8 +132,8 @@ class GemmSm90:
                                            self.op_tile) for t, sl in zip(ld_ops, ld_smems)]
         self.ld_tx = sum(self.op_tile[0] * self.op_tile[1] * t.element_type.width // 8 for t in ld_ops)
         # epilogue sub-tile buffers: 4 where they cost no pipeline stage, else 2 (GemmConfig.epi_buffers)
-        self.epi_stages = cfg.epi_buffers(out_b, extra_smem, in_b)
-        self.ab_stage = cfg.derive_stages(out_b, extra_smem=extra_smem, in_bytes=in_b, epi_stages=self.epi_stages)
+        self.epi_stages = plan.epi_buffers
+        self.ab_stage = plan.stages
         a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
         epi_bufs = self.epi_stages * self.num_tiles_in_flight
