@@ -61,3 +61,12 @@ def rotate64(h, c, s):
     """:func:`rotate` in torch over the accumulator h."""
     a, b = h[..., 0::2], h[..., 1::2]
     return {"out": torch.stack((a * c - b * s, a * s + b * c), -1).reshape(h.shape)}
+
+
+def stats_epilogue():
+    """The README's reductions example (a VecM operand, per-row sum and logsumexp, a per-column sum)."""
+    @coda.epilogue
+    def stats(acc, r: coda.VecM):
+        y = acc * r
+        return {"out": y, "ss": coda.reduce_n(y * y), "lse": coda.reduce_n(y, "logsumexp"), "cs": coda.reduce_m(y)}
+    return stats

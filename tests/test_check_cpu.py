@@ -6,6 +6,7 @@ import pytest
 from coda.check import compile_variant, main
 from coda.config import GemmConfig, all_configs
 from coda.kernels.epilogue import Epilogue, Operand, Reduction
+from hook_epilogues import stats_epilogue
 
 
 @pytest.mark.parametrize("cfg", list(all_configs()), ids=lambda c: c.name)
@@ -44,22 +45,12 @@ def test_check_cli_rejects_other_arch(capsys):
     assert main(["--arch", "sm_80"]) == 2
 
 
-def _stats_epilogue():
-    import coda
-
-    @coda.epilogue
-    def stats(acc, r: coda.VecM):  # the README's reductions example
-        y = acc * r
-        return {"out": y, "ss": coda.reduce_n(y * y), "lse": coda.reduce_n(y, "logsumexp"), "cs": coda.reduce_m(y)}
-    return stats
-
-
 @pytest.mark.parametrize("which", ["stats", "ce_forward", "ce_forward_smooth"])
 def test_reduction_epilogues_do_not_spill(which):
     """Reduction values are masked along the reduced axis only (one predicate per element): before, the row and
     column predicates of every element spilled 152 bytes (README stats) and 48 (ce_forward_smooth) on the default
     128x256 tile."""
     from coda.epilogues import cross_entropy
-    epi = _stats_epilogue() if which == "stats" else getattr(cross_entropy, which)
+    epi = stats_epilogue() if which == "stats" else getattr(cross_entropy, which)
     row = compile_variant(GemmConfig(), epi)
     assert row["ok"] and row["spill_bytes"] == 0, row

@@ -12,15 +12,7 @@ from coda.config import GemmConfig, all_configs
 from coda.epilogues import cross_entropy, gated
 from coda.kernels.epilogue import (IDENTITY, SmemPlan, smem_plan, staged_smem_bytes, tile_ring,
                                    tile_tma_plan)
-from hook_epilogues import Everything, gated_tiles
-
-
-def _stats_epilogue():
-    @coda.epilogue
-    def stats(acc, r: coda.VecM):  # the README's reductions example
-        y = acc * r
-        return {"out": y, "ss": coda.reduce_n(y * y), "lse": coda.reduce_n(y, "logsumexp"), "cs": coda.reduce_m(y)}
-    return stats
+from hook_epilogues import Everything, gated_tiles, stats_epilogue
 
 
 EPILOGUES = {
@@ -28,7 +20,7 @@ EPILOGUES = {
     "ce_forward": cross_entropy.ce_forward,  # stores no output (stores_out False), a VecM operand
     "swiglu": gated.swiglu,  # pairs, half-width output
     "accumulate": cross_entropy.accumulate,  # one TileMN operand
-    "stats": _stats_epilogue(),  # VecM operand, per-row and per-column reductions
+    "stats": stats_epilogue(),  # VecM operand, per-row and per-column reductions
     "everything": Everything(),  # VecN, VecM, TileMN, scalar operands, an extra output, reductions
     "gated_tiles": gated_tiles,  # half-width pairs with two TileMN operands, an extra output, reductions
 }
