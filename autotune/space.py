@@ -167,6 +167,7 @@ def config_to_dict(cfg: GemmConfig) -> dict:
 
 def config_from_dict(d: dict) -> GemmConfig:
     names = {f.name for f in dataclasses.fields(GemmConfig)}
-    if not isinstance(d, dict) or set(d) != names:
+    # "sched" came later: an entry stored without it is a static-schedule config
+    if not isinstance(d, dict) or set(d) - names or names - set(d) - {"sched"}:
         raise ValueError(f"not a GemmConfig: {d!r}")
     return GemmConfig(**d)

@@ -8,7 +8,10 @@ A :class:`GemmConfig` selects, at compile time:
   overlaps the other's tensor-core work);
 - the cluster shape ``cluster_m x cluster_n`` (1x1, 2x1, 1x2): A is TMA-multicast along the cluster's N extent, B
   along its M extent;
-- the persistent tile scheduler's rasterisation (``raster="m"`` walks down M inside a group of ``swizzle`` N-tiles);
+- the persistent tile scheduler's rasterisation (``raster="m"`` walks down M inside a group of ``swizzle`` N-tiles)
+  and how tiles are handed out (``sched``): ``"static"``, cluster c takes tiles c, c + P, c + 2P, ...; or
+  ``"dynamic"``, each CTA takes the next tile of the order from a global counter when it needs one, so the tiles in
+  flight stay consecutive in the order (cooperative, 1x1 clusters; ``kernels/schedule.py``);
 - the number of pipeline stages (``stages=None`` derives it from the shared memory left after the epilogue).
 
 No object in this module imports cutlass: configs are plain data and cheap to enumerate.
@@ -37,6 +40,7 @@ class GemmConfig:
     swizzle: int = 8
     stages: Optional[int] = None
     epi_n: int = 32
+    sched: str = "static"
 
     # -- derived ---------------------------------------------------------------------------------------------------
     @property
@@ -57,8 +61,9 @@ class GemmConfig:
     def name(self) -> str:
         sched = "pp" if self.pingpong else "coop"
         st = f"_s{self.stages}" if self.stages else ""
+        dyn = "_dyn" if self.sched == "dynamic" else ""
         return (f"{self.tile_m}x{self.tile_n}_{sched}_c{self.cluster_m}x{self.cluster_n}"
-                f"_r{self.raster}{self.swizzle}{st}")
+                f"_r{self.raster}{self.swizzle}{st}{dyn}")
 
     def problems(self) -> list[str]:
         """Reasons this config cannot be built (empty list: valid)."""
@@ -83,6 +88,10 @@ class GemmConfig:
             out.append(f"epi_n must be 16, 32 or 64 and divide tile_n={self.tile_n}, got {self.epi_n}")
         if self.stages is not None and self.stages < 2:
             out.append(f"stages must be >= 2, got {self.stages}")
+        if self.sched not in ("static", "dynamic"):
+            out.append(f"sched must be 'static' or 'dynamic', got {self.sched!r}")
+        elif self.sched == "dynamic" and (self.pingpong or (self.cluster_m, self.cluster_n) != (1, 1)):
+            out.append("sched='dynamic' is built for the cooperative schedule with 1x1 clusters only")
         return out
 
     def validate(self) -> "GemmConfig":
@@ -137,6 +146,8 @@ def all_configs() -> Iterator[GemmConfig]:
             cfg = GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=pingpong)
             if not cfg.problems():
                 yield cfg
+    # the dynamic tile schedule (kernels/schedule.py: a global tile counter), built for cooperative 1x1 clusters
+    yield GemmConfig(tile_m=128, tile_n=256, cluster_m=1, cluster_n=1, sched="dynamic")
 
 
 def default_config(M: int, N: int, K: int) -> GemmConfig:

@@ -120,7 +120,26 @@ def epilogue_tensors(epi: Epilogue, prob, operands: dict, out3: torch.Tensor, cf
         p = _new_partial((L, tiles, length), out3.device)
         args.append((p.permute(2, 1, 0), 0))
         partials[r.name] = (p, r.op)
+    if cfg.sched == "dynamic":  # the tile counter, last (kernels/schedule.py)
+        args.append((_tile_counter(out3.device), 0))
     return args, outs, partials
+
+
+_counters: dict = {}
+
+
+def _tile_counter(device) -> torch.Tensor:
+    """The dynamic schedule's two int32 (next tile, finished CTAs), zero between launches: the last CTA of each
+    launch resets them. One pair per device and stream, so that launches sharing one run one after another."""
+    if device.type != "cuda":  # only the CPU tests build kernel arguments there
+        key = (str(device), 0)
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (index, _launch.stream_handle(index))
+    c = _counters.get(key)
+    if c is None:
+        c = _counters[key] = _persistent_zeros(4, torch.int32, device)[:2]
+    return c
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = None, out: Optional[torch.Tensor] = None,
@@ -303,7 +322,7 @@ def _make_plan(fn, cute_args, views, handle, prob, cfg, epi, tensors, device_ind
     # an epilogue with tensor operands only (no extra outputs, no reductions, no scalars) whose kernel arguments
     # are the operands' own memory (views): a repeated call only needs the operands' data pointers
     plan.operand_names = None
-    if (plan.has_epi_args and not epi.outputs and not epi.kernel_reductions()
+    if (plan.has_epi_args and cfg.sched == "static" and not epi.outputs and not epi.kernel_reductions()
             and all(op.kind != "scalar" and isinstance(operands.get(op.name), torch.Tensor)
                     and v.data_ptr() == operands[op.name].data_ptr() for op, v in zip(epi.operands, views[3:]))):
         plan.operand_names = tuple(op.name for op in epi.operands)

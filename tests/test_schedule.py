@@ -1,10 +1,11 @@
-"""CPU (CI): the persistent kernel's tile order (coda/kernels/schedule.py's Python mirror of the kernel's arithmetic).
-The kernel itself is checked on the H100 (tests/test_gemm_gpu.py::test_tiles_past_a_swizzle_group and every other
-GPU test)."""
+"""CPU (CI): the persistent kernel's tile order (coda/kernels/schedule.py's Python mirror of the kernel's arithmetic)
+and the dynamic schedule's config rules and kernel argument. The kernel itself is checked on the H100
+(tests/test_gemm_gpu.py::test_tiles_past_a_swizzle_group, tests/test_schedule_gpu.py and every other GPU test)."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coda.config import GemmConfig, all_configs
 from coda.kernels.schedule import tile_order
 
 
@@ -36,3 +37,37 @@ def test_tile_order_is_grouped_raster(raster_m):
                 assert order[i] == ((slow, fast, 0) if raster_m else (fast, slow, 0))
                 i += 1
     assert i == rows * cols
+
+
+def test_dynamic_schedule_config_rules():
+    from coda.autotune.space import config_from_dict, config_to_dict
+    dyn = GemmConfig(tile_m=128, tile_n=256, cluster_m=1, cluster_n=1, sched="dynamic")
+    assert dyn.validate().name.endswith("_dyn") and not GemmConfig().name.endswith("_dyn")
+    assert any("1x1" in p for p in GemmConfig(sched="dynamic").problems())  # cluster 2x1: not built
+    assert any("cooperative" in p for p in GemmConfig(cluster_m=1, pingpong=True, tile_m=128, tile_n=128,
+                                                     sched="dynamic").problems())
+    assert any("sched" in p for p in GemmConfig(sched="fifo").problems())
+    assert dyn in list(all_configs())  # python -m coda.check and the GPU variant tests cover it
+    assert config_from_dict(config_to_dict(dyn)) == dyn
+    old = config_to_dict(GemmConfig())
+    del old["sched"]  # an autotune cache entry written before the field existed
+    assert config_from_dict(old) == GemmConfig()
+    with pytest.raises(ValueError):
+        config_from_dict(dict(old, bogus=1))
+
+
+def test_dynamic_counter_is_the_last_kernel_tensor():
+    """coda.gemm appends the two-int32 counter after the epilogue's tensors for a dynamic config only."""
+    import torch
+
+    from coda.gemm import epilogue_tensors
+    from coda.kernels.epilogue import IDENTITY
+    from coda._validate import check_gemm_args
+    a, b = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(48, 32, dtype=torch.bfloat16)
+    prob = check_gemm_args(a, b)
+    out3 = torch.empty(1, 64, 48, dtype=torch.bfloat16)
+    args, _, _ = epilogue_tensors(IDENTITY, prob, {}, out3, GemmConfig(cluster_m=1))
+    assert args == []
+    args, _, _ = epilogue_tensors(IDENTITY, prob, {}, out3, GemmConfig(cluster_m=1, sched="dynamic"))
+    (t, lead), = args
+    assert t.dtype == torch.int32 and t.shape == (2,) and not t.any() and lead == 0

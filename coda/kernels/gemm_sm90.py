@@ -10,8 +10,9 @@ Phase 0 (host, ``__call__``): build the tiled WGMMA, the swizzled shared-memory 
   holds after the epilogue buffers.
 Phase 1 (all warps): allocate shared memory, initialise the mainloop mbarrier pipeline, cluster-sync.
 Phase 2 (producer warpgroup, warp 0; registers lowered to 40): for each tile of this CTA (``schedule.py``: grouped
-  raster order), for each k-tile: wait for an empty stage, TMA-load A and B into it (multicast to the cluster
-  peers).
+  raster order; cluster c takes tiles c, c + P, ..., or with ``sched="dynamic"`` the next index from a global
+  counter, passed on to the consumers through a shared-memory ring), for each k-tile: wait for an empty stage,
+  TMA-load A and B into it (multicast to the cluster peers).
 Phase 3 (consumer warpgroups; registers raised to 232):
   cooperative: both warpgroups work on the same tile (64 or 128 rows each);
   ping-pong:   warpgroup w takes every other tile; an ordering barrier serialises the two mainloops so that one
@@ -42,7 +43,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ..config import GemmConfig
-from . import schedule
+from . import lse, schedule
 from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, EpiEnv, staged_operands,  # noqa: F401 (the x-slots)
                        smem_plan, tile_operand_cols)
 
@@ -51,7 +52,6 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232
 # named barriers (0 is __syncthreads): epilogue of the cooperative pair, or of ping-pong warpgroup w (1 + w);
 # ping-pong mainloop ordering: warpgroup w waits on 3 + w.
 BAR_EPI, BAR_ORDER = 1, 3
-LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
 class GemmSm90:
@@ -91,6 +91,9 @@ class GemmSm90:
         self.d_dtype = mD.element_type
         n_ops = len(self.epi.operands)
         n_out = len(self.epi.outputs)
+        self.dynamic = cfg.sched == "dynamic"
+        counter = epi_args[-1:] if self.dynamic else []  # schedule.py: two int32, last after the epilogue's
+        epi_args = epi_args[:len(epi_args) - len(counter)]
         op_tensors = epi_args[:n_ops]
         out_tensors = epi_args[n_ops:n_ops + n_out]
         red_tensors = epi_args[n_ops + n_out:]
@@ -166,7 +169,7 @@ class GemmSm90:
 
         self.kernel(tma_a, tA, tma_b, tB, mD, [s[0] for s in stores], [s[1] for s in stores], op_tensors,
                     red_tensors, self.tiled_mma, a_smem, b_smem, epi_smems,
-                    [x[0] for x in lds], [x[1] for x in lds], ld_smems).launch(
+                    [x[0] for x in lds], [x[1] for x in lds], ld_smems, counter).launch(
             grid=grid, block=[3 * WG_THREADS, 1, 1], cluster=(cfg.cluster_m, cfg.cluster_n, 1),
             min_blocks_per_mp=1, stream=stream)
 
@@ -181,7 +184,7 @@ class GemmSm90:
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                mD: cute.Tensor, store_atoms: list, store_tensors: list, op_tensors: list, red_tensors: list,
                tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
-               epi_smems: list, ld_atoms: list, ld_tensors: list, ld_smems: list):
+               epi_smems: list, ld_atoms: list, ld_tensors: list, ld_smems: list, counter: list):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -226,6 +229,13 @@ class GemmSm90:
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, (self.mcast_a + self.mcast_b - 1) * consumer_wgs * 4),
             tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, *cta_layout.shape)), defer_sync=True)
+        sched = None  # sched="dynamic": the tile-index ring from the producer warp to the consumers (schedule.py)
+        if cutlass.const_expr(self.dynamic):
+            sched = (pipeline.PipelineAsync.create(
+                barrier_storage=smem.allocate_array(cutlass.Int64, 2 * schedule.RING, byte_alignment=8),
+                num_stages=schedule.RING, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS), defer_sync=True),
+                smem.allocate_tensor(cutlass.Int32, cute.make_layout(schedule.RING), byte_alignment=16), counter)
         pipeline_init_arrive(cluster_shape_mn=(cfg.cluster_m, cfg.cluster_n), is_relaxed=True)
 
         gA = cute.local_tile(mA, (cfg.tile_m, cfg.tile_k), (None, None, None))  # (bM, bK, m, k, l)
@@ -244,7 +254,12 @@ class GemmSm90:
                 w = self._work(mD)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
                 t = w["cluster"]
-                while t < w["n_tiles"]:  # this cluster's tiles: c, c + P, ... (schedule.py)
+                if cutlass.const_expr(self.dynamic):
+                    ring_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, schedule.RING)
+                    t = schedule.fetch(sched[2][0])
+                    schedule.publish(sched[0], sched[1], ring_state, t)
+                    ring_state.advance()
+                while t < w["n_tiles"]:  # this cluster's tiles: c, c + P, ... or the counter's (schedule.py)
                     m, n, l = self._tile(w, t)
                     for k in range(k_tiles):
                         mainloop.producer_acquire(state)
@@ -255,16 +270,23 @@ class GemmSm90:
                                   mcast_mask=b_mask)
                         mainloop.producer_commit(state)
                         state.advance()
-                    t += w["n_clusters"]
+                    if cutlass.const_expr(self.dynamic):
+                        t = schedule.fetch(sched[2][0])
+                        schedule.publish(sched[0], sched[1], ring_state, t)
+                        ring_state.advance()
+                    else:
+                        t += w["n_clusters"]
                 mainloop.producer_tail(state)
+                if cutlass.const_expr(self.dynamic):
+                    schedule.finish(sched[2][0])
         else:
             # ---- phase 3: consumers
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consumer(tidx, wg_idx - 1, mainloop, k_tiles, sA, sB, sOuts, sOps, tiled_mma, mD, store_atoms,
-                          store_tensors, op_tensors, red_tensors, tile_ld)
+            self.consumer(tidx, wg_idx - 1, mainloop, sched, k_tiles, sA, sB, sOuts, sOps, tiled_mma, mD,
+                          store_atoms, store_tensors, op_tensors, red_tensors, tile_ld)
 
     @cute.jit
-    def consumer(self, tidx, cwg, mainloop, k_tiles, sA, sB, sOuts, sOps, tiled_mma, mD, store_atoms,
+    def consumer(self, tidx, cwg, mainloop, sched, k_tiles, sA, sB, sOuts, sOps, tiled_mma, mD, store_atoms,
                  store_tensors, op_tensors, red_tensors, tile_ld):
         cfg = self.cfg
         pp = cfg.pingpong
@@ -290,6 +312,10 @@ class GemmSm90:
                 release.advance(k_tiles)
                 # let warpgroup 0 start its first mainloop
                 cute.arch.barrier_arrive(barrier_id=BAR_ORDER, number_of_threads=2 * WG_THREADS)
+        if cutlass.const_expr(self.dynamic):  # the producer warp's tile indices (schedule.py)
+            ring_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, schedule.RING)
+            t = schedule.take(sched[0], sched[1], ring_state)
+            ring_state.advance()
 
         # ---- epilogue partitions (shared by every tile)
         epi = self._epi_setup(tiled_mma, etidx, cwg, sOuts, mD)
@@ -343,7 +369,11 @@ class GemmSm90:
                            op_tensors, red_tensors, cwg, dict(pre=pre, sOps=sOps, scalars=scalars, ld=tile_ld,
                                                               etidx=etidx))
             tiles_done += 1
-            t += tile_step * w["n_clusters"]
+            if cutlass.const_expr(self.dynamic):
+                t = schedule.take(sched[0], sched[1], ring_state)
+                ring_state.advance()
+            else:
+                t += tile_step * w["n_clusters"]
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last TMA stores are done with shared memory
 
     def _cluster_tiles(self, mD):
@@ -508,7 +538,7 @@ class GemmSm90:
                 for g, regs in enumerate(rows_of):
                     xs = [results[r.name][v] for v in regs]
                     if cutlass.const_expr(r.op == "logsumexp"):
-                        row_acc[ri][g] = self._lse_update(row_acc[ri][g], xs)
+                        row_acc[ri][g] = lse.update(row_acc[ri][g], xs)
                     else:
                         val = xs[0]
                         for x in xs[1:]:
@@ -564,7 +594,7 @@ class GemmSm90:
             for g, regs in enumerate(rows_of):
                 val = row_acc[ri][g]
                 if cutlass.const_expr(r.op == "logsumexp"):
-                    val = self._lse_finish(val)
+                    val = lse.finish(val)
                 else:
                     for off in (1, 2):
                         val = self._combine(r.op, val, cute.arch.shuffle_sync_bfly(val, offset=off))
@@ -608,40 +638,6 @@ class GemmSm90:
     @staticmethod
     def _combine(op, a, b):
         return a + b if op == "sum" else cute.arch.fmax(a, b, nan=True)
-
-    # logsumexp rows: an online (max m, sum s of exp(x - m)) pair per row, in base 2
-    @staticmethod
-    def _safe(m):
-        # the shift for exp2(x - m): 0 where m is infinite -- all -inf so far gives exp2(-inf) = 0, a +inf max gives
-        # exp2(+inf) = inf (torch: logsumexp of a row with +inf is +inf), never inf - inf = NaN; NaN stays NaN
-        return cutlass.select_((m == -math.inf) | (m == math.inf), cutlass.Float32(0.0), m)
-
-    def _lse_update(self, state, xs):
-        m_sub = xs[0]
-        for x in xs[1:]:
-            m_sub = cute.arch.fmax(m_sub, x, nan=True)
-        if state is None:
-            m_new, s = m_sub, cutlass.Float32(0.0)
-        else:
-            m_old, s_old = state
-            m_new = cute.arch.fmax(m_old, m_sub, nan=True)
-            s = s_old * cute.math.exp2((m_old - self._safe(m_new)) * LOG2E, fastmath=True)
-        ms = self._safe(m_new)
-        for x in xs:  # (x - m) first: exact for x near m at any magnitude (x log2e - m log2e would lose it:
-            s = s + cute.math.exp2((x - ms) * LOG2E, fastmath=True)  # at |x| ~ 1e10 by ~1e3, tests/reliability)
-        return (m_new, s)
-
-    def _lse_finish(self, state):
-        m, s = state
-        for off in (1, 2):
-            mo = cute.arch.shuffle_sync_bfly(m, offset=off)
-            so = cute.arch.shuffle_sync_bfly(s, offset=off)
-            mn = cute.arch.fmax(m, mo, nan=True)
-            ms = self._safe(mn)
-            s = (s * cute.math.exp2((m - ms) * LOG2E, fastmath=True)
-                 + so * cute.math.exp2((mo - ms) * LOG2E, fastmath=True))
-            m = mn
-        return m + cute.math.log2(s, fastmath=True) * LN2  # ln(sum exp(x)) of this (row, N-tile)
 
     def _acc_map(self, tiled_mma, c_sub, n_v, n_epi):
         """acc_of[e][v]: the accumulator register holding sub-tile e's register v. Matched through thread 0's static

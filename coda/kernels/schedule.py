@@ -55,3 +55,54 @@ def tile_order(rows: int, cols: int, L: int, swizzle: int, raster_m: bool) -> li
         fast += g * swizzle
         out.append((slow, fast, l) if raster_m else (fast, slow, l))
     return out
+
+
+# -- sched="dynamic" ---------------------------------------------------------------------------------------------
+# The static order above drifts: over a few hundred tiles per CTA the clusters fall out of step, the tiles in flight
+# spread over several "waves" of the order and their A / B blocks no longer fit the L2 together (H100, 8192 x 128256
+# x 4096: 19 GB of DRAM reads against cuBLAS's 8.3; docs/ncu_h100.md). With sched="dynamic" a CTA takes the next
+# linear tile index from a global counter (one atomic add per tile) when its producer warp is ready for it, so the
+# tiles in flight are always the next ~P of the order. The producer warp hands each index to the consumer
+# warpgroups through RING shared-memory slots (a PipelineAsync: the 32 producer lanes arrive on a slot's full
+# barrier, every consumer thread on its empty one); an index >= the tile count ends both loops. The counter is two
+# int32 (next tile, finished CTAs), zero at launch: the last CTA to finish resets both for the next launch on the
+# same stream (coda.gemm keeps one pair per device and stream).
+RING = 4
+
+
+@cute.jit
+def fetch(counter: cute.Tensor):
+    """Warp-collective: lane 0 takes the next linear tile index from the counter; every lane returns it."""
+    v = cutlass.Int32(0)
+    if cute.arch.lane_idx() == 0:
+        v = cute.arch.atomic_add(counter.iterator, cutlass.Int32(1), sem="relaxed", scope="gpu")
+    return cute.arch.make_warp_uniform(cute.arch.shuffle_sync(v, 0))
+
+
+def publish(pipe, ring, state, t):
+    """Producer warp: tile index t into ring slot ``state``. The caller advances the state in its own loop body
+    (``state.advance()`` there: the DSL carries a loop variable whose method is called in the body, not one that is
+    only passed to a function)."""
+    pipe.producer_acquire(state)
+    ring[state.index] = t
+    pipe.producer_commit(state)
+
+
+def take(pipe, ring, state):
+    """Consumer thread: the tile index in ring slot ``state`` (the caller advances the state, as for publish)."""
+    pipe.consumer_wait(state)
+    t = ring[state.index]
+    pipe.consumer_release(state)
+    return cute.arch.make_warp_uniform(t)
+
+
+@cute.jit
+def finish(counter: cute.Tensor):
+    """Producer warp, after its last fetch: count this CTA finished; the last one resets the counter to zero (every
+    other CTA's last fetch happened before its own increment, which this acq_rel add observes)."""
+    if cute.arch.lane_idx() == 0:
+        gx, gy, gz = cute.arch.grid_dim()
+        done = cute.arch.atomic_add(counter.iterator + 1, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+        if done == gx * gy * gz - 1:
+            cute.arch.atomic_exch(counter.iterator, cutlass.Int32(0), sem="relaxed", scope="gpu")
+            cute.arch.atomic_exch(counter.iterator + 1, cutlass.Int32(0), sem="relaxed", scope="gpu")

@@ -1,0 +1,88 @@
+"""sched="dynamic" on the GPU: the tile counter hands out every tile exactly once, resets itself after every launch,
+and is separate per stream. A dynamic launch computes each tile exactly as the static one of the same tile config
+does (same k order), so results are compared bitwise."""
+import importlib
+
+import pytest
+import torch
+
+import coda
+from coda.config import GemmConfig
+from coda.epilogues.cross_entropy import ce_forward
+
+pytestmark = pytest.mark.gpu
+
+DYN = GemmConfig(tile_m=128, tile_n=256, cluster_m=1, cluster_n=1, sched="dynamic")
+STATIC = GemmConfig(tile_m=128, tile_n=256, cluster_m=1, cluster_n=1)
+
+
+def _inputs(M, N, K, L=None, dtype=torch.bfloat16):
+    lead = (L,) if L else ()
+    return (torch.randn(*lead, M, K, device="cuda", dtype=dtype),
+            torch.randn(*lead, N, K, device="cuda", dtype=dtype) / 16)
+
+
+@pytest.mark.parametrize("M,N,K,L", [(8191, 4104, 72, None), (1, 200, 4104, None), (127, 8, 8, None),
+                                     (1000, 776, 520, 3), (4096, 8192, 1024, None)])
+def test_dynamic_equals_static_bitwise_and_writes_everything(M, N, K, L):
+    a, b = _inputs(M, N, K, L)
+    ref = coda.gemm(a, b, config=STATIC)
+    for _ in range(3):  # the counter must come back to zero after each launch
+        out = torch.full_like(ref, float("nan"))
+        coda.gemm(a, b, out=out, config=DYN)
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any()
+        assert torch.equal(out, ref)
+    exact = torch.matmul(a.double(), b.double().transpose(-1, -2))
+    assert ((ref.double() - exact).norm() / exact.norm()).item() < 1e-2
+
+
+def test_counter_is_zero_after_each_launch():
+    a, b = _inputs(2048, 4096, 256)
+    coda.gemm(a, b, config=DYN)
+    torch.cuda.synchronize()
+    counters = [c for (dev, _), c in importlib.import_module("coda.gemm")._counters.items() if dev == a.device.index]
+    assert counters and all(torch.equal(c.cpu(), torch.zeros(2, dtype=torch.int32)) for c in counters)
+
+
+def test_reductions_epilogue_dynamic_equals_static():
+    a, b = _inputs(1000, 32000, 512)
+    t = torch.randint(0, 32000, (1000,), device="cuda").float()
+    ref = coda.gemm(a, b, epilogue=ce_forward, config=STATIC, t=t)
+    got = coda.gemm(a, b, epilogue=ce_forward, config=DYN, t=t)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+
+
+def test_two_streams_use_two_counters():
+    a, b = _inputs(4096, 8192, 512)
+    ref = coda.gemm(a, b, config=STATIC)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    outs = [torch.full_like(ref, float("nan")) for _ in range(8)]
+    torch.cuda.synchronize()
+    for i, o in enumerate(outs):  # launches alternate between the streams and may overlap
+        with torch.cuda.stream(s1 if i % 2 else s2):
+            coda.gemm(a, b, out=o, config=DYN)
+    torch.cuda.synchronize()
+    for o in outs:
+        assert torch.equal(o, ref)
+
+
+def test_cuda_graph_replay():
+    a, b = _inputs(2048, 4096, 512)
+    ref = coda.gemm(a, b, config=STATIC)
+    out = torch.empty_like(ref)
+    coda.gemm(a, b, out=out, config=DYN)  # compile outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        coda.gemm(a, b, out=out, config=DYN)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        coda.gemm(a, b, out=out, config=DYN)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
