@@ -126,7 +126,6 @@ class GemmSm90:
         plan = smem_plan(self.epi, cfg, [d.width // 8 for d in out_dtypes], tile_b, self.tile_aligned, in_b)
         self.ring = plan.ring
         self.ld_bufs = self.ring * self.num_tiles_in_flight
-        extra_smem = plan.extra_smem  # noqa: F841 (staged VecN / VecM values and TileMN rings, in plan.stages)
         self.tma_tiles = [i for i, f in zip(self.tiles, plan.tma_flags) if f]
         ld_ops = [op_tensors[i] for i in self.tma_tiles]
         ld_smems = [sm90_utils.make_smem_layout_epi(t.element_type, LayoutEnum.from_tensor(t), self.op_tile,
