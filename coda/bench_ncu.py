@@ -55,7 +55,8 @@ def parse_raw_csv(text: str) -> list[dict]:
     for r in rows[2:]:
         d, u = dict(zip(head, r)), dict(zip(head, units))
         name = d.get("Kernel Name", "")
-        row = {"label": _label_of(d.get(nvtx, "")) if nvtx else "", "kernel": "GemmSm90" if "GemmSm90" in name else name}
+        row = {"label": _label_of(d.get(nvtx, "")) if nvtx else "",
+               "kernel": "GemmSm90" if "GemmSm90" in name else name}
         for key, metric in METRICS.items():
             if metric not in d or d[metric] in ("", "n/a"):
                 row[key] = None
