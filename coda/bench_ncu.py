@@ -1,6 +1,6 @@
 """Hardware counters of CODA's GEMM next to cuBLAS's, from Nsight Compute: where a wall-clock ratio comes from.
 
-``python -m coda.bench_ncu [--shapes MxNxK,...] [--epilogues scale_bias,ce_forward,...] [--md FILE]``
+``python -m coda.bench_ncu [--shapes MxNxK,...] [--epilogues scale_bias,ce_forward,...] [--config K=V,...] [--md FILE]``
 
 Wall-clock ratios on an H100 move by several percent from run to run (clock and power state); counters do not.
 For each shape this runs cuBLAS (``torch.mm``), CODA's plain GEMM and the named fused epilogues once each, inside
@@ -13,7 +13,8 @@ NVTX ranges, under ``ncu --clock-control none`` (the GPU's clocks are left alone
 - DRAM bytes read and the L2 hit rate: the memory traffic the tile order causes (it drives power, hence clocks).
 
 The process re-launches itself under ``ncu`` (``--child`` is that inner run); ``ncu`` must be on PATH.
-Heuristic configs (``CODA_AUTOTUNE=0``), bf16.
+Heuristic configs (``CODA_AUTOTUNE=0``), bf16; each ``--config`` adds the plain GEMM with those GemmConfig fields
+changed (e.g. ``--config cluster_m=1,sched=dynamic``), labelled by them.
 """
 from __future__ import annotations
 
@@ -87,7 +88,35 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _child(shapes, epilogues):
+def parse_config(text: str):
+    """``"cluster_m=1,sched=dynamic"`` -> (label, GemmConfig of the heuristic default with those fields); ValueError
+    naming the field or value that is not one."""
+    import dataclasses
+
+    from coda.config import GemmConfig
+    fields = {f.name: f for f in dataclasses.fields(GemmConfig)}
+    kw = {}
+    for item in text.split(","):
+        key, sep, val = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"{item!r} is not FIELD=VALUE with a GemmConfig field ({', '.join(fields)})")
+        if val in ("True", "False"):
+            kw[key] = val == "True"
+        elif val == "None":
+            kw[key] = None
+        else:
+            try:
+                kw[key] = int(val)
+            except ValueError:
+                kw[key] = val
+    cfg = dataclasses.replace(GemmConfig(), **kw)
+    problems = cfg.problems()
+    if problems:
+        raise ValueError("; ".join(problems))
+    return "coda[" + text + "]", cfg
+
+
+def _child(shapes, epilogues, configs=()):
     """The run ncu profiles: every implementation once per shape, each in its own NVTX range."""
     import torch
 
@@ -99,6 +128,8 @@ def _child(shapes, epilogues):
         b = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / 64
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         fns = {"cublas": lambda: torch.mm(a, b.t(), out=out), "coda": lambda: coda.gemm(a, b, out=out)}
+        for label, cfg in map(parse_config, configs):
+            fns[label] = lambda cfg=cfg: coda.gemm(a, b, out=out, config=cfg)
         for name in epilogues:
             if name == "ce_forward":  # logits never stored: per-row reductions only
                 t = torch.randint(0, N, (M,), device="cuda").float()
@@ -119,11 +150,13 @@ def _child(shapes, epilogues):
         del a, b, out, fns
 
 
-def run(shapes, epilogues, ncu: str = "ncu") -> list[dict]:
+def run(shapes, epilogues, ncu: str = "ncu", configs=()) -> list[dict]:
     """Profile the child run under ncu; returns the parsed rows."""
     args = ["--shapes", ",".join("x".join(map(str, s)) for s in shapes)]
     if epilogues:
         args += ["--epilogues", ",".join(epilogues)]
+    for c in configs:
+        args += ["--config", c]
     env = dict(os.environ, CODA_AUTOTUNE="0")
     with tempfile.TemporaryDirectory() as d:
         rep = os.path.join(d, "report")
@@ -140,6 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="MxNxK,MxNxK,... (default: the issue-2 GEMM shapes)")
     ap.add_argument("--epilogues", default="", help="fused epilogues to profile beside the plain GEMM: "
                     "scale_bias, sumsq, bias_gelu, residual, swiglu, ce_forward")
+    ap.add_argument("--config", action="append", default=[], help="also the plain GEMM with these GemmConfig "
+                    "fields changed, e.g. cluster_m=1,sched=dynamic (repeatable)")
     ap.add_argument("--md", default=None, help="also write the markdown table to this file")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -154,8 +189,13 @@ def main(argv=None) -> int:
     unknown = sorted(set(epilogues) - set(EPILOGUES) - {"ce_forward"})
     if unknown:
         ap.error(f"--epilogues: unknown {unknown}; known: {sorted(EPILOGUES) + ['ce_forward']}")
+    for c in a.config:
+        try:
+            parse_config(c)
+        except ValueError as e:
+            ap.error(f"--config {c!r}: {e}")
     if a.child:
-        _child(shapes, epilogues)
+        _child(shapes, epilogues, a.config)
         return 0
     ncu = shutil.which("ncu")
     if ncu is None:
@@ -165,7 +205,7 @@ def main(argv=None) -> int:
     if not hopper_available():
         print("coda.bench_ncu: needs a Hopper (sm_90) GPU", file=sys.stderr)
         return 2
-    md = table(run(shapes, epilogues, ncu))
+    md = table(run(shapes, epilogues, ncu, a.config))
     print(md)
     if a.md:
         with open(a.md, "w") as f:

@@ -68,3 +68,20 @@ def test_without_ncu_it_says_so(monkeypatch, capsys):
     monkeypatch.setattr(bench_ncu.shutil, "which", lambda name: None)
     assert bench_ncu.main(["--shapes", "128x128x128"]) == 2
     assert "ncu" in capsys.readouterr().err
+
+
+def test_config_option_builds_the_changed_default():
+    from coda.config import GemmConfig
+    label, cfg = bench_ncu.parse_config("cluster_m=1,sched=dynamic")
+    assert label == "coda[cluster_m=1,sched=dynamic]"
+    assert cfg == GemmConfig(cluster_m=1, sched="dynamic")
+    assert bench_ncu.parse_config("pingpong=True,tile_m=128,tile_n=128,stages=None")[1].pingpong
+
+
+@pytest.mark.parametrize("text", ["bogus=1", "cluster_m", "sched=dynamic", "swizzle=0"])
+def test_bad_config_is_a_usage_error(text):
+    with pytest.raises(ValueError):
+        bench_ncu.parse_config(text)
+    with pytest.raises(SystemExit) as e:
+        bench_ncu.main(["--config", text])
+    assert e.value.code == 2
