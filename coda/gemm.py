@@ -138,7 +138,7 @@ def _tile_counter(device) -> torch.Tensor:
         key = (index, _launch.stream_handle(index))
     c = _counters.get(key)
     if c is None:
-        c = _counters[key] = _persistent_zeros(4, torch.int32, device)[:2]
+        c = _counters[key] = _persistent_zeros(2, torch.int32, device)
     return c
 
 

@@ -266,17 +266,17 @@ def smem_plan(epi: Epilogue, cfg, out_bytes, tile_bytes, tile_aligned, in_bytes:
     buffers (``GemmConfig.epi_buffers``), the pipeline stages (``GemmConfig.derive_stages``; its ValueError when
     they do not fit). A half-width output (``pair_mode == "half"``) takes half its element size per accumulator
     column (its sub-tile is tile_m x epi_n / 2)."""
-    out_b = out_col_bytes(epi, out_bytes)
+    out_b = list(out_col_bytes(epi, out_bytes))
     tile_bytes, tile_aligned = tuple(tile_bytes), tuple(tile_aligned)
     if len(tile_bytes) != len(tile_aligned):
         raise ValueError(f"smem_plan: {len(tile_bytes)} TileMN element sizes for {len(tile_aligned)} alignment flags")
-    flags, _ = tile_tma_plan(epi, cfg, tile_aligned, tile_bytes, list(out_b), in_bytes)
+    flags, _ = tile_tma_plan(epi, cfg, tile_aligned, tile_bytes, out_b, in_bytes)
     chosen = [b for f, b in zip(flags, tile_bytes) if f]
-    ring = tile_ring(epi, cfg, chosen, list(out_b), in_bytes)
+    ring = tile_ring(epi, cfg, chosen, out_b, in_bytes)
     extra = staged_smem_bytes(epi, cfg, chosen, ring)
-    bufs = cfg.epi_buffers(list(out_b), extra, in_bytes)
-    stages = cfg.derive_stages(list(out_b), extra_smem=extra, in_bytes=in_bytes, epi_stages=bufs)
-    return SmemPlan(out_b, tuple(flags), ring, extra, bufs, stages)
+    bufs = cfg.epi_buffers(out_b, extra, in_bytes)
+    stages = cfg.derive_stages(out_b, extra_smem=extra, in_bytes=in_bytes, epi_stages=bufs)
+    return SmemPlan(tuple(out_b), tuple(flags), ring, extra, bufs, stages)
 
 
 def finish_reduction(partials, op: str):
