@@ -10,8 +10,8 @@ A :class:`GemmConfig` selects, at compile time:
   along its M extent;
 - the persistent tile scheduler's rasterisation (``raster="m"`` walks down M inside a group of ``swizzle`` N-tiles)
   and how tiles are handed out (``sched``): ``"static"``, cluster c takes tiles c, c + P, c + 2P, ...; or
-  ``"dynamic"``, each CTA takes the next tile of the order from a global counter when it needs one, so the tiles in
-  flight stay consecutive in the order (cooperative, 1x1 clusters; ``kernels/schedule.py``);
+  ``"dynamic"``, each cluster takes the next tile of the order from a global counter when it needs one, so the
+  tiles in flight stay consecutive in the order (cooperative schedule; ``kernels/schedule.py``);
 - the number of pipeline stages (``stages=None`` derives it from the shared memory left after the epilogue).
 
 No object in this module imports cutlass: configs are plain data and cheap to enumerate.
@@ -90,8 +90,8 @@ class GemmConfig:
             out.append(f"stages must be >= 2, got {self.stages}")
         if self.sched not in ("static", "dynamic"):
             out.append(f"sched must be 'static' or 'dynamic', got {self.sched!r}")
-        elif self.sched == "dynamic" and (self.pingpong or (self.cluster_m, self.cluster_n) != (1, 1)):
-            out.append("sched='dynamic' is built for the cooperative schedule with 1x1 clusters only")
+        elif self.sched == "dynamic" and self.pingpong:
+            out.append("sched='dynamic' is built for the cooperative schedule only")
         return out
 
     def validate(self) -> "GemmConfig":
@@ -146,8 +146,9 @@ def all_configs() -> Iterator[GemmConfig]:
             cfg = GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=pingpong)
             if not cfg.problems():
                 yield cfg
-    # the dynamic tile schedule (kernels/schedule.py: a global tile counter), built for cooperative 1x1 clusters
-    yield GemmConfig(tile_m=128, tile_n=256, cluster_m=1, cluster_n=1, sched="dynamic")
+    # the dynamic tile schedule (kernels/schedule.py: a global tile counter), built for the cooperative schedule
+    for cm, cn in ((1, 1), (2, 1)):
+        yield GemmConfig(tile_m=128, tile_n=256, cluster_m=cm, cluster_n=cn, sched="dynamic")
 
 
 def default_config(M: int, N: int, K: int) -> GemmConfig:

@@ -1,6 +1,7 @@
 """sched="dynamic" on the GPU: the tile counter hands out every tile exactly once, resets itself after every launch,
 and is separate per stream. A dynamic launch computes each tile exactly as the static one of the same tile config
 does (same k order), so results are compared bitwise."""
+import dataclasses
 import importlib
 
 import pytest
@@ -14,6 +15,7 @@ pytestmark = pytest.mark.gpu
 
 DYN = GemmConfig(tile_m=128, tile_n=256, cluster_m=1, cluster_n=1, sched="dynamic")
 STATIC = GemmConfig(tile_m=128, tile_n=256, cluster_m=1, cluster_n=1)
+CLUSTERS = [(1, 1), (2, 1), (1, 2)]
 
 
 def _inputs(M, N, K, L=None, dtype=torch.bfloat16):
@@ -22,14 +24,16 @@ def _inputs(M, N, K, L=None, dtype=torch.bfloat16):
             torch.randn(*lead, N, K, device="cuda", dtype=dtype) / 16)
 
 
+@pytest.mark.parametrize("cluster", CLUSTERS)
 @pytest.mark.parametrize("M,N,K,L", [(8191, 4104, 72, None), (1, 200, 4104, None), (127, 8, 8, None),
                                      (1000, 776, 520, 3), (4096, 8192, 1024, None)])
-def test_dynamic_equals_static_bitwise_and_writes_everything(M, N, K, L):
+def test_dynamic_equals_static_bitwise_and_writes_everything(M, N, K, L, cluster):
     a, b = _inputs(M, N, K, L)
-    ref = coda.gemm(a, b, config=STATIC)
+    static = GemmConfig(cluster_m=cluster[0], cluster_n=cluster[1])
+    ref = coda.gemm(a, b, config=static)
     for _ in range(3):  # the counter must come back to zero after each launch
         out = torch.full_like(ref, float("nan"))
-        coda.gemm(a, b, out=out, config=DYN)
+        coda.gemm(a, b, out=out, config=dataclasses.replace(static, sched="dynamic"))
         torch.cuda.synchronize()
         assert not torch.isnan(out).any()
         assert torch.equal(out, ref)
@@ -45,11 +49,13 @@ def test_counter_is_zero_after_each_launch():
     assert counters and all(torch.equal(c.cpu(), torch.zeros(2, dtype=torch.int32)) for c in counters)
 
 
-def test_reductions_epilogue_dynamic_equals_static():
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_reductions_epilogue_dynamic_equals_static(cluster):
     a, b = _inputs(1000, 32000, 512)
     t = torch.randint(0, 32000, (1000,), device="cuda").float()
-    ref = coda.gemm(a, b, epilogue=ce_forward, config=STATIC, t=t)
-    got = coda.gemm(a, b, epilogue=ce_forward, config=DYN, t=t)
+    static = GemmConfig(cluster_m=cluster[0], cluster_n=cluster[1])
+    ref = coda.gemm(a, b, epilogue=ce_forward, config=static, t=t)
+    got = coda.gemm(a, b, epilogue=ce_forward, config=dataclasses.replace(static, sched="dynamic"), t=t)
     for k in ref:
         assert torch.equal(got[k], ref[k]), k
 

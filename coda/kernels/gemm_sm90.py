@@ -230,11 +230,7 @@ class GemmSm90:
             tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, *cta_layout.shape)), defer_sync=True)
         sched = None  # sched="dynamic": the tile-index ring from the producer warp to the consumers (schedule.py)
         if cutlass.const_expr(self.dynamic):
-            sched = (pipeline.PipelineAsync.create(
-                barrier_storage=smem.allocate_array(cutlass.Int64, 2 * schedule.RING, byte_alignment=8),
-                num_stages=schedule.RING, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS), defer_sync=True),
-                smem.allocate_tensor(cutlass.Int32, cute.make_layout(schedule.RING), byte_alignment=16), counter)
+            sched = schedule.make_ring(smem, counter, cfg.cluster_m * cfg.cluster_n, 2 * WG_THREADS, cta_rank)
         pipeline_init_arrive(cluster_shape_mn=(cfg.cluster_m, cfg.cluster_n), is_relaxed=True)
 
         gA = cute.local_tile(mA, (cfg.tile_m, cfg.tile_k), (None, None, None))  # (bM, bK, m, k, l)
@@ -254,9 +250,8 @@ class GemmSm90:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
                 t = w["cluster"]
                 if cutlass.const_expr(self.dynamic):
-                    ring_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, schedule.RING)
-                    t = schedule.fetch(sched[2][0])
-                    schedule.publish(sched[0], sched[1], ring_state, t)
+                    ring_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, schedule.RING)
+                    t = schedule.producer_next(sched, ring_state)
                     ring_state.advance()
                 while t < w["n_tiles"]:  # this cluster's tiles: c, c + P, ... or the counter's (schedule.py)
                     m, n, l = self._tile(w, t)
@@ -270,14 +265,13 @@ class GemmSm90:
                         mainloop.producer_commit(state)
                         state.advance()
                     if cutlass.const_expr(self.dynamic):
-                        t = schedule.fetch(sched[2][0])
-                        schedule.publish(sched[0], sched[1], ring_state, t)
+                        t = schedule.producer_next(sched, ring_state)
                         ring_state.advance()
                     else:
                         t += w["n_clusters"]
                 mainloop.producer_tail(state)
                 if cutlass.const_expr(self.dynamic):
-                    schedule.finish(sched[2][0])
+                    schedule.finish(sched[3])
         else:
             # ---- phase 3: consumers
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -313,7 +307,7 @@ class GemmSm90:
                 cute.arch.barrier_arrive(barrier_id=BAR_ORDER, number_of_threads=2 * WG_THREADS)
         if cutlass.const_expr(self.dynamic):  # the producer warp's tile indices (schedule.py)
             ring_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, schedule.RING)
-            t = schedule.take(sched[0], sched[1], ring_state)
+            t = schedule.consumer_next(sched, ring_state)
             ring_state.advance()
 
         # ---- epilogue partitions (shared by every tile)
@@ -369,7 +363,7 @@ class GemmSm90:
                                                               etidx=etidx))
             tiles_done += 1
             if cutlass.const_expr(self.dynamic):
-                t = schedule.take(sched[0], sched[1], ring_state)
+                t = schedule.consumer_next(sched, ring_state)
                 ring_state.advance()
             else:
                 t += tile_step * w["n_clusters"]

@@ -61,10 +61,10 @@ def tile_order(rows: int, cols: int, L: int, swizzle: int, raster_m: bool) -> li
 # The static order above drifts: over a few hundred tiles per CTA the clusters fall out of step, the tiles in flight
 # spread over several "waves" of the order and their A / B blocks no longer fit the L2 together (H100, 8192 x 128256
 # x 4096: 19 GB of DRAM reads against cuBLAS's 8.3; docs/ncu_h100.md). With sched="dynamic" a CTA takes the next
-# linear tile index from a global counter (one atomic add per tile) when its producer warp is ready for it, so the
-# tiles in flight are always the next ~P of the order. The producer warp hands each index to the consumer
-# warpgroups through RING shared-memory slots (a PipelineAsync: the 32 producer lanes arrive on a slot's full
-# barrier, every consumer thread on its empty one); an index >= the tile count ends both loops. The counter is two
+# linear cluster-tile index from a global counter (one atomic add per tile, by the cluster's leader CTA) when its
+# producer warp is ready for it, so the tiles in flight are always the next ~P of the order. The producer warp hands
+# each index to the consumer warpgroups (and, in a 2-CTA cluster, to the peer CTA) through RING shared-memory slots
+# (make_ring); an index >= the tile count ends every loop. The counter is two
 # int32 (next tile, finished CTAs), zero at launch: the last CTA to finish resets both for the next launch on the
 # same stream (coda.gemm keeps one pair per device and stream).
 RING = 4
@@ -79,20 +79,67 @@ def fetch(counter: cute.Tensor):
     return cute.arch.make_warp_uniform(cute.arch.shuffle_sync(v, 0))
 
 
-def publish(pipe, ring, state, t):
-    """Producer warp: tile index t into ring slot ``state``. The caller advances the state in its own loop body
-    (``state.advance()`` there: the DSL carries a loop variable whose method is called in the body, not one that is
-    only passed to a function)."""
-    pipe.producer_acquire(state)
-    ring[state.index] = t
-    pipe.producer_commit(state)
+def make_ring(smem, counter, n_cta: int, consumers: int, rank):
+    """Shared memory of the tile-index ring: RING int32 slots, a full and an empty mbarrier per slot (initialised
+    here by thread 0; the kernel's cluster sync fences them). Full: one arrival per phase (the leader's producer
+    lane; in the peer CTA its own producer lane arming 4 bytes of st.async). Empty (used in the leader CTA): every
+    consumer thread of the cluster, plus the peer's producer lane."""
+    full = smem.allocate_array(cutlass.Int64, RING, byte_alignment=8)
+    empty = smem.allocate_array(cutlass.Int64, RING, byte_alignment=8)
+    ring = smem.allocate_tensor(cutlass.Int32, cute.make_layout(RING), byte_alignment=16)
+    _init_ring(full, empty, n_cta * consumers + (n_cta - 1))
+    return (full, empty, ring, counter[0], n_cta, rank)
 
 
-def take(pipe, ring, state):
-    """Consumer thread: the tile index in ring slot ``state`` (the caller advances the state, as for publish)."""
-    pipe.consumer_wait(state)
+@cute.jit
+def _init_ring(full, empty, empty_count: cutlass.Constexpr):
+    if cute.arch.thread_idx()[0] == 0:
+        for j in cutlass.range_constexpr(RING):
+            cute.arch.mbarrier_init(full + j, 1)
+            cute.arch.mbarrier_init(empty + j, empty_count)
+
+
+@cute.jit
+def producer_next(sched, state):
+    """Producer warp: the next cluster-tile index. The cluster's leader CTA takes it from the counter and publishes
+    it in ring slot ``state`` -- in its own shared memory and, by st.async, in its peer's, completing the peer's
+    full barrier; the peer's producer arms that barrier, reads the slot and releases it to the leader. ``state`` is
+    a consumer-type state (phase 0 first): the leader waits for the slot's empty barrier at the opposite parity.
+    The caller advances it in its own loop body."""
+    full, empty, ring, counter, n_cta, rank = sched
+    t = cutlass.Int32(0)
+    if rank == 0:
+        t = fetch(counter)
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_wait(empty + state.index, state.phase ^ 1)
+            ring[state.index] = t
+            if cutlass.const_expr(n_cta > 1):
+                cute.arch.store_async_dsmem(ring.iterator + state.index, t, full + state.index, 1)
+            cute.arch.mbarrier_arrive(full + state.index)
+    else:
+        if cutlass.const_expr(n_cta > 1):
+            v = cutlass.Int32(0)
+            if cute.arch.lane_idx() == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(full + state.index, 4)
+                cute.arch.mbarrier_wait(full + state.index, state.phase)
+                v = ring[state.index]
+                cute.arch.mbarrier_arrive(empty + state.index, peer_cta_rank_in_cluster=0)
+            t = cute.arch.shuffle_sync(v, 0)
+    return cute.arch.make_warp_uniform(t)
+
+
+@cute.jit
+def consumer_next(sched, state):
+    """Consumer thread: the tile index in ring slot ``state``, then release the slot to the leader CTA (the caller
+    advances the state)."""
+    full, empty, ring, counter, n_cta, rank = sched
+    cute.arch.mbarrier_wait(full + state.index, state.phase)
     t = ring[state.index]
-    pipe.consumer_release(state)
+    if rank == 0:
+        cute.arch.mbarrier_arrive(empty + state.index)
+    else:
+        if cutlass.const_expr(n_cta > 1):
+            cute.arch.mbarrier_arrive(empty + state.index, peer_cta_rank_in_cluster=0)
     return cute.arch.make_warp_uniform(t)
 
 
