@@ -1,7 +1,8 @@
 """The config space of CODA's GEMM per (dtypes, epilogue), and the rules that prune it before anything is compiled.
 
 :func:`enumerate_space` is the product of the knobs of :class:`coda.config.GemmConfig` (tile shape, cooperative /
-ping-pong, cluster shape, raster order, swizzle group, pipeline stages, epilogue sub-tile). :func:`prune` splits it
+ping-pong, cluster shape, raster order, swizzle group, pipeline stages, epilogue sub-tile, static / dynamic tile
+schedule). :func:`prune` splits it
 into kept configs and ``(config, reason)`` pairs; every rule states its reason:
 
 - ``GemmConfig.problems()``: tile / schedule / cluster / register-budget validity;
@@ -37,6 +38,7 @@ RASTERS = ("m", "n")
 SWIZZLES = (1, 4, 8, 16)
 STAGES = (None, 3, 4, 5, 6)
 EPI_N = (32, 64)
+SCHEDS = ("static", "dynamic")  # tile schedule (GemmConfig.sched; dynamic: cooperative only)
 
 # the first-order knobs: what the quick tuning level varies (the rest stay at GemmConfig's defaults)
 QUICK_DEFAULTS = dict(swizzle=GemmConfig.swizzle, stages=None, epi_n=GemmConfig.epi_n)
@@ -45,10 +47,10 @@ VERIFIED_TILES = frozenset((c.tile_m, c.tile_n, c.pingpong) for c in all_configs
 
 
 def enumerate_space() -> Iterator[GemmConfig]:
-    for tm, tn, pp, (cm, cn), r, sw, st, en in itertools.product(TILE_M, TILE_N, SCHEDULES, CLUSTERS, RASTERS,
-                                                                   SWIZZLES, STAGES, EPI_N):
+    for tm, tn, pp, (cm, cn), r, sw, st, en, sd in itertools.product(TILE_M, TILE_N, SCHEDULES, CLUSTERS, RASTERS,
+                                                                       SWIZZLES, STAGES, EPI_N, SCHEDS):
         yield GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=pp, raster=r, swizzle=sw,
-                         stages=st, epi_n=en)
+                         stages=st, epi_n=en, sched=sd)
 
 
 def epilogue_tensor_count(epi: Any) -> int:
@@ -132,15 +134,15 @@ def shape_reasons(cfg: GemmConfig, epi: Any, M: int, N: int, L: int = 1) -> Opti
 
 
 def _first_order(cfg: GemmConfig) -> tuple:
-    return (cfg.tile_m, cfg.tile_n, cfg.pingpong, cfg.cluster_m, cfg.cluster_n, cfg.raster)
+    return (cfg.tile_m, cfg.tile_n, cfg.pingpong, cfg.cluster_m, cfg.cluster_n, cfg.raster, cfg.sched)
 
 
 def candidates(epi: Any, in_dtype: Any, out_dtype: Any, M: int, N: int, L: int = 1, level: str = "quick",
                around: Iterable[GemmConfig] = ()):
     """Configs worth timing for one problem: ``(kept, pruned)``.
 
-    ``level="quick"``: the first-order knobs (tile, schedule, cluster, raster) at the default swizzle, stages and
-    epilogue sub-tile. ``level="refine"``: every kept config (any swizzle, stages, sub-tile) that shares its
+    ``level="quick"``: the first-order knobs (tile, schedule, cluster, raster, static / dynamic tile order) at the
+    default swizzle, stages and epilogue sub-tile. ``level="refine"``: every kept config (any swizzle, stages, sub-tile) that shares its
     first-order knobs with one of ``around`` (the tuner's best quick configs), except ``around`` themselves."""
     if level not in ("quick", "refine"):
         raise ValueError(f"level must be 'quick' or 'refine', got {level!r}")

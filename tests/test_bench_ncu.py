@@ -78,7 +78,7 @@ def test_config_option_builds_the_changed_default():
     assert bench_ncu.parse_config("pingpong=True,tile_m=128,tile_n=128,stages=None")[1].pingpong
 
 
-@pytest.mark.parametrize("text", ["bogus=1", "cluster_m", "sched=dynamic", "swizzle=0"])
+@pytest.mark.parametrize("text", ["bogus=1", "cluster_m", "tile_n=128,pingpong=True,sched=dynamic", "swizzle=0"])
 def test_bad_config_is_a_usage_error(text):
     with pytest.raises(ValueError):
         bench_ncu.parse_config(text)

@@ -56,6 +56,21 @@ def test_dynamic_schedule_config_rules():
         config_from_dict(dict(old, bogus=1))
 
 
+def test_heuristic_default_is_dynamic_for_large_problems_and_the_tuner_tries_both():
+    from coda.autotune import space
+    from coda.config import default_config
+    assert default_config(8192, 8192, 8192).sched == "dynamic" and not default_config(8192, 8192, 8192).problems()
+    assert default_config(8192, 4096, 0).sched == "dynamic"  # K = 0 epilogue-only passes too
+    assert default_config(256, 256, 256).pingpong and default_config(256, 256, 256).sched == "static"
+    quick, _ = space.candidates(None, "bfloat16", "bfloat16", 8192, 8192, level="quick")
+    scheds = {(c.tile_m, c.tile_n, c.cluster_m, c.cluster_n, c.raster): set() for c in quick if not c.pingpong}
+    for c in quick:
+        if not c.pingpong:
+            scheds[(c.tile_m, c.tile_n, c.cluster_m, c.cluster_n, c.raster)].add(c.sched)
+    assert scheds and all(s == {"static", "dynamic"} for s in scheds.values())
+    assert all(c.sched == "static" for c in quick if c.pingpong)
+
+
 def test_dynamic_counter_is_the_last_kernel_tensor():
     """coda.gemm appends the two-int32 counter after the epilogue's tensors for a dynamic config only."""
     import torch

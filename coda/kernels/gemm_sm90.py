@@ -271,6 +271,9 @@ class GemmSm90:
                         t += w["n_clusters"]
                 mainloop.producer_tail(state)
                 if cutlass.const_expr(self.dynamic):
+                    for _ in cutlass.range_constexpr(schedule.RING):
+                        schedule.ring_drain(sched, ring_state)
+                        ring_state.advance()
                     schedule.finish(sched[3])
         else:
             # ---- phase 3: consumers

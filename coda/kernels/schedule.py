@@ -144,6 +144,17 @@ def consumer_next(sched, state):
 
 
 @cute.jit
+def ring_drain(sched, state):
+    """Producer warp of the leader CTA, after the loop, once per ring slot (the caller advances ``state``): wait
+    until the slot's last index was released, so that no remote arrive from the peer CTA lands in shared memory of a
+    CTA that has exited."""
+    full, empty, ring, counter, n_cta, rank = sched
+    if rank == 0:
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_wait(empty + state.index, state.phase ^ 1)
+
+
+@cute.jit
 def finish(counter: cute.Tensor):
     """Producer warp, after its last fetch: count this CTA finished; the last one resets the counter to zero (every
     other CTA's last fetch happened before its own increment, which this acq_rel add observes)."""
