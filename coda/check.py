@@ -86,6 +86,9 @@ def compile_variant(cfg: GemmConfig, epi: Epilogue = IDENTITY, in_dtype="bf16", 
             if row["spill_bytes"]:
                 problems.append(f"{row['spill_bytes']} bytes of spills")
             row["ok"], row["error"] = not problems, "; ".join(problems)
+        except subprocess.CalledProcessError as e:  # ptxas refused the PTX, e.g. a .version newer than it knows
+            fatal = [ln for ln in (e.stderr or "").splitlines() if "fatal" in ln]
+            row["error"] = f"ptxas failed: {(fatal[0] if fatal else (e.stderr or '').strip())[-200:]}"
         except Exception as e:  # reported in the table
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     return row
