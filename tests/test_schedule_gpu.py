@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import coda
+import coda.ops
 from coda.config import GemmConfig
 from coda.epilogues.cross_entropy import ce_forward
 
@@ -74,21 +75,43 @@ def test_two_streams_use_two_counters():
         assert torch.equal(o, ref)
 
 
-def test_cuda_graph_replay():
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_cuda_graph_replay(cluster):
     a, b = _inputs(2048, 4096, 512)
-    ref = coda.gemm(a, b, config=STATIC)
+    static = GemmConfig(cluster_m=cluster[0], cluster_n=cluster[1])
+    dyn = dataclasses.replace(static, sched="dynamic")
+    ref = coda.gemm(a, b, config=static)
     out = torch.empty_like(ref)
-    coda.gemm(a, b, out=out, config=DYN)  # compile outside the capture
+    coda.gemm(a, b, out=out, config=dyn)  # compile outside the capture
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        coda.gemm(a, b, out=out, config=DYN)
+        coda.gemm(a, b, out=out, config=dyn)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        coda.gemm(a, b, out=out, config=DYN)
+        coda.gemm(a, b, out=out, config=dyn)
     for _ in range(3):
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, ref)
+
+
+def test_default_config_is_dynamic_and_runs_in_reduce_overhead_cudagraph_trees():
+    """The heuristic default of a large problem is the dynamic schedule (here the mlp's gate/up GEMM, 2304 x 4096 x
+    256); under torch.compile(mode="reduce-overhead") its counter is made during the warm-up / recording, and every
+    replay on fresh data writes every element and equals eager bitwise (outputs poisoned between steps)."""
+    from coda.config import default_config
+    M, H, I = 2304, 256, 2048
+    assert default_config(M, 2 * I, H).sched == "dynamic"
+    compiled = torch.compile(coda.ops.mlp, mode="reduce-overhead")
+    nw = 1 + torch.randn(H, device="cuda", dtype=torch.bfloat16) / 5
+    wgu = torch.randn(2 * I, H, device="cuda", dtype=torch.bfloat16) / 16
+    wdn = torch.randn(H, I, device="cuda", dtype=torch.bfloat16) / 45
+    for _ in range(4):
+        x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+        y = compiled(x, nw, wgu, wdn)
+        assert not y.isnan().any()
+        assert torch.equal(y, coda.ops.mlp(x, nw, wgu, wdn))
+        y.fill_(float("nan"))
