@@ -169,6 +169,13 @@ def operand_symbol(name: str) -> sp.Symbol:
 
 # ----------------------------------------------------------------------------------------------- tracing
 _state = threading.local()
+_OP_NAMES: dict = {}  # DslEpilogue key -> op_name
+_BY_OP_NAME: dict = {}  # op_name -> the first DslEpilogue of that key
+
+
+def by_op_name(name: str) -> "DslEpilogue":
+    """The epilogue program registered under ``DslEpilogue.op_name`` (``coda.ops.linear``'s custom op)."""
+    return _BY_OP_NAME[name]
 
 
 def _tracing():
@@ -474,6 +481,10 @@ class DslEpilogue(Epilogue):
         self._key = ("coda.dsl", tuple((o.name, o.kind) for o in self.operands),
                      tuple(self.exprs), tuple((k, a, op) for k, (a, op, _) in self.red_specs.items()), dag,
                      self.pair_mode)
+        # the name under which the torch custom op coda::linear finds this program (custom ops take strings, not
+        # objects); set here, outside any torch.compile trace; programs with equal keys share one name
+        self.op_name = _OP_NAMES.setdefault(self._key, f"{name}#{len(_OP_NAMES)}")
+        _BY_OP_NAME.setdefault(self.op_name, self)
 
     def __repr__(self):
         return f"<coda epilogue {self.name!r}: {self.exprs.get('out', sorted(self.exprs) + sorted(self.red_specs))}>"

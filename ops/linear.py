@@ -23,6 +23,11 @@ per TileMN gradient -- none when those gradients do not depend on the accumulato
 with ``save_preact=True`` (half mode: a K = 0 launch on the saved pre-activation, no recompute GEMM at all) --
 and the dacc kernel is skipped when neither x, W nor another operand needs a gradient.
 
+Registered as the ``torch.library`` custom ops ``coda::linear`` / ``coda::linear_backward`` (fake implementations,
+autograd), so ``torch.compile(fullgraph=True)`` traces a call as one op; the epilogue program is passed by its
+``op_name`` (set when the program is made, ``coda.dsl.by_op_name``), operands as a tensor list plus the
+Python-number scalars.
+
 Device: on a Hopper GPU the fused kernels run; on CPU tensors the same programs run through ``coda.reference.gemm``
 (torch ops, fp32 math) -- the documented reference path, useful for tests and debugging; other GPUs raise
 (``ops/_common.py``).
@@ -34,13 +39,18 @@ import threading
 
 import torch
 
+from typing import List, Optional
+
+from torch import Tensor
+
 from coda.autodiff import (DGRAD, backward_epilogue, grad_name, on_preact, pair_tile_grad_epilogue,
                            pair_tile_operands, preact_keys, value_name, with_preact)
-from coda.dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, operand_symbol
+from coda.dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, by_op_name, operand_symbol
 
 from ._common import epilogue_pass, gemm_for, linear_grads
 
 __all__ = ["linear"]
+ENTRY = "coda.ops.linear"
 
 _bwd_cache: dict = {}
 _bwd_lock = threading.Lock()
@@ -62,79 +72,148 @@ def _backward_of(epi: DslEpilogue, grads: tuple, needs: tuple, tiles: bool = Fal
     return prog
 
 
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x2, weight, epi, save_preact, names, scalars, *tensors):
-        ops = dict(zip(names, (t.detach() for t in tensors)), **scalars)
-        gemm = gemm_for(x2.device, "coda.ops.linear")
-        fwd = with_preact(epi) if save_preact else epi
-        res = gemm(x2.detach(), weight.detach(), epilogue=fwd, **ops)
-        res = res if isinstance(res, dict) else {"out": res}
-        keys = epi.result_keys
-        outs = [res[k] for k in keys]
-        ctx.epi, ctx.keys, ctx.names, ctx.scalars = epi, keys, names, scalars
-        ctx.save_preact = save_preact
-        saved_vals = [res[r.name] for r in epi.reductions if r.op != "sum"]
-        ctx.value_names = [r.name for r in epi.reductions if r.op != "sum"]
-        # the pre-activation: one M x N output, or for a half-mode pairs epilogue two M x N/2 ones (even / odd columns)
-        extra = [res[k] for k in preact_keys(epi)] if save_preact else []
-        ctx.n_preact = len(extra)
-        ctx.save_for_backward(x2, weight, *tensors, *saved_vals, *extra)
-        return tuple(outs)
+# ---------------------------------------------------------------------------------------- the custom ops (2-D)
+# torch.library custom ops (fake implementations, autograd): torch.compile(fullgraph=True) traces through them
+# instead of into the kernels. The epilogue travels by name (DslEpilogue.op_name), operands as a tensor list plus
+# (names, values) of the Python-number scalars.
+@torch.library.custom_op("coda::linear", mutates_args=())
+def _linear_op(x2: Tensor, weight: Tensor, epilogue: str, save_preact: bool, names: str,
+               tensors: List[Tensor], scalar_names: str, scalar_values: List[float]) -> List[Tensor]:
+    """The epilogue's results (``result_keys`` order), then, with ``save_preact``, the pre-activation parts.
+    ``names`` / ``scalar_names``: comma-separated operand names of ``tensors`` / ``scalar_values``."""
+    epi = by_op_name(epilogue)
+    ops = dict(zip(_split(names), tensors), **dict(zip(_split(scalar_names), scalar_values)))
+    res = gemm_for(x2.device, ENTRY)(x2, weight, epilogue=with_preact(epi) if save_preact else epi, **ops)
+    res = res if isinstance(res, dict) else {"out": res}
+    return [res[k] for k in (*epi.result_keys, *(preact_keys(epi) if save_preact else ()))]
 
-    @staticmethod
-    def backward(ctx, *grads):
-        epi, names = ctx.epi, ctx.names
-        saved = [t.detach() for t in ctx.saved_tensors]  # the kernels take plain tensors (no autograd export)
-        x2, weight = saved[0], saved[1]
-        tensors = saved[2:2 + len(names)]
-        vals = dict(zip(ctx.value_names, saved[2 + len(names):2 + len(names) + len(ctx.value_names)]))
-        preact = saved_preact(epi, *saved[len(saved) - ctx.n_preact:]) if ctx.save_preact else None
-        present = tuple(k for k, g in zip(ctx.keys, grads) if g is not None)
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        needs = tuple(n for n, need in zip(names, ctx.needs_input_grad[6:]) if need)
-        none = (None,) * (6 + len(names))
-        if not present:
-            return none
-        # TileMN operands of a pairs epilogue: M x N/2 gradients, a second (half-mode) launch; the rest come with dacc
-        tile_needs = pair_tile_operands(epi, needs)
-        main_needs = tuple(n for n in needs if n not in tile_needs)
-        ops = dict(zip(names, tensors), **ctx.scalars)
-        for k, g in zip(ctx.keys, grads):
+
+@_linear_op.register_fake
+def _(x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values):
+    epi = by_op_name(epilogue)
+    M, N = x2.shape[0], weight.shape[0]
+    cols = epi.out_cols(N)  # N/2 for a half-mode pairs epilogue
+    axes = {r.name: r.axis for r in epi.reductions}
+    outs = [x2.new_empty(M, cols)] * epi.stores_out + [x2.new_empty(M, cols) for _ in epi.outputs]
+    outs += [x2.new_empty(M if axes[k] == "n" else cols, dtype=torch.float32) for k in axes]
+    pre = (N // 2 if epi.pair_mode else N)
+    return outs + [x2.new_empty(M, pre) for _ in (preact_keys(epi) if save_preact else ())]
+
+
+@torch.library.custom_op("coda::linear_backward", mutates_args=())
+def _linear_backward_op(grads: List[Optional[Tensor]], x2: Tensor, weight: Tensor, epilogue: str, save_preact: bool,
+                        names: str, tensors: List[Tensor], scalar_names: str, scalar_values: List[float],
+                        saved: List[Tensor], needs: List[bool]) -> List[Tensor]:
+    """[dX, dW, d(tensors)...] for the upstream ``grads`` (one per result, None where none); ``saved``: the
+    forward's max / logsumexp results, then the pre-activation parts; ``needs``: [x, weight, *tensors]. An output
+    that is not needed is an empty tensor."""
+    epi = by_op_name(epilogue)
+    names = _split(names)
+    scalars = dict(zip(_split(scalar_names), scalar_values))
+    value_names = [r.name for r in epi.reductions if r.op != "sum"]
+    vals = dict(zip(value_names, saved))
+    preact = saved_preact(epi, *saved[len(value_names):]) if save_preact else None
+    keys = epi.result_keys
+    present = tuple(k for k, g in zip(keys, grads) if g is not None)
+    need_x, need_w = needs[0], needs[1]
+    needed = tuple(n for n, need in zip(names, needs[2:]) if need)
+    res, dx, dw = {}, None, None
+    if present:
+        # TileMN operands of a pairs epilogue: M x N/2 gradients, a second (half-mode) launch; the rest with dacc
+        tile_needs = pair_tile_operands(epi, needed)
+        main_needs = tuple(n for n in needed if n not in tile_needs)
+        ops = dict(zip(names, tensors), **scalars)
+        for k, g in zip(keys, grads):
             if g is None:
                 continue
             if k == "out" and epi.pair_mode == "full":  # 2 -> 2 pairs: even / odd columns as two per-pair tiles
-                ops[grad_name(k)] = g.detach()[..., 0::2].contiguous()
-                ops[grad_name(ODD_OUT)] = g.detach()[..., 1::2].contiguous()
+                ops[grad_name(k)] = g[..., 0::2].contiguous()
+                ops[grad_name(ODD_OUT)] = g[..., 1::2].contiguous()
             else:
-                ops[grad_name(k)] = g.detach().contiguous()
+                ops[grad_name(k)] = g.contiguous()
             if k in vals:
                 ops[value_name(k)] = vals[k]
         if preact is not None and any(value_name(k) in ops for k in vals):
             # max / logsumexp results of the rounded pre-activation, so that ties still match
             parts = list(preact.values())  # pairs: even / odd columns interleaved back into M x N
             full = parts[0] if len(parts) == 1 else torch.stack(parts, -1).flatten(-2)
-            fwd = epi.reference(full.float(), **dict(zip(names, tensors), **ctx.scalars))
+            fwd = epi.reference(full.float(), **dict(zip(names, tensors), **scalars))
             ops.update({value_name(k): fwd[k] for k in vals if value_name(k) in ops})
-        res, dx, dw = {}, None, None
         if need_x or need_w or main_needs:
             res = _evaluate(epi, (present, main_needs, False), x2, weight, ops, preact, x2.dtype)
-            dx, dw = linear_grads(res["out"], x2, weight, need_x, need_w, "coda.ops.linear")
+            dx, dw = linear_grads(res["out"], x2, weight, need_x, need_w, ENTRY)
         if tile_needs:
             dtype = functools.reduce(torch.promote_types, (ops[n].dtype for n in tile_needs))
             tiles = _evaluate(epi, (present, tile_needs, True), x2, weight, ops, preact, dtype)
             res.update({DGRAD + n: tiles["out" if i == 0 else DGRAD + n] for i, n in enumerate(tile_needs)})
-        dops = []
-        kinds = {o.name: o.kind for o in epi.operands}
-        for n, t in zip(names, tensors):
-            if n not in needs:
-                dops.append(None)
-                continue
-            d = res[DGRAD + n]
-            if kinds[n] == "scalar":
-                d = d.sum().reshape(t.shape)
-            dops.append(d.to(t.dtype))
-        return (dx, dw, None, None, None, None, *dops)
+    kinds = {o.name: o.kind for o in epi.operands}
+    outs = [x2.new_zeros(x2.shape) if dx is None and need_x else dx, weight.new_zeros(weight.shape)
+            if dw is None and need_w else dw]
+    for n, t, need in zip(names, tensors, needs[2:]):
+        d = res.get(DGRAD + n) if need else None
+        if need and d is None:  # no upstream gradient reached the results
+            d = torch.zeros_like(t)
+        elif need:
+            d = (d.sum().reshape(t.shape) if kinds[n] == "scalar" else d).to(t.dtype)
+        outs.append(d)
+    # a custom op returns fresh, contiguous tensors: none may be (a view of) an input or another output
+    taken = {t.untyped_storage().data_ptr() for t in (*[g for g in grads if g is not None], x2, weight, *tensors,
+                                                     *saved) if t.numel()}
+    fresh = []
+    for o, like in zip(outs, (x2, weight, *tensors)):
+        if o is None:
+            fresh.append(like.new_empty(0))
+            continue
+        if o.numel() and o.untyped_storage().data_ptr() in taken:
+            o = o.clone()
+        o = o.contiguous()
+        taken.add(o.untyped_storage().data_ptr())
+        fresh.append(o)
+    return fresh
+
+
+@_linear_backward_op.register_fake
+def _(grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values, saved, needs):
+    return [like.new_empty(like.shape) if need else like.new_empty(0)
+            for like, need in zip((x2, weight, *tensors), needs)]
+
+
+def _split(names: str) -> list:
+    return names.split(",") if names else []
+
+
+def _setup_context(ctx, inputs, output):
+    x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values = inputs
+    epi = by_op_name(epilogue)
+    keys = epi.result_keys
+    res = dict(zip(keys, output))
+    preact = list(output[len(keys):])
+    ctx.mark_non_differentiable(*preact)
+    ctx.set_materialize_grads(False)
+    ctx.args = (epilogue, save_preact, names, scalar_names, list(scalar_values))
+    ctx.n_tensors, ctx.n_keys = len(tensors), len(keys)
+    ctx.needs = [x2.requires_grad, weight.requires_grad, *(t.requires_grad for t in tensors)]
+    ctx.save_for_backward(x2, weight, *tensors, *(res[r.name] for r in epi.reductions if r.op != "sum"), *preact)
+
+
+def _backward(ctx, grads):
+    epilogue, save_preact, names, scalar_names, scalar_values = ctx.args
+    saved = ctx.saved_tensors
+    x2, weight, tensors = saved[0], saved[1], list(saved[2:2 + ctx.n_tensors])
+    grads = list(grads[:ctx.n_keys])
+    # the return mirrors the inputs' structure as torch.library flattens it: a list of numbers is one leaf, an
+    # empty list a list
+    no_scalars = None if scalar_values else []
+    nothing = (None, None, None, None, None, [None] * ctx.n_tensors, None, no_scalars)
+    if all(g is None for g in grads) or not any(ctx.needs):
+        return nothing
+    d = torch.ops.coda.linear_backward(grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names,
+                                       scalar_values, list(saved[2 + ctx.n_tensors:]), ctx.needs)
+    pick = [t if need else None for t, need in zip(d, ctx.needs)]
+    return (pick[0], pick[1], None, None, None, pick[2:], None, no_scalars)
+
+
+torch.library.register_autograd("coda::linear", _backward, setup_context=_setup_context)
 
 
 def saved_preact(epi: DslEpilogue, *parts):
@@ -217,11 +296,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
         elif isinstance(v, torch.Tensor) and kind == "scalar":
             v = v.reshape(1)
         flat[n] = v
-    # the same checks as coda.gemm, before anything runs (names, shapes, dtypes, devices)
-    epilogue.check_operands(flat, None, M, N, x.device)
+    # the same checks as coda.gemm, before anything runs (names, shapes, dtypes, devices); under torch.compile the
+    # op's own coda.gemm call makes them when it runs (they read data pointers, which a trace does not have)
+    if not torch.compiler.is_compiling():
+        epilogue.check_operands(flat, None, M, N, x.device)
     names = tuple(n for n, v in flat.items() if isinstance(v, torch.Tensor))
     scalars = {n: v for n, v in flat.items() if not isinstance(v, torch.Tensor)}
-    outs = _Linear.apply(x2, weight, epilogue, save_preact, names, scalars, *(flat[n] for n in names))
+    outs = torch.ops.coda.linear(x2, weight, epilogue.op_name, save_preact, ",".join(names),
+                                 [flat[n] for n in names], ",".join(scalars), [float(v) for v in scalars.values()])
     keys = epilogue.result_keys
     axes = {r.name: r.axis for r in epilogue.reductions}
     res = {}

@@ -392,3 +392,25 @@ def test_tile_operand_tma_and_element_paths(cfg):
     theirs = (torch.matmul(a, b.transpose(-1, -2)).double() + out.double()).to(torch.bfloat16)
     coda.gemm(a, b, epilogue=_residual, out=out, config=cfg, res=out)
     assert rel(out, ref) <= 2 * rel(theirs, ref) + 1e-5
+
+
+@pytest.mark.parametrize("save_preact", [False, True])
+def test_linear_custom_op_opcheck_and_compile_fullgraph_on_the_gpu(save_preact):
+    """coda::linear's fake implementation gives the fused kernel's result shapes, dtypes and strides (opcheck on
+    CUDA tensors), and torch.compile(fullgraph=True) runs the kernels with outputs and gradients bitwise equal to
+    eager (ragged 264 x 200 x 136)."""
+    x = torch.randn(264, 136, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(200, 136, device=DEV, dtype=torch.bfloat16) / 12).requires_grad_()
+    bias = torch.randn(200, device=DEV, requires_grad=True)
+    torch.library.opcheck(torch.ops.coda.linear.default, (x, w, bias_gelu.op_name, save_preact, "bias", [bias], "", []))
+
+    def f(x, w, bias):
+        return coda.ops.linear(x, w, epilogue=bias_gelu, save_preact=save_preact, bias=bias).float().square().sum()
+
+    results = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        ls = [t.detach().clone().requires_grad_() for t in (x, w, bias)]
+        loss = fn(*ls)
+        results.append([loss.detach(), *torch.autograd.grad(loss, ls)])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
