@@ -1,4 +1,5 @@
 """CPU (CI): every GEMM variant and the epilogue hook's features compile for sm_90a, use WGMMA and do not spill."""
+import os
 import sys
 
 import pytest
@@ -54,3 +55,52 @@ def test_reduction_epilogues_do_not_spill(which):
     epi = stats_epilogue() if which == "stats" else getattr(cross_entropy, which)
     row = compile_variant(GemmConfig(), epi)
     assert row["ok"] and row["spill_bytes"] == 0, row
+
+
+@pytest.mark.parametrize("ptxas", ["missing", "too_old"])
+def test_cubin_fallback_agrees_with_ptxas_and_sees_a_stack_frame(monkeypatch, tmp_path, ptxas):
+    """Where no ptxas reads the DSL's PTX (the device: CUDA 13.0's ptxas, PTX .version 9.4) the registers and stack
+    frame come from the DSL's own cubin. Here both are read for one kernel: they agree (the DSL's compiler and the
+    installed ptxas may differ by version, so registers within 8). A cubin whose FRAME_SIZE attribute is patched
+    to 48 bytes is reported as 48 spilled bytes."""
+    import struct
+    import coda.check as check
+    cfg = GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1)
+    by_ptxas = compile_variant(cfg)
+    assert by_ptxas["spill_check"] == "ptxas -v" and by_ptxas["ok"], by_ptxas
+    kept = []
+    real = check.cubin_resources
+
+    def keep(elf):
+        kept.append(elf)
+        return real(elf)
+    monkeypatch.setattr(check, "cubin_resources", keep)
+    if ptxas == "missing":
+        monkeypatch.setattr(check.shutil, "which", lambda name: None)  # no ptxas on PATH
+    else:  # a ptxas that predates the PTX's .version, as on the device
+        fake = tmp_path / "ptxas"
+        fake.write_text("#!/bin/sh\necho \"ptxas fatal   : Unsupported .version 9.4; current version is '9.0'\" >&2\n"
+                        "exit 255\n")
+        fake.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    by_cubin = compile_variant(cfg)
+    assert by_cubin["spill_check"] == "cubin" and by_cubin["ok"], by_cubin
+    assert by_cubin["spill_bytes"] == 0 and abs(by_cubin["registers"] - by_ptxas["registers"]) <= 8, (by_cubin,
+                                                                                                     by_ptxas)
+    elf = bytearray(kept[0])
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    names = heads[shstrndx][4]
+    info = next(h for h in heads if elf[names + h[0]:elf.index(b"\0", names + h[0])] == b".nv.info")
+    p, patched = info[4], False
+    while p < info[4] + info[5]:
+        fmt, attr, val = struct.unpack_from("<BBH", elf, p)
+        if fmt == 4 and attr == check.EIATTR_FRAME_SIZE:
+            struct.pack_into("<I", elf, p + 8, 48)
+            patched = True
+        p += 4 + (val if fmt == 4 else 0)
+    assert patched
+    assert real(bytes(elf)) == (by_cubin["registers"], 48)
+    with pytest.raises(ValueError, match="ELF"):
+        real(b"not an elf")
