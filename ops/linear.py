@@ -72,20 +72,25 @@ def _backward_of(epi: DslEpilogue, grads: tuple, needs: tuple, tiles: bool = Fal
     return prog
 
 
-# ---------------------------------------------------------------------------------------- the custom ops (2-D)
-# torch.library custom ops (fake implementations, autograd): torch.compile(fullgraph=True) traces through them
-# instead of into the kernels. The epilogue travels by name (DslEpilogue.op_name), operands as a tensor list plus
-# (names, values) of the Python-number scalars.
-@torch.library.custom_op("coda::linear", mutates_args=())
-def _linear_op(x2: Tensor, weight: Tensor, epilogue: str, save_preact: bool, names: str,
-               tensors: List[Tensor], scalar_names: str, scalar_values: List[float]) -> List[Tensor]:
-    """The epilogue's results (``result_keys`` order), then, with ``save_preact``, the pre-activation parts.
-    ``names`` / ``scalar_names``: comma-separated operand names of ``tensors`` / ``scalar_values``."""
+# ------------------------------------------------------------------------- forward / backward (2-D), two entries
+# torch.compile: the torch.library custom ops coda::linear / coda::linear_backward (fake implementations, autograd),
+# which it traces as single ops instead of tracing into the kernels. Eager: _Linear, an autograd.Function over the
+# same two functions (a custom op's dispatch costs ~40 us more host time per call than an autograd.Function's on
+# a CPU where the latter costs 5). The epilogue travels by name (DslEpilogue.op_name), operands as a tensor list
+# plus (names, values) of the Python-number scalars; names are comma-separated.
+def _forward_impl(x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values) -> list:
+    """The epilogue's results (``result_keys`` order), then, with ``save_preact``, the pre-activation parts."""
     epi = by_op_name(epilogue)
     ops = dict(zip(_split(names), tensors), **dict(zip(_split(scalar_names), scalar_values)))
     res = gemm_for(x2.device, ENTRY)(x2, weight, epilogue=with_preact(epi) if save_preact else epi, **ops)
     res = res if isinstance(res, dict) else {"out": res}
     return [res[k] for k in (*epi.result_keys, *(preact_keys(epi) if save_preact else ()))]
+
+
+@torch.library.custom_op("coda::linear", mutates_args=())
+def _linear_op(x2: Tensor, weight: Tensor, epilogue: str, save_preact: bool, names: str,
+               tensors: List[Tensor], scalar_names: str, scalar_values: List[float]) -> List[Tensor]:
+    return _forward_impl(x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values)
 
 
 @_linear_op.register_fake
@@ -100,10 +105,8 @@ def _(x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_va
     return outs + [x2.new_empty(M, pre) for _ in (preact_keys(epi) if save_preact else ())]
 
 
-@torch.library.custom_op("coda::linear_backward", mutates_args=())
-def _linear_backward_op(grads: List[Optional[Tensor]], x2: Tensor, weight: Tensor, epilogue: str, save_preact: bool,
-                        names: str, tensors: List[Tensor], scalar_names: str, scalar_values: List[float],
-                        saved: List[Tensor], needs: List[bool]) -> List[Tensor]:
+def _backward_impl(grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values, saved,
+                   needs) -> list:
     """[dX, dW, d(tensors)...] for the upstream ``grads`` (one per result, None where none); ``saved``: the
     forward's max / logsumexp results, then the pre-activation parts; ``needs``: [x, weight, *tensors]. An output
     that is not needed is an empty tensor."""
@@ -172,6 +175,14 @@ def _linear_backward_op(grads: List[Optional[Tensor]], x2: Tensor, weight: Tenso
     return fresh
 
 
+@torch.library.custom_op("coda::linear_backward", mutates_args=())
+def _linear_backward_op(grads: List[Optional[Tensor]], x2: Tensor, weight: Tensor, epilogue: str, save_preact: bool,
+                        names: str, tensors: List[Tensor], scalar_names: str, scalar_values: List[float],
+                        saved: List[Tensor], needs: List[bool]) -> List[Tensor]:
+    return _backward_impl(grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values,
+                          saved, needs)
+
+
 @_linear_backward_op.register_fake
 def _(grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values, saved, needs):
     return [like.new_empty(like.shape) if need else like.new_empty(0)
@@ -196,24 +207,41 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x2, weight, *tensors, *(res[r.name] for r in epi.reductions if r.op != "sum"), *preact)
 
 
-def _backward(ctx, grads):
+def _backward(ctx, grads, bwd=None):
+    """The custom op's autograd backward (through the coda::linear_backward op, so that traces see one op); with
+    ``bwd=_backward_impl``, _Linear's."""
     epilogue, save_preact, names, scalar_names, scalar_values = ctx.args
-    saved = ctx.saved_tensors
+    saved = [t.detach() for t in ctx.saved_tensors]  # the kernels take plain tensors (no autograd export)
     x2, weight, tensors = saved[0], saved[1], list(saved[2:2 + ctx.n_tensors])
-    grads = list(grads[:ctx.n_keys])
+    grads = [g if g is None else g.detach() for g in grads[:ctx.n_keys]]
     # the return mirrors the inputs' structure as torch.library flattens it: a list of numbers is one leaf, an
     # empty list a list
     no_scalars = None if scalar_values else []
     nothing = (None, None, None, None, None, [None] * ctx.n_tensors, None, no_scalars)
     if all(g is None for g in grads) or not any(ctx.needs):
         return nothing
-    d = torch.ops.coda.linear_backward(grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names,
-                                       scalar_values, list(saved[2 + ctx.n_tensors:]), ctx.needs)
+    d = (bwd or torch.ops.coda.linear_backward)(grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values,
+            list(saved[2 + ctx.n_tensors:]), ctx.needs)
     pick = [t if need else None for t, need in zip(d, ctx.needs)]
     return (pick[0], pick[1], None, None, None, pick[2:], None, no_scalars)
 
 
 torch.library.register_autograd("coda::linear", _backward, setup_context=_setup_context)
+
+
+class _Linear(torch.autograd.Function):
+    """The eager entry (see above): the custom op's forward, context and backward without its dispatch."""
+    @staticmethod
+    def forward(ctx, x2, weight, epilogue, save_preact, names, scalar_names, scalar_values, *tensors):
+        outs = _forward_impl(x2.detach(), weight.detach(), epilogue, save_preact, names,
+                             [t.detach() for t in tensors], scalar_names, scalar_values)
+        _setup_context(ctx, (x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values), outs)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dx, dw, *_, d_tensors, _, _ = _backward(ctx, grads, _backward_impl)
+        return (dx, dw, None, None, None, None, None, *d_tensors)
 
 
 def saved_preact(epi: DslEpilogue, *parts):
@@ -302,8 +330,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
         epilogue.check_operands(flat, None, M, N, x.device)
     names = tuple(n for n, v in flat.items() if isinstance(v, torch.Tensor))
     scalars = {n: v for n, v in flat.items() if not isinstance(v, torch.Tensor)}
-    outs = torch.ops.coda.linear(x2, weight, epilogue.op_name, save_preact, ",".join(names),
-                                 [flat[n] for n in names], ",".join(scalars), [float(v) for v in scalars.values()])
+    args = (x2, weight, epilogue.op_name, save_preact, ",".join(names), ",".join(scalars),
+            [float(v) for v in scalars.values()])
+    tensors = [flat[n] for n in names]
+    if torch.compiler.is_compiling():
+        outs = torch.ops.coda.linear(*args[:5], tensors, *args[5:])
+    else:
+        outs = _Linear.apply(*args, *tensors)
     keys = epilogue.result_keys
     axes = {r.name: r.axis for r in epilogue.reductions}
     res = {}
