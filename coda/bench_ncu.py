@@ -13,8 +13,9 @@ NVTX ranges, under ``ncu --clock-control none`` (the GPU's clocks are left alone
 - DRAM bytes read and the L2 hit rate: the memory traffic the tile order causes (it drives power, hence clocks).
 
 The process re-launches itself under ``ncu`` (``--child`` is that inner run); ``ncu`` must be on PATH.
-Heuristic configs (``CODA_AUTOTUNE=0``), bf16; each ``--config`` adds the plain GEMM with those GemmConfig fields
-changed (e.g. ``--config cluster_m=1,sched=dynamic``), labelled by them.
+Heuristic configs (``CODA_AUTOTUNE=0``), bf16; each ``--config`` adds the plain GEMM with those fields changed from
+the large-problem heuristic default (128x256 cooperative, cluster 2x1, ``sched="dynamic"``), e.g. ``--config
+sched=static`` or ``--config cluster_m=1``, labelled by them.
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def parse_config(text: str):
     naming the field or value that is not one."""
     import dataclasses
 
-    from coda.config import GemmConfig
+    from coda.config import GemmConfig, default_config
     fields = {f.name: f for f in dataclasses.fields(GemmConfig)}
     kw = {}
     for item in text.split(","):
@@ -109,7 +110,7 @@ def parse_config(text: str):
                 kw[key] = int(val)
             except ValueError:
                 kw[key] = val
-    cfg = dataclasses.replace(GemmConfig(), **kw)
+    cfg = dataclasses.replace(default_config(8192, 8192, 8192), **kw)
     problems = cfg.problems()
     if problems:
         raise ValueError("; ".join(problems))

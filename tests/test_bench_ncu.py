@@ -75,7 +75,9 @@ def test_config_option_builds_the_changed_default():
     label, cfg = bench_ncu.parse_config("cluster_m=1,sched=dynamic")
     assert label == "coda[cluster_m=1,sched=dynamic]"
     assert cfg == GemmConfig(cluster_m=1, sched="dynamic")
-    assert bench_ncu.parse_config("pingpong=True,tile_m=128,tile_n=128,stages=None")[1].pingpong
+    # the base is the large-problem heuristic default (the dynamic schedule since session 13)
+    assert bench_ncu.parse_config("sched=static")[1] == GemmConfig()
+    assert bench_ncu.parse_config("pingpong=True,tile_m=128,tile_n=128,stages=None,sched=static")[1].pingpong
 
 
 @pytest.mark.parametrize("text", ["bogus=1", "cluster_m", "tile_n=128,pingpong=True,sched=dynamic", "swizzle=0"])
