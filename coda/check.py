@@ -163,8 +163,8 @@ def main(argv=None) -> int:
             rows.append(compile_variant(cfg, IDENTITY, i, o, args.arch))
             r = rows[-1]
             print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['config']:28s} {r['dtypes']:12s} {r['seconds']:5.2f}s "
-                  f"wgmma={r['wgmma']:3d} regs={r['registers']} spills={r['spill_bytes']} ({r.get('spill_check', '-')}) "
-                  f"{r['error']}", flush=True)
+                  f"wgmma={r['wgmma']:3d} regs={r['registers']} spills={r['spill_bytes']} "
+                  f"({r.get('spill_check', '-')}) {r['error']}", flush=True)
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(bad)} passed, {len(bad)} failed")
     return 1 if bad else 0

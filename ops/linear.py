@@ -106,10 +106,11 @@ def _(x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_va
 
 
 def _backward_impl(grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values, saved,
-                   needs) -> list:
+                   needs, fresh: bool = False) -> list:
     """[dX, dW, d(tensors)...] for the upstream ``grads`` (one per result, None where none); ``saved``: the
-    forward's max / logsumexp results, then the pre-activation parts; ``needs``: [x, weight, *tensors]. An output
-    that is not needed is an empty tensor."""
+    forward's max / logsumexp results, then the pre-activation parts; ``needs``: [x, weight, *tensors]; None where
+    not needed. ``fresh`` (the custom op): every result a new contiguous tensor (a custom op's outputs may not
+    alias its inputs or each other; e.g. dacc = the upstream gradient is copied), empty ones where not needed."""
     epi = by_op_name(epilogue)
     names = _split(names)
     scalars = dict(zip(_split(scalar_names), scalar_values))
@@ -159,7 +160,8 @@ def _backward_impl(grads, x2, weight, epilogue, save_preact, names, tensors, sca
         elif need:
             d = (d.sum().reshape(t.shape) if kinds[n] == "scalar" else d).to(t.dtype)
         outs.append(d)
-    # a custom op returns fresh, contiguous tensors: none may be (a view of) an input or another output
+    if not fresh:
+        return outs
     taken = {t.untyped_storage().data_ptr() for t in (*[g for g in grads if g is not None], x2, weight, *tensors,
                                                      *saved) if t.numel()}
     fresh = []
@@ -180,7 +182,7 @@ def _linear_backward_op(grads: List[Optional[Tensor]], x2: Tensor, weight: Tenso
                         names: str, tensors: List[Tensor], scalar_names: str, scalar_values: List[float],
                         saved: List[Tensor], needs: List[bool]) -> List[Tensor]:
     return _backward_impl(grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values,
-                          saved, needs)
+                          saved, needs, fresh=True)
 
 
 @_linear_backward_op.register_fake
@@ -220,8 +222,9 @@ def _backward(ctx, grads, bwd=None):
     nothing = (None, None, None, None, None, [None] * ctx.n_tensors, None, no_scalars)
     if all(g is None for g in grads) or not any(ctx.needs):
         return nothing
-    d = (bwd or torch.ops.coda.linear_backward)(grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values,
-            list(saved[2 + ctx.n_tensors:]), ctx.needs)
+    d = (bwd or torch.ops.coda.linear_backward)(grads, x2, weight, epilogue, save_preact, names, tensors,
+                                                scalar_names, scalar_values, list(saved[2 + ctx.n_tensors:]),
+                                                ctx.needs)
     pick = [t if need else None for t, need in zip(d, ctx.needs)]
     return (pick[0], pick[1], None, None, None, pick[2:], None, no_scalars)
 
