@@ -393,7 +393,10 @@ def where(cond, a, b):
     c = _v(cond)
     if not _is_bool(c):
         raise _err("coda.where: the condition must be a comparison (e.g. acc > 0)")
-    return Value(sp.Piecewise((_v(a), c), (_v(b), True)))
+    try:
+        return Value(sp.Piecewise((_v(a), c), (_v(b), True)))
+    except RecursionError:  # sympy's Piecewise.eval can recurse without end on nested piecewise conditions
+        return Value(sp.Piecewise((_v(a), c), (_v(b), True), evaluate=False))
 
 
 def cast(x, dtype):

@@ -262,6 +262,23 @@ def test_call_time_operand_errors():
 
 
 # ------------------------------------------------------------------------------------------------- generated
+def test_nested_where_does_not_hit_sympy_piecewise_recursion():
+    """Found by the generated test below: sympy's Piecewise.eval recursed without end on this nested condition
+    (coda.where now builds it unevaluated when that happens); the program still matches torch."""
+    wg = lambda a, b: ("b", "where_gt", a, b)  # noqa: E731
+    col, p2 = ("leaf", "col"), ("leaf", "p2")
+    spec = {"kinds": {"p0": "scalar", "p1": "vec_n", "p2": "scalar"},
+            "main": wg(wg(wg(col, p2), wg(col, col)), col), "extras": {}, "reds": {}, "pairs": "full",
+            "main_odd": p2}
+    epi = make_epilogue(spec)
+    g = torch.Generator().manual_seed(0)
+    acc = torch.randn(2, 5, 6, generator=g, dtype=torch.float64)
+    ops = random_operands(spec, 2, 5, 6, gen=g)
+    got, want = epi.reference(acc, **ops), torch_eval(spec, acc, ops)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-9)
+
+
 @settings(max_examples=int(os.environ.get("CODA_DSL_EXAMPLES", 200)), **SETTINGS)
 @given(spec=specs())
 def test_generated_reference_matches_torch(spec):
