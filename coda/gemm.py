@@ -320,9 +320,10 @@ def _make_plan(fn, cute_args, views, handle, prob, cfg, epi, tensors, device_ind
         return None
     plan.prob, plan.cfg, plan.epi, plan.device_index = prob, cfg, epi, device_index
     # an epilogue with tensor operands only (no extra outputs, no reductions, no scalars) whose kernel arguments
-    # are the operands' own memory (views): a repeated call only needs the operands' data pointers
+    # are the operands' own memory (views): a repeated call only needs the operands' data pointers (and, for the
+    # dynamic schedule, the current stream's tile counter, the last argument)
     plan.operand_names = None
-    if (plan.has_epi_args and cfg.sched == "static" and not epi.outputs and not epi.kernel_reductions()
+    if (plan.has_epi_args and not epi.outputs and not epi.kernel_reductions()
             and all(op.kind != "scalar" and isinstance(operands.get(op.name), torch.Tensor)
                     and v.data_ptr() == operands[op.name].data_ptr() for op, v in zip(epi.operands, views[3:]))):
         plan.operand_names = tuple(op.name for op in epi.operands)
@@ -357,8 +358,10 @@ def _run_plan(plan, a, b, out, operands):
         res = out
     epi = plan.epi
     if plan.operand_names is not None:  # operands only, each passed as is: just their pointers
-        plan.launch((pa, pb, po, *(operands[n].data_ptr() for n in plan.operand_names)),
-                    _launch.stream_handle(plan.device_index))
+        ptrs = [pa, pb, po, *(operands[n].data_ptr() for n in plan.operand_names)]
+        if plan.cfg.sched == "dynamic":
+            ptrs.append(_tile_counter(a.device).data_ptr())
+        plan.launch(ptrs, _launch.stream_handle(plan.device_index))
         return res
     if plan.has_epi_args:
         out3 = res if res.dim() == 3 else res.unsqueeze(0)

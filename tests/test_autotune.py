@@ -537,6 +537,34 @@ def test_gemm_repeated_call_takes_the_plan_and_writes_the_right_pointers(kernel_
         assert int.from_bytes(ours[5][:8], "little") == ops2["res"].data_ptr()
 
 
+@pytest.mark.parametrize("epi_name", ["identity", "operands"])
+def test_dynamic_schedule_repeated_call_takes_the_plan_with_the_tile_counter(kernel_cache, monkeypatch, epi_name):
+    """The dynamic schedule's only per-call argument beyond the operands is the current stream's tile counter: a
+    repeated call swaps pointers and appends the counter's, as the DSL marshals the full path's arguments."""
+    from coda.bench_launch import NullRun, cpu_plan
+    epi = None if epi_name == "identity" else _operands_only
+    cfg = GemmConfig(sched="dynamic")
+    L, M, N, K = 2, 200, 136, 64
+    a, b, out = torch.randn(L, M, K, dtype=BF16), torch.randn(L, N, K, dtype=BF16), torch.empty(L, M, N, dtype=BF16)
+    ops = {} if epi is None else {k: v for k, v in _epi_tensors(M, N, L).items() if k in ("bias", "rs", "res")}
+    pkey, plan, _, _, _ = cpu_plan(a, b, out, epi, cfg, ops)
+    assert plan.operand_names == (() if epi is None else ("bias", "rs", "res"))
+    plan.run = NullRun()
+    monkeypatch.setitem(gemm_mod._plans, pkey, plan)
+    monkeypatch.setattr(_launch, "stream_handle", lambda index: 0xABC)
+    a2, b2, out2 = torch.randn_like(a), torch.randn_like(b), torch.empty_like(out)
+    ops2 = {k: torch.randn_like(v) for k, v in ops.items()}
+    assert coda.gemm(a2, b2, epilogue=epi, out=out2, config=cfg, **ops2) is out2 and plan.run.calls == 1
+    ctypes = _launch.ctypes
+    ours = [ctypes.string_at(p.value, ctypes.sizeof(d)) for p, d in
+            zip([x for i, x in enumerate(plan.exe_args) if i != 3], plan.descs)]
+    _, args2, _ = _cute_call(a2, b2, out2, epi or IDENTITY, cfg, ops2)
+    exe2, _ = plan.fn.generate_execution_args(*args2)
+    theirs = [ctypes.string_at(p, len(o)) for p, o in zip([x for i, x in enumerate(exe2) if i != 3], ours)]
+    assert ours == theirs  # every pointer, shape and stride, the counter last
+    assert int.from_bytes(ours[-1][:8], "little") == gemm_mod._tile_counter(a.device).data_ptr()
+
+
 def test_plan_misses_fall_back_to_the_checked_path(kernel_cache, monkeypatch):
     from coda.bench_launch import NullRun, cpu_plan
     M, N, K = 256, 128, 64
