@@ -122,27 +122,33 @@ def _ptxas_v(ptx: str, arch: str):
 EIATTR_FRAME_SIZE, EIATTR_REGCOUNT = 0x11, 0x2F  # .nv.info attributes (EIFMT_SVAL payload: symbol index, value)
 
 
-def cubin_resources(elf: bytes) -> tuple:
-    """(registers, stack frame bytes) of the kernel in a cubin (64-bit little-endian ELF), the largest over its
-    functions, read from the ``.nv.info`` section's REGCOUNT and FRAME_SIZE attributes."""
+def nv_info_attributes(elf: bytes):
+    """(offset, format, attribute, size or value) of every entry of a cubin's ``.nv.info`` section (64-bit
+    little-endian ELF); an EIFMT_SVAL entry (format 4) is followed by ``size`` bytes of payload."""
     if elf[:4] != b"\x7fELF" or elf[4] != 2 or elf[5] != 1:
         raise ValueError("not a 64-bit little-endian ELF (cubin)")
     shoff, = struct.unpack_from("<Q", elf, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
     heads = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
     names = heads[shstrndx][4]
-    regs, frame = {}, {}
     for h in heads:
-        name = elf[names + h[0]:elf.index(b"\0", names + h[0])]
-        if name != b".nv.info":
+        if elf[names + h[0]:elf.index(b"\0", names + h[0])] != b".nv.info":
             continue
         p, end = h[4], h[4] + h[5]
         while p < end:
             fmt, attr, val = struct.unpack_from("<BBH", elf, p)
-            if fmt == 4 and attr in (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE):
-                sym, v = struct.unpack_from("<II", elf, p + 4)
-                (regs if attr == EIATTR_REGCOUNT else frame)[sym] = v
+            yield p, fmt, attr, val
             p += 4 + (val if fmt == 4 else 0)
+
+
+def cubin_resources(elf: bytes) -> tuple:
+    """(registers, stack frame bytes) of the kernel in a cubin, the largest over its functions, read from the
+    ``.nv.info`` section's REGCOUNT and FRAME_SIZE attributes."""
+    regs, frame = {}, {}
+    for p, fmt, attr, _ in nv_info_attributes(elf):
+        if fmt == 4 and attr in (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE):
+            sym, v = struct.unpack_from("<II", elf, p + 4)
+            (regs if attr == EIATTR_REGCOUNT else frame)[sym] = v
     if not regs:
         raise ValueError("no register count in the cubin's .nv.info")
     return max(regs.values()), max(frame.values(), default=0)

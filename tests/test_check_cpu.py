@@ -88,19 +88,11 @@ def test_cubin_fallback_agrees_with_ptxas_and_sees_a_stack_frame(monkeypatch, tm
     assert by_cubin["spill_bytes"] == 0 and abs(by_cubin["registers"] - by_ptxas["registers"]) <= 8, (by_cubin,
                                                                                                      by_ptxas)
     elf = bytearray(kept[0])
-    shoff, = struct.unpack_from("<Q", elf, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
-    heads = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
-    names = heads[shstrndx][4]
-    info = next(h for h in heads if elf[names + h[0]:elf.index(b"\0", names + h[0])] == b".nv.info")
-    p, patched = info[4], False
-    while p < info[4] + info[5]:
-        fmt, attr, val = struct.unpack_from("<BBH", elf, p)
-        if fmt == 4 and attr == check.EIATTR_FRAME_SIZE:
-            struct.pack_into("<I", elf, p + 8, 48)
-            patched = True
-        p += 4 + (val if fmt == 4 else 0)
-    assert patched
+    frames = [p for p, fmt, attr, _ in check.nv_info_attributes(bytes(elf))
+              if fmt == 4 and attr == check.EIATTR_FRAME_SIZE]
+    assert frames
+    for p in frames:
+        struct.pack_into("<I", elf, p + 8, 48)
     assert real(bytes(elf)) == (by_cubin["registers"], 48)
     with pytest.raises(ValueError, match="ELF"):
         real(b"not an elf")
