@@ -67,7 +67,10 @@ def test_cubin_fallback_agrees_with_ptxas_and_sees_a_stack_frame(monkeypatch, tm
     import coda.check as check
     cfg = GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1)
     by_ptxas = compile_variant(cfg)
-    assert by_ptxas["spill_check"] == "ptxas -v" and by_ptxas["ok"], by_ptxas
+    assert by_ptxas["ok"], by_ptxas
+    if by_ptxas["spill_check"] == "cubin":  # the device: its ptxas is older than the PTX, so the cubin was read
+        pytest.skip("no ptxas here reads the DSL's PTX: nothing to compare the cubin's reading with")
+    assert by_ptxas["spill_check"] == "ptxas -v", by_ptxas
     kept = []
     real = check.cubin_resources
 
