@@ -130,9 +130,14 @@ _counters: dict = {}
 
 def _tile_counter(device) -> torch.Tensor:
     """The dynamic schedule's two int32 (next tile, finished CTAs), zero between launches: the last CTA of each
-    launch resets them. One pair per device and stream, so that launches sharing one run one after another."""
+    launch resets them. One pair per device and stream, so that launches sharing one run one after another.
+    A launch captured into a CUDA graph gets a pair of its own, zeroed by a memset node of the graph at every
+    replay: graphs captured on one stream (every ``torch.cuda.graph`` without ``stream=`` shares one) may be
+    replayed concurrently on different streams, and must not share a counter."""
     if device.type != "cuda":  # only the CPU tests build kernel arguments there
         key = (str(device), 0)
+    elif torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
         key = (index, _launch.stream_handle(index))
@@ -360,7 +365,8 @@ def _run_plan(plan, a, b, out, operands):
     if plan.operand_names is not None:  # operands only, each passed as is: just their pointers
         ptrs = [pa, pb, po, *(operands[n].data_ptr() for n in plan.operand_names)]
         if plan.cfg.sched == "dynamic":
-            ptrs.append(_tile_counter(a.device).data_ptr())
+            counter = _tile_counter(a.device)  # held until the launch is enqueued (a capture's counter is fresh)
+            ptrs.append(counter.data_ptr())
         plan.launch(ptrs, _launch.stream_handle(plan.device_index))
         return res
     if plan.has_epi_args:

@@ -75,6 +75,34 @@ def test_two_streams_use_two_counters():
         assert torch.equal(o, ref)
 
 
+def test_graphs_captured_on_one_stream_replay_concurrently():
+    """Two graphs captured on torch.cuda.graph's shared capture stream, replayed at the same time on two streams:
+    each captured launch has its own tile counter. With one counter per capture stream (the code before this
+    test) the two launches (64 CTAs each, running side by side) drew tiles from one counter, so each left some of
+    its tiles unwritten."""
+    ins = [_inputs(1024, 2048, 4096) for _ in range(2)]
+    refs = [coda.gemm(a, b, config=STATIC) for a, b in ins]
+    outs = [torch.empty_like(r) for r in refs]
+    for (a, b), o in zip(ins, outs):
+        coda.gemm(a, b, out=o, config=DYN)  # compile outside the capture
+    torch.cuda.synchronize()
+    graphs = [torch.cuda.CUDAGraph() for _ in ins]
+    for g, (a, b), o in zip(graphs, ins, outs):
+        with torch.cuda.graph(g):
+            coda.gemm(a, b, out=o, config=DYN)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for _ in range(20):
+        for o in outs:
+            o.fill_(float("nan"))
+        torch.cuda.synchronize()
+        for g, st in zip(graphs, streams):
+            with torch.cuda.stream(st):
+                g.replay()
+        torch.cuda.synchronize()
+        for o, r in zip(outs, refs):
+            assert torch.equal(o, r)
+
+
 @pytest.mark.parametrize("cluster", CLUSTERS)
 def test_cuda_graph_replay(cluster):
     a, b = _inputs(2048, 4096, 512)
