@@ -81,3 +81,52 @@ def check_last_dim_contiguous(entry: str, named) -> None:
         if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{entry}: {name}: the last dim must be contiguous (stride 1), got strides "
                              f"{tuple(t.stride())}; call .contiguous() if a copy is acceptable")
+
+
+# ------------------------------------------------------------------------------------------------ custom ops
+# Every op is a torch.library custom op (torch.compile sees one opaque node per op). In eager mode the dispatcher
+# costs ~40 us of host time per call (a trivial custom op: 48 us, an autograd.Function: 5 us on the CI CPU), so
+# there :func:`call` runs the op's own implementation, context and backward through an autograd.Function instead.
+EAGER_FUNCTIONS = True  # False: eager calls go through the dispatcher too (torch.ops.coda.<name>), as under compile
+_impls: dict = {}  # name -> (the implementation, its custom op)
+_eager: dict = {}  # name -> the eager autograd.Function
+
+
+def custom_op(name: str):
+    """``torch.library.custom_op("coda::<name>", mutates_args=())`` that also records the implementation for
+    :func:`call`."""
+    def wrap(fn):
+        op = torch.library.custom_op(f"coda::{name}", fn, mutates_args=())
+        _impls[name] = (fn, op)
+        return op
+    return wrap
+
+
+def register_autograd(name: str, backward, setup_context) -> None:
+    """The custom op ``name``'s ``register_autograd(backward, setup_context=setup_context)``, and the eager
+    autograd.Function over the same implementation, ``setup_context`` and ``backward`` (the ctx it builds carries
+    ``coda_eager = True``)."""
+    impl, op = _impls[name]
+    op.register_autograd(backward, setup_context=setup_context)
+
+    def forward(ctx, *args):
+        out = impl(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+        out = tuple(out) if isinstance(out, (tuple, list)) else out
+        ctx.coda_eager = True
+        setup_context(ctx, args, out)
+        return out
+
+    _eager[name] = type(f"Eager_{name}", (torch.autograd.Function,),
+                        {"forward": staticmethod(forward),
+                         "backward": staticmethod(lambda ctx, *grads: backward(ctx, *grads))})
+
+
+def call(name: str, *args, ctx=None):
+    """Run ``torch.ops.coda.<name>(*args)``: through the dispatcher under torch.compile / export (and in the
+    backward of a call that went through it: ``ctx`` without ``coda_eager``); otherwise the op's implementation,
+    through its eager autograd.Function when it has one (:func:`register_autograd`)."""
+    if (not EAGER_FUNCTIONS or torch.compiler.is_compiling()
+            or (ctx is not None and not getattr(ctx, "coda_eager", False))):
+        return getattr(torch.ops.coda, name)(*args)
+    fn = _eager.get(name)
+    return fn.apply(*args) if fn is not None else _impls[name][0](*args)

@@ -50,7 +50,7 @@ from torch import Tensor
 from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_general, ce_forward,
                                           ce_forward_smooth)
 
-from ._common import gemm_for, kernel_aligned
+from ._common import call, custom_op, gemm_for, kernel_aligned, register_autograd
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES"]
 
@@ -188,7 +188,7 @@ def _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss
     return loss, lse.contiguous()
 
 
-@torch.library.custom_op("coda::linear_cross_entropy", mutates_args=())
+@custom_op("linear_cross_entropy")
 def _op(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
         z_loss: float, chunk_size: Optional[int], check: str = "sync") -> Tuple[Tensor, Tensor]:
     """(loss, lse) for x (M, H), weight (V, H), target (M,); lse (M,) fp32 is saved for the backward.
@@ -257,7 +257,7 @@ def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoot
     return (dx32.to(x.dtype) if need_x else None), dw
 
 
-@torch.library.custom_op("coda::linear_cross_entropy_backward", mutates_args=())
+@custom_op("linear_cross_entropy_backward")
 def _op_backward(grad: Tensor, x: Tensor, weight: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
                  reduction: str, label_smoothing: float, z_loss: float, chunk_size: Optional[int], need_x: bool,
                  need_w: bool) -> Tuple[Tensor, Tensor]:
@@ -284,12 +284,12 @@ def _setup_context(ctx, inputs, output):
 def _autograd_backward(ctx, grad_loss, grad_lse):
     x, weight, target, lse = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = torch.ops.coda.linear_cross_entropy_backward(grad_loss, x, weight, target, lse, *ctx.args, need_x,
-                                                          need_w)
+    dx, dw = call("linear_cross_entropy_backward", grad_loss, x, weight, target, lse, *ctx.args, need_x, need_w,
+                  ctx=ctx)
     return (dx if need_x else None), (dw if need_w else None), None, None, None, None, None, None, None
 
 
-_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+register_autograd("linear_cross_entropy", _autograd_backward, _setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public entry
@@ -307,7 +307,6 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
     _check(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size)
     check = check_targets_option("linear_cross_entropy", check_targets)
     H = x.shape[-1]
-    loss, _ = torch.ops.coda.linear_cross_entropy(x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
-                                                  reduction, float(label_smoothing), float(z_loss), chunk_size,
-                                                  check)
+    loss, _ = call("linear_cross_entropy", x.reshape(-1, H), weight, target.reshape(-1), ignore_index, reduction,
+                   float(label_smoothing), float(z_loss), chunk_size, check)
     return loss.reshape(target.shape) if reduction == "none" else loss

@@ -41,7 +41,8 @@ from torch import Tensor
 from coda.autodiff import grad_name, preact_keys, with_preact
 from coda.epilogues.gated import geglu, geglu_erf, swiglu
 
-from ._common import check_last_dim_contiguous, check_tensors, gemm_for, linear_grads, save_preact_for
+from ._common import (call, check_last_dim_contiguous, check_tensors, custom_op, gemm_for, linear_grads,
+                      register_autograd, save_preact_for)
 from .linear import _evaluate, saved_preact
 
 __all__ = ["linear_swiglu", "linear_geglu", "interleave_gate_up", "deinterleave_gate_up"]
@@ -134,13 +135,13 @@ def forward_preact(gemm, x: Tensor, weight_gu: Tensor, epi, save_preact: bool, *
     return (res["out"], *(res[k] for k in preact_keys(epi)))
 
 
-@torch.library.custom_op("coda::linear_swiglu", mutates_args=())
+@custom_op("linear_swiglu")
 def _swiglu_op(x: Tensor, weight_gu: Tensor, save_preact: bool) -> tuple[Tensor, Tensor, Tensor]:
     """silu(g) u for x (M, H), weight_gu (2I, H) interleaved: (M, I), and (save_preact) g, u (M, I)."""
     return forward_preact(gemm_for(x.device, _entry("swiglu")), x, weight_gu, swiglu, save_preact)
 
 
-@torch.library.custom_op("coda::linear_geglu", mutates_args=())
+@custom_op("linear_geglu")
 def _geglu_op(x: Tensor, weight_gu: Tensor, approximate: str, save_preact: bool) -> tuple[Tensor, Tensor, Tensor]:
     """gelu(g) u (``approximate``: "tanh" or "none") for x (M, H), weight_gu (2I, H) interleaved: (M, I), and
     (save_preact) g, u (M, I)."""
@@ -152,7 +153,7 @@ _swiglu_op.register_fake(_fake)
 _geglu_op.register_fake(_fake)
 
 
-@torch.library.custom_op("coda::linear_gated_backward", mutates_args=())
+@custom_op("linear_gated_backward")
 def _backward_op(dy: Tensor, x: Tensor, weight_gu: Tensor, g: Optional[Tensor], u: Optional[Tensor], kind: str,
                  need_x: bool, need_w: bool) -> tuple[Tensor, Tensor]:
     """(dx (M, H), dweight_gu (2I, H)) for the upstream dy (M, I) of the ``kind`` ("swiglu", "geglu_tanh",
@@ -190,20 +191,20 @@ def _autograd_backward(ctx, dy, *_):
     need_x, need_w = ctx.needs_input_grad[:2]
     if dy is None or not (need_x or need_w):
         return (None,) * len(ctx.needs_input_grad)
-    dx, dw = torch.ops.coda.linear_gated_backward(dy, x, weight_gu, g, u, ctx.kind, need_x, need_w)
+    dx, dw = call("linear_gated_backward", dy, x, weight_gu, g, u, ctx.kind, need_x, need_w, ctx=ctx)
     return (dx if need_x else None, dw if need_w else None) + (None,) * (len(ctx.needs_input_grad) - 2)
 
 
-_swiglu_op.register_autograd(_autograd_backward, setup_context=_setup_context)
-_geglu_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+register_autograd("linear_swiglu", _autograd_backward, _setup_context)
+register_autograd("linear_geglu", _autograd_backward, _setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public entries
-def _apply(entry: str, op, x: Tensor, weight_gu: Tensor, *args, save_preact) -> Tensor:
+def _apply(entry: str, op: str, x: Tensor, weight_gu: Tensor, *args, save_preact) -> Tensor:
     _check(entry, x, weight_gu)
     save = save_preact_for(entry, save_preact, x, weight_gu)
     lead, H = x.shape[:-1], x.shape[-1]
-    y = op(x.reshape(math.prod(lead), H), weight_gu, *args, save)[0]
+    y = call(op, x.reshape(math.prod(lead), H), weight_gu, *args, save)[0]
     return y.reshape(*lead, weight_gu.shape[0] // 2)
 
 
@@ -215,7 +216,7 @@ def linear_swiglu(x: Tensor, weight_gu: Tensor, *, save_preact: bool = True) -> 
     (default) saves the gate/up pre-activation (M x 2I, like the GEMM output torch autograd saves) for the
     backward -- only when autograd records the call (grad mode on and x or weight_gu requiring grad); ``False``
     saves only x and the weight and recomputes it with one more GEMM."""
-    return _apply("linear_swiglu", torch.ops.coda.linear_swiglu, x, weight_gu, save_preact=save_preact)
+    return _apply("linear_swiglu", "linear_swiglu", x, weight_gu, save_preact=save_preact)
 
 
 def linear_geglu(x: Tensor, weight_gu: Tensor, approximate: str = "tanh", *, save_preact: bool = True) -> Tensor:
@@ -226,4 +227,4 @@ def linear_geglu(x: Tensor, weight_gu: Tensor, approximate: str = "tanh", *, sav
     :func:`linear_swiglu`."""
     if approximate not in ("tanh", "none"):
         raise ValueError(f"linear_geglu: approximate must be 'tanh' or 'none', got {approximate!r}")
-    return _apply("linear_geglu", torch.ops.coda.linear_geglu, x, weight_gu, approximate, save_preact=save_preact)
+    return _apply("linear_geglu", "linear_geglu", x, weight_gu, approximate, save_preact=save_preact)

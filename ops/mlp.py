@@ -49,8 +49,8 @@ from torch import Tensor
 import coda
 from coda.autodiff import DGRAD, grad_name
 
-from ._common import (check_last_dim_contiguous, check_tensors, gemm_for, kernel_aligned, linear_grads,
-                      save_preact_for)
+from ._common import (call, check_last_dim_contiguous, check_tensors, custom_op, gemm_for, kernel_aligned,
+                      linear_grads, register_autograd, save_preact_for)
 from .gated import _check as _check_x_weight_gu
 from .gated import fake_preact, forward_preact
 from .linear import _evaluate, saved_preact
@@ -130,7 +130,7 @@ def _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm):
     return (*forward_preact(gemm, a, b, rms_swiglu, save_preact, r=r), r)
 
 
-@torch.library.custom_op("coda::rmsnorm_swiglu", mutates_args=())
+@custom_op("rmsnorm_swiglu")
 def _rmsnorm_swiglu_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, eps: float,
                        save_preact: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x (M, H), w_gate_up (2I, H) interleaved; returns a (M, I), r (M,) fp32 and (save_preact) g, u (M, I)."""
@@ -138,7 +138,7 @@ def _rmsnorm_swiglu_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, eps: f
     return a, r, g, u
 
 
-@torch.library.custom_op("coda::mlp", mutates_args=())
+@custom_op("mlp")
 def _mlp_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float,
             save_preact: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x (M, H); returns y (M, H), the activation a (M, I), r (M,) fp32 and (save_preact) g, u (M, I)."""
@@ -160,7 +160,7 @@ def _(x, norm_weight, w_gate_up, w_down, eps, save_preact):
             x.new_empty(M, dtype=torch.float32), *fake_preact(x, w_gate_up, save_preact))
 
 
-@torch.library.custom_op("coda::mlp_backward", mutates_args=())
+@custom_op("mlp_backward")
 def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Optional[Tensor],
                  a: Optional[Tensor], r: Tensor, g: Optional[Tensor], u: Optional[Tensor], need_x: bool,
                  need_gamma: bool, need_gu: bool, need_down: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -231,12 +231,12 @@ def _autograd_backward(ctx, dy, *_):
     needs = ctx.needs_input_grad[:n] + (False,) * (4 - n)
     if dy is None or not any(needs):
         return (None,) * (n + 2)
-    grads = torch.ops.coda.mlp_backward(dy, x, norm_weight, w_gate_up, w_down, a, r, g, u, *needs)
+    grads = call("mlp_backward", dy, x, norm_weight, w_gate_up, w_down, a, r, g, u, *needs, ctx=ctx)
     return tuple(g_ if need else None for g_, need in zip(grads[:n], needs)) + (None, None)
 
 
-_mlp_op.register_autograd(_autograd_backward, setup_context=_setup_context)
-_rmsnorm_swiglu_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+register_autograd("mlp", _autograd_backward, _setup_context)
+register_autograd("rmsnorm_swiglu", _autograd_backward, _setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public entries
@@ -249,7 +249,7 @@ def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, weight_gu: Tensor, eps: float
     _check("rmsnorm_swiglu", (("x", x), ("norm_weight", norm_weight), ("weight_gu", weight_gu)), eps)
     lead, H = x.shape[:-1], x.shape[-1]
     save = save_preact_for("rmsnorm_swiglu", save_preact, x, norm_weight, weight_gu)
-    a = torch.ops.coda.rmsnorm_swiglu(x.reshape(math.prod(lead), H), norm_weight, weight_gu, float(eps), save)[0]
+    a = call("rmsnorm_swiglu", x.reshape(math.prod(lead), H), norm_weight, weight_gu, float(eps), save)[0]
     return a.reshape(*lead, weight_gu.shape[0] // 2)
 
 
@@ -268,6 +268,6 @@ def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: 
     _check("mlp", (("x", x), ("norm_weight", norm_weight), ("w_gate_up", w_gate_up), ("w_down", w_down)), eps)
     lead, H = x.shape[:-1], x.shape[-1]
     save = save_preact_for("mlp", save_preact, x, norm_weight, w_gate_up, w_down)
-    y = torch.ops.coda.mlp(x.reshape(math.prod(lead), H), norm_weight, w_gate_up, w_down, float(eps), save)[0]
+    y = call("mlp", x.reshape(math.prod(lead), H), norm_weight, w_gate_up, w_down, float(eps), save)[0]
     return y.reshape(*lead, H)
 

@@ -52,7 +52,8 @@ import torch
 from coda.epilogues.rmsnorm import (fold_gamma, rmsnorm_dgrad, rmsnorm_dgrad_finish, rmsnorm_dgrad_finish_residual,
                                     rmsnorm_dgrad_residual, rmsnorm_dgrad_split, rmsnorm_scale, row_dot, scale_sumsq)
 
-from ._common import backward_gemm, check_last_dim_contiguous, check_tensors, epilogue_pass, gemm_for
+from ._common import (backward_gemm, call, check_last_dim_contiguous, check_tensors, custom_op, epilogue_pass,
+                      gemm_for, register_autograd)
 
 __all__ = ["rmsnorm_linear"]
 
@@ -77,7 +78,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Ten
     lead, K, N = x.shape[:-1], x.shape[-1], weight.shape[0]
     M = math.prod(lead)
     res2 = None if residual is None else residual.reshape(M, K)
-    y, h, _ = torch.ops.coda.rmsnorm_linear(x.reshape(M, K), norm_weight, weight, res2, float(eps))
+    y, h, _ = call("rmsnorm_linear", x.reshape(M, K), norm_weight, weight, res2, float(eps))
     y = y.reshape(*lead, N)
     return y if residual is None else (y, h.reshape(*lead, K))
 
@@ -157,7 +158,7 @@ def normed_operands(h: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Te
 
 
 # ---------------------------------------------------------------------------------------- the custom ops (2-D)
-@torch.library.custom_op("coda::rmsnorm_linear", mutates_args=())
+@custom_op("rmsnorm_linear")
 def _rmsnorm_linear_op(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
                        residual: Optional[torch.Tensor], eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, residual (M, K); returns y (M, N), h = x + residual (M, K; an empty tensor without residual), r (M,)."""
@@ -181,7 +182,7 @@ def split_backward(N: int, K: int) -> bool:
     return 2 * N > 5 * K
 
 
-@torch.library.custom_op("coda::rmsnorm_linear_backward", mutates_args=())
+@custom_op("rmsnorm_linear_backward")
 def _rmsnorm_linear_backward_op(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torch.Tensor,
                                 norm_weight: torch.Tensor, weight: torch.Tensor, r: torch.Tensor,
                                 y: Optional[torch.Tensor],
@@ -232,9 +233,9 @@ def _backward(ctx, dy, dh_out, _dr):
         dy = h.new_zeros(ctx.out_shape)
     if not ctx.has_residual:
         dh_out = None
-    dh, dgamma, dw = torch.ops.coda.rmsnorm_linear_backward(dy, dh_out, h, norm_weight, weight, r, y, need_w)
+    dh, dgamma, dw = call("rmsnorm_linear_backward", dy, dh_out, h, norm_weight, weight, r, y, need_w, ctx=ctx)
     return (dh if need_x else None, dgamma if need_gamma else None, dw if need_w else None,
             dh if need_res else None, None)
 
 
-torch.library.register_autograd("coda::rmsnorm_linear", _backward, setup_context=_setup_context)
+register_autograd("rmsnorm_linear", _backward, _setup_context)

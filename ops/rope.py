@@ -40,7 +40,8 @@ from coda.autodiff import grad_name
 from coda.dsl import ODD_OUT
 from coda.epilogues.rope import permute_half_split, rope, rope_freqs, unpermute_half_split
 
-from ._common import check_last_dim_contiguous, check_tensors, epilogue_pass, gemm_for, linear_grads
+from ._common import (call, check_last_dim_contiguous, check_tensors, custom_op, epilogue_pass, gemm_for,
+                      linear_grads, register_autograd)
 from .linear import _backward_of
 
 __all__ = ["linear_rope", "rope_freqs", "permute_half_split", "unpermute_half_split"]
@@ -104,7 +105,7 @@ def _check(x, weight, positions, freqs) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ custom ops (2-D)
-@torch.library.custom_op("coda::linear_rope", mutates_args=())
+@custom_op("linear_rope")
 def _rope_op(x: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
     """RoPE(x @ weight.T) for x (M, K), weight (N, K), positions (M,) fp32, freqs (N/2,) fp32; (M, N)."""
     return gemm_for(x.device, ENTRY)(x, weight, epilogue=rope, pos=positions, freq=freqs)
@@ -115,7 +116,7 @@ def _(x, weight, positions, freqs):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-@torch.library.custom_op("coda::linear_rope_backward", mutates_args=())
+@custom_op("linear_rope_backward")
 def _backward_op(dy: Tensor, x: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor, need_x: bool,
                  need_w: bool) -> tuple[Tensor, Tensor]:
     """(dx (M, K), dweight (N, K)) for the upstream dy (M, N); a gradient not needed comes back empty."""
@@ -146,11 +147,11 @@ def _setup_context(ctx, inputs, output):
 def _autograd_backward(ctx, dy):
     x, weight, positions, freqs = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[:2]
-    dx, dw = torch.ops.coda.linear_rope_backward(dy, x, weight, positions, freqs, need_x, need_w)
+    dx, dw = call("linear_rope_backward", dy, x, weight, positions, freqs, need_x, need_w, ctx=ctx)
     return (dx if need_x else None), (dw if need_w else None), None, None
 
 
-_rope_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+register_autograd("linear_rope", _autograd_backward, _setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public entry
@@ -167,5 +168,5 @@ def linear_rope(x: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor) -> 
     lead, K = x.shape[:-1], x.shape[-1]
     M = math.prod(lead)
     pos = torch.broadcast_to(positions, lead).reshape(M).to(torch.float32).contiguous()
-    y = torch.ops.coda.linear_rope(x.reshape(M, K), weight, pos, freqs)
+    y = call("linear_rope", x.reshape(M, K), weight, pos, freqs)
     return y.reshape(*lead, weight.shape[0])

@@ -1,0 +1,78 @@
+"""The ops' eager entry (ops/_common.call): outside torch.compile each op runs its custom op's implementation,
+context and backward through an autograd.Function, without the dispatcher (host time). Checked on CPU tensors (the
+reference path, the same Python code as on the GPU around the kernels): in eager mode no ``coda::`` op is
+dispatched, forward or backward, and results and gradients equal the dispatcher path's bitwise; with
+``EAGER_FUNCTIONS = False`` both the op and its backward op are dispatched."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import coda.ops
+import coda.ops._common as common
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def _rnd(*shape, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(*shape) * scale).to(dtype).requires_grad_()
+
+
+def _cases():
+    M, H, I, V = 24, 64, 48, 80
+    yield "linear_swiglu", lambda: (_rnd(2, M // 2, H), _rnd(2 * I, H, scale=0.1)), coda.ops.linear_swiglu
+    yield "linear_geglu", lambda: (_rnd(M, H), _rnd(2 * I, H, scale=0.1)), coda.ops.linear_geglu
+    yield ("linear_cross_entropy", lambda: (_rnd(M, H), _rnd(V, H, scale=0.1), torch.randint(0, V, (M,))),
+           lambda x, w, t: coda.ops.linear_cross_entropy(x, w, t, label_smoothing=0.1))
+    yield ("mlp", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(2 * I, H, scale=0.1),
+                           _rnd(H, I, scale=0.1)), coda.ops.mlp)
+    yield ("rmsnorm_swiglu", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(2 * I, H, scale=0.1)),
+           coda.ops.rmsnorm_swiglu)
+    yield ("linear_rope", lambda: (_rnd(M, H), _rnd(H, H, scale=0.1), torch.arange(M), coda.ops.rope_freqs(16, H // 16)),
+           coda.ops.linear_rope)
+    yield ("rmsnorm_linear", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(I, H, scale=0.1)),
+           lambda x, g, w: coda.ops.rmsnorm_linear(x, g, w, 1e-6))
+
+
+CASES = {name: (make, fn) for name, make, fn in _cases()}
+
+
+def _run(make, fn, seed):
+    torch.manual_seed(seed)
+    args = make()
+    with _Ops() as rec:
+        y = fn(*args)
+        y.float().square().sum().backward() if y.dim() else y.backward()
+    grads = [a.grad for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    return y.detach(), grads, [n for n in rec.names if n.startswith("coda::")]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_eager_calls_skip_the_dispatcher_and_equal_it(name, monkeypatch):
+    make, fn = CASES[name]
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    y, grads, dispatched = _run(make, fn, seed)
+    assert dispatched == []
+    monkeypatch.setattr(common, "EAGER_FUNCTIONS", False)
+    y_op, grads_op, dispatched_op = _run(make, fn, seed)
+    assert f"coda::{name}" in dispatched_op and any(n.endswith("_backward") for n in dispatched_op), dispatched_op
+    assert torch.equal(y, y_op)
+    assert len(grads) == len(grads_op) and all(g is not None for g in grads)
+    for g, g_op in zip(grads, grads_op):
+        assert torch.equal(g, g_op)
+
+
+def test_every_custom_op_with_autograd_has_an_eager_entry():
+    """Each op registered through ops._common.custom_op with autograd has its eager Function; the backward ops
+    have none (they run inside the Function's backward)."""
+    assert set(common._eager) == set(CASES)
+    assert {n for n in common._impls if n not in common._eager} == {
+        "linear_gated_backward", "linear_cross_entropy_backward", "mlp_backward", "linear_rope_backward",
+        "rmsnorm_linear_backward"}
