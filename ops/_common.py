@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from coda import _device
 
@@ -116,9 +117,10 @@ def register_autograd(name: str, backward, setup_context) -> None:
         setup_context(ctx, args, out)
         return out
 
+    # once_differentiable: the backward's kernels are not differentiable, so a double backward raises (as it does
+    # through the custom op, whose backward op has no autograd) instead of differentiating only its torch parts
     _eager[name] = type(f"Eager_{name}", (torch.autograd.Function,),
-                        {"forward": staticmethod(forward),
-                         "backward": staticmethod(lambda ctx, *grads: backward(ctx, *grads))})
+                        {"forward": staticmethod(forward), "backward": staticmethod(once_differentiable(backward))})
 
 
 def call(name: str, *args, ctx=None):

@@ -38,6 +38,7 @@ import functools
 import threading
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from typing import List, Optional
 
@@ -242,6 +243,7 @@ class _Linear(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @once_differentiable  # the backward's kernels are not differentiable: a double backward raises
     def backward(ctx, *grads):
         dx, dw, *_, d_tensors, _, _ = _backward(ctx, grads, _backward_impl)
         return (dx, dw, None, None, None, None, None, *d_tensors)

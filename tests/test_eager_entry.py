@@ -76,3 +76,19 @@ def test_every_custom_op_with_autograd_has_an_eager_entry():
     assert {n for n in common._impls if n not in common._eager} == {
         "linear_gated_backward", "linear_cross_entropy_backward", "mlp_backward", "linear_rope_backward",
         "rmsnorm_linear_backward"}
+
+
+@pytest.mark.parametrize("name", ["mlp", "linear_rope", "linear"])
+def test_double_backward_raises(name):
+    """The backward's kernels are not differentiable: differentiating the gradient raises instead of returning
+    the derivative of the backward's torch parts only."""
+    torch.manual_seed(0)
+    if name == "linear":
+        args, fn = (_rnd(8, 32), _rnd(16, 32, scale=0.1)), coda.ops.linear
+    else:
+        make, fn = CASES[name]
+        args = make()
+    y = fn(*args)
+    gx, = torch.autograd.grad(y.float().square().sum(), args[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        gx.float().square().sum().backward()
