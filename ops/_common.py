@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -89,38 +91,81 @@ def check_last_dim_contiguous(entry: str, named) -> None:
 # costs ~40 us of host time per call (a trivial custom op: 48 us, an autograd.Function: 5 us on the CI CPU), so
 # there :func:`call` runs the op's own implementation, context and backward through an autograd.Function instead.
 EAGER_FUNCTIONS = True  # False: eager calls go through the dispatcher too (torch.ops.coda.<name>), as under compile
-_impls: dict = {}  # name -> (the implementation, its custom op)
-_eager: dict = {}  # name -> the eager autograd.Function
+_impls: dict = {}  # name -> (what call() runs outside the dispatcher, the custom op)
+_eager: dict = {}  # name -> (implementation, backward, setup_context): the eager autograd.Functions' parts
 
 
-def custom_op(name: str):
+def custom_op(name: str, eager=None):
     """``torch.library.custom_op("coda::<name>", mutates_args=())`` that also records the implementation for
-    :func:`call`."""
+    :func:`call`: the decorated function, or ``eager`` where the op's own must do more (e.g. copy results that
+    alias its inputs, which a custom op may not return)."""
     def wrap(fn):
         op = torch.library.custom_op(f"coda::{name}", fn, mutates_args=())
-        _impls[name] = (fn, op)
+        _impls[name] = (eager or fn, op)
         return op
     return wrap
 
 
+def _spec(args) -> tuple:
+    """The structure of a call's arguments: a list's length, -1 for anything else (autograd.Function takes tensors
+    as separate arguments only, so list arguments travel flattened)."""
+    return tuple(len(a) if isinstance(a, list) else -1 for a in args)
+
+
+def _flatten(spec, items) -> list:
+    """One entry per argument -> the flat form; a list argument's entry may be None (a gradient: None each)."""
+    flat = []
+    for n, v in zip(spec, items):
+        flat.extend([v] if n < 0 else ([None] * n if v is None else v))
+    return flat
+
+
+def _nest(spec, flat) -> list:
+    args, i = [], 0
+    for n in spec:
+        args.append(flat[i] if n < 0 else list(flat[i:i + n]))
+        i += 1 if n < 0 else n
+    return args
+
+
+def _plain(a):
+    if isinstance(a, list):
+        return [_plain(v) for v in a]
+    return a.detach() if isinstance(a, torch.Tensor) else a
+
+
 def register_autograd(name: str, backward, setup_context) -> None:
-    """The custom op ``name``'s ``register_autograd(backward, setup_context=setup_context)``, and the eager
-    autograd.Function over the same implementation, ``setup_context`` and ``backward`` (the ctx it builds carries
-    ``coda_eager = True``)."""
+    """The custom op ``name``'s ``register_autograd(backward, setup_context=setup_context)``, and what
+    :func:`_function` builds its eager autograd.Functions from."""
     impl, op = _impls[name]
     op.register_autograd(backward, setup_context=setup_context)
+    _eager[name] = (impl, backward, setup_context)
 
-    def forward(ctx, *args):
-        out = impl(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
-        out = tuple(out) if isinstance(out, (tuple, list)) else out
-        ctx.coda_eager = True
+
+@functools.lru_cache(maxsize=None)
+def _function(name: str, spec: tuple):
+    """The eager autograd.Function of op ``name`` for arguments of structure ``spec`` (:func:`_spec`; its flat
+    arguments are the Function's, so ``ctx.needs_input_grad`` is the custom op's wherever no argument is a list):
+    the op's implementation, ``setup_context`` and ``backward`` (its ctx carries ``coda_eager = True``). As through
+    torch.library, an op returning a list has its backward called with one list of gradients, and a list argument
+    gets one list (or None) of gradients."""
+    impl, backward, setup_context = _eager[name]
+
+    def forward(ctx, *flat):
+        args = _nest(spec, flat)
+        out = impl(*(_plain(a) for a in args))
+        ctx.coda_eager, ctx.coda_list_out = True, isinstance(out, list)
         setup_context(ctx, args, out)
-        return out
+        return tuple(out) if isinstance(out, (tuple, list)) else out
 
     # once_differentiable: the backward's kernels are not differentiable, so a double backward raises (as it does
     # through the custom op, whose backward op has no autograd) instead of differentiating only its torch parts
-    _eager[name] = type(f"Eager_{name}", (torch.autograd.Function,),
-                        {"forward": staticmethod(forward), "backward": staticmethod(once_differentiable(backward))})
+    @once_differentiable
+    def eager_backward(ctx, *grads):
+        return tuple(_flatten(spec, backward(ctx, list(grads)) if ctx.coda_list_out else backward(ctx, *grads)))
+
+    return type(f"Eager_{name}", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(eager_backward)})
 
 
 def call(name: str, *args, ctx=None):
@@ -130,5 +175,7 @@ def call(name: str, *args, ctx=None):
     if (not EAGER_FUNCTIONS or torch.compiler.is_compiling()
             or (ctx is not None and not getattr(ctx, "coda_eager", False))):
         return getattr(torch.ops.coda, name)(*args)
-    fn = _eager.get(name)
-    return fn.apply(*args) if fn is not None else _impls[name][0](*args)
+    if name not in _eager:
+        return _impls[name][0](*args)
+    spec = _spec(args)
+    return _function(name, spec).apply(*_flatten(spec, args))

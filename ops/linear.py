@@ -38,7 +38,6 @@ import functools
 import threading
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from typing import List, Optional
 
@@ -48,7 +47,7 @@ from coda.autodiff import (DGRAD, backward_epilogue, grad_name, on_preact, pair_
                            pair_tile_operands, preact_keys, value_name, with_preact)
 from coda.dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, by_op_name, operand_symbol
 
-from ._common import epilogue_pass, gemm_for, linear_grads
+from ._common import call, custom_op, epilogue_pass, gemm_for, linear_grads, register_autograd
 
 __all__ = ["linear"]
 ENTRY = "coda.ops.linear"
@@ -75,9 +74,8 @@ def _backward_of(epi: DslEpilogue, grads: tuple, needs: tuple, tiles: bool = Fal
 
 # ------------------------------------------------------------------------- forward / backward (2-D), two entries
 # torch.compile: the torch.library custom ops coda::linear / coda::linear_backward (fake implementations, autograd),
-# which it traces as single ops instead of tracing into the kernels. Eager: _Linear, an autograd.Function over the
-# same two functions (a custom op's dispatch costs ~40 us more host time per call than an autograd.Function's on
-# a CPU where the latter costs 5). The epilogue travels by name (DslEpilogue.op_name), operands as a tensor list
+# which it traces as single ops instead of tracing into the kernels. Eager: ops._common.call runs the same
+# functions through an autograd.Function (no dispatcher host time). The epilogue travels by name (DslEpilogue.op_name), operands as a tensor list
 # plus (names, values) of the Python-number scalars; names are comma-separated.
 def _forward_impl(x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values) -> list:
     """The epilogue's results (``result_keys`` order), then, with ``save_preact``, the pre-activation parts."""
@@ -88,7 +86,7 @@ def _forward_impl(x2, weight, epilogue, save_preact, names, tensors, scalar_name
     return [res[k] for k in (*epi.result_keys, *(preact_keys(epi) if save_preact else ()))]
 
 
-@torch.library.custom_op("coda::linear", mutates_args=())
+@custom_op("linear")
 def _linear_op(x2: Tensor, weight: Tensor, epilogue: str, save_preact: bool, names: str,
                tensors: List[Tensor], scalar_names: str, scalar_values: List[float]) -> List[Tensor]:
     return _forward_impl(x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values)
@@ -178,7 +176,7 @@ def _backward_impl(grads, x2, weight, epilogue, save_preact, names, tensors, sca
     return fresh
 
 
-@torch.library.custom_op("coda::linear_backward", mutates_args=())
+@custom_op("linear_backward", eager=_backward_impl)
 def _linear_backward_op(grads: List[Optional[Tensor]], x2: Tensor, weight: Tensor, epilogue: str, save_preact: bool,
                         names: str, tensors: List[Tensor], scalar_names: str, scalar_values: List[float],
                         saved: List[Tensor], needs: List[bool]) -> List[Tensor]:
@@ -210,9 +208,9 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x2, weight, *tensors, *(res[r.name] for r in epi.reductions if r.op != "sum"), *preact)
 
 
-def _backward(ctx, grads, bwd=None):
-    """The custom op's autograd backward (through the coda::linear_backward op, so that traces see one op); with
-    ``bwd=_backward_impl``, _Linear's."""
+def _backward(ctx, grads):
+    """The autograd backward (through the coda::linear_backward op under torch.compile, so that traces see one
+    op)."""
     epilogue, save_preact, names, scalar_names, scalar_values = ctx.args
     saved = [t.detach() for t in ctx.saved_tensors]  # the kernels take plain tensors (no autograd export)
     x2, weight, tensors = saved[0], saved[1], list(saved[2:2 + ctx.n_tensors])
@@ -223,30 +221,13 @@ def _backward(ctx, grads, bwd=None):
     nothing = (None, None, None, None, None, [None] * ctx.n_tensors, None, no_scalars)
     if all(g is None for g in grads) or not any(ctx.needs):
         return nothing
-    d = (bwd or torch.ops.coda.linear_backward)(grads, x2, weight, epilogue, save_preact, names, tensors,
-                                                scalar_names, scalar_values, list(saved[2 + ctx.n_tensors:]),
-                                                ctx.needs)
+    d = call("linear_backward", grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names,
+             scalar_values, list(saved[2 + ctx.n_tensors:]), ctx.needs, ctx=ctx)
     pick = [t if need else None for t, need in zip(d, ctx.needs)]
     return (pick[0], pick[1], None, None, None, pick[2:], None, no_scalars)
 
 
-torch.library.register_autograd("coda::linear", _backward, setup_context=_setup_context)
-
-
-class _Linear(torch.autograd.Function):
-    """The eager entry (see above): the custom op's forward, context and backward without its dispatch."""
-    @staticmethod
-    def forward(ctx, x2, weight, epilogue, save_preact, names, scalar_names, scalar_values, *tensors):
-        outs = _forward_impl(x2.detach(), weight.detach(), epilogue, save_preact, names,
-                             [t.detach() for t in tensors], scalar_names, scalar_values)
-        _setup_context(ctx, (x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values), outs)
-        return tuple(outs)
-
-    @staticmethod
-    @once_differentiable  # the backward's kernels are not differentiable: a double backward raises
-    def backward(ctx, *grads):
-        dx, dw, *_, d_tensors, _, _ = _backward(ctx, grads, _backward_impl)
-        return (dx, dw, None, None, None, None, None, *d_tensors)
+register_autograd("linear", _backward, _setup_context)
 
 
 def saved_preact(epi: DslEpilogue, *parts):
@@ -338,10 +319,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
     args = (x2, weight, epilogue.op_name, save_preact, ",".join(names), ",".join(scalars),
             [float(v) for v in scalars.values()])
     tensors = [flat[n] for n in names]
-    if torch.compiler.is_compiling():
-        outs = torch.ops.coda.linear(*args[:5], tensors, *args[5:])
-    else:
-        outs = _Linear.apply(*args, *tensors)
+    outs = call("linear", *args[:5], tensors, *args[5:])
     keys = epilogue.result_keys
     axes = {r.name: r.axis for r in epilogue.reductions}
     res = {}

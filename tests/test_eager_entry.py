@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import coda
 import coda.ops
 import coda.ops._common as common
 
@@ -41,7 +42,18 @@ def _cases():
            lambda x, g, w: coda.ops.rmsnorm_linear(x, g, w, 1e-6))
 
 
-CASES = {name: (make, fn) for name, make, fn in _cases()}
+@coda.epilogue
+def _scaled_bias(acc, bias: coda.VecN, s: coda.Scalar):
+    return acc * acc * s + bias
+
+
+def _linear_cases():
+    # coda.ops.linear's custom op takes its tensor operands as a list and its Python-number scalars as another
+    yield ("linear", lambda: (_rnd(24, 64), _rnd(48, 64, scale=0.1), _rnd(48, dtype=torch.float32)),
+           lambda x, w, bias: coda.ops.linear(x, w, epilogue=_scaled_bias, bias=bias, s=0.5))
+
+
+CASES = {name: (make, fn) for name, make, fn in (*_cases(), *_linear_cases())}
 
 
 def _run(make, fn, seed):
@@ -75,7 +87,7 @@ def test_every_custom_op_with_autograd_has_an_eager_entry():
     assert set(common._eager) == set(CASES)
     assert {n for n in common._impls if n not in common._eager} == {
         "linear_gated_backward", "linear_cross_entropy_backward", "mlp_backward", "linear_rope_backward",
-        "rmsnorm_linear_backward"}
+        "rmsnorm_linear_backward", "linear_backward"}
 
 
 @pytest.mark.parametrize("name", ["mlp", "linear_rope", "linear"])
