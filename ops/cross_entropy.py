@@ -12,9 +12,19 @@ Backward: the vocabulary is processed in chunks [v0, v1) of ``chunk_size`` colum
 logits gradient is at most ``CHUNK_BYTES`` = 64 MiB). Per chunk, one GEMM x W[v0:v1]^T recomputes the logits and
 its epilogue writes dz = d loss / d z (M x (v1 - v0), in x's dtype) into one reused buffer; then
 dW[v0:v1] = dz^T x is written straight into dW's rows, and dX += dz W[v0:v1] accumulates in fp32 through the
-``accumulate`` epilogue (``acc + prev``, ``out=prev``). Extra memory besides the gradients themselves: the chunk
-buffer (<= 64 MiB by default), the fp32 dX accumulator (M x H x 4 bytes), a few M-vectors and the reductions'
-per-tile partials (M x ceil(V / tile_n) x 4 bytes each). No M x V tensor is ever allocated.
+``accumulate`` epilogue (``acc + prev``, ``out=prev``). No M x V tensor is ever allocated. Where the scratch lives:
+
+- When both gradients are needed and V >= 2M + 8 (an LM head: V ~ 1e5, M a few thousand tokens), the scratch lives
+  in the gradients' own storage. The fp32 dX accumulator (M x H x 4 bytes) occupies dW's last 2M rows, whose dW is
+  formed after dX is finished (phase 2, below). The dz chunk uses dx's storage while dX is being accumulated
+  (when the chunk is at most H columns wide; else it is allocated).
+- Phase 2 recomputes dz for those last ~2M vocabulary columns (~2M / V of one GEMM more: ~13 % of one of the four
+  GEMMs at M = 8192, V = 128256) through one buffer of at most ``SCRATCH_BYTES`` = 16 MiB (or the allocated chunk
+  buffer, when there is one) and writes their dW rows.
+- Extra memory besides the gradients is then that buffer, a few M-vectors, and the forward's per-tile partials
+  (M x ceil(V / tile_n) x 4 bytes each, freed before the backward).
+- Otherwise (dX or dW alone, or V < 2M + 8) the fp32 accumulator, if dX is needed, is allocated, and so is a
+  chunk buffer that does not fit in dx (dW alone, or a chunk wider than H).
 
 Shapes the kernel cannot align: H (the contraction of x W^T) must be a multiple of 8 (16-byte rows; else
 ValueError). A vocabulary V that is not a multiple of 8 runs on the kernel for its first V - V % 8 columns; the
@@ -147,10 +157,11 @@ def _tail_logits(x: Tensor, weight: Tensor, v0: int) -> Tensor:
     return gemm_for(x.device, ENTRY)(x, pad, out_dtype=torch.float32)[:, :weight.shape[0] - v0]
 
 
-def _chunk_columns(M: int, esize: int, chunk_size: Optional[int]) -> int:
+def _chunk_columns(M: int, esize: int, chunk_size: Optional[int], budget: Optional[int] = None) -> int:
+    """Columns per chunk: ``chunk_size``, else as many as fit in ``budget`` bytes (default ``CHUNK_BYTES``)."""
     if chunk_size is not None:
         return chunk_size
-    vc = CHUNK_BYTES // max(1, M * esize)
+    vc = (CHUNK_BYTES if budget is None else budget) // max(1, M * esize)
     return vc // 256 * 256 if vc >= 256 else max(ALIGN, vc // ALIGN * ALIGN)  # whole tiles when they fit
 
 
@@ -204,6 +215,17 @@ def _op_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss
 
 
 # ------------------------------------------------------------------------------------------------ backward
+SCRATCH_BYTES = 16 << 20  # bound on the one dz buffer of phase 2 (see the module docstring)
+
+
+def _rows_view(t: Tensor, row: int, shape, dtype=None) -> Tensor:
+    """A contiguous ``shape`` tensor in ``t``'s storage from the start of ``t``'s row ``row`` (``t`` contiguous)."""
+    flat = t.view(-1)[row * t.shape[1]:]
+    if dtype is not None:
+        flat = flat.view(dtype)
+    return flat[:math.prod(shape)].view(shape)
+
+
 def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoothing, z_loss, chunk_size,
               need_x, need_w):
     M, H = x.shape
@@ -212,7 +234,7 @@ def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoot
         return (torch.zeros_like(x) if need_x else None), (torch.zeros((V, H), dtype=weight.dtype,
                                                                        device=weight.device) if need_w else None)
     # every element of both is written below (the chunks and the tail cover all V columns)
-    dx32 = torch.empty((M, H), dtype=torch.float32, device=x.device) if need_x else None
+    dx = torch.empty_like(x) if need_x else None
     dw = torch.empty((V, H), dtype=weight.dtype, device=weight.device) if need_w else None
     valid, tcol = _target_columns(target, ignore_index)
     g = grad.to(torch.float32)
@@ -225,36 +247,63 @@ def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoot
     gemm = gemm_for(x.device, ENTRY)
     v8 = V // ALIGN * ALIGN
     vc = min(_chunk_columns(M, x.element_size(), chunk_size), max(v8, ALIGN))
-    buf = torch.empty((M, vc), dtype=x.dtype, device=x.device) if v8 else None  # the only M x chunk tensor
-    # dW rows on CODA's kernel unless it cannot align dz^T x (M not a multiple of 8: torch.matmul, the rule of
-    # ops._common.backward_gemm); every chunk's dz.t() has buf.t()'s strides and each dW row block starts 16-byte
-    # aligned, so one decision serves all chunks
-    dw_on_kernel = need_w and buf is not None and kernel_aligned(buf.t(), x.t())
-    first = True
+
+    def dz_chunk(v0, out):  # recomputed logits of columns [v0, v0 + width) -> dz (out), never the logits
+        gemm(x, weight[v0:v0 + out.shape[1]], epilogue=epi, out=out, t=tcol - v0, **ops)
+        return out
+
+    def dw_rows(v0, dz):  # dW rows [v0, v0 + width) = dz^T x, in place (torch.matmul where M breaks alignment)
+        if kernel_aligned(dz.t(), x.t()):
+            gemm(dz.t(), x.t(), out=dw[v0:v0 + dz.shape[1]])
+        else:
+            torch.matmul(dz.t(), x, out=dw[v0:v0 + dz.shape[1]])
+
+    # The fp32 dX accumulator lives in dW's last 2M rows (M x H x 4 bytes) when both gradients are needed and the
+    # vocabulary is large enough; those rows' dW is formed after dX is finished (phase 2). Else it is allocated.
+    in_place = need_x and need_w and V >= 2 * M + ALIGN and x.element_size() == 2
+    split = (V - 2 * M) // ALIGN * ALIGN if in_place else v8  # dW rows >= split are written in phase 2
+    if in_place:
+        acc = _rows_view(dw, V - 2 * M, (M, H), torch.float32)
+    else:
+        acc = torch.empty((M, H), dtype=torch.float32, device=x.device) if need_x else None
+    # the dz chunk buffer (flat, M x vc elements): dx's own storage until dX is finished, when a chunk fits there
+    in_dx = need_x and vc <= H
+    buf = dx.view(-1) if in_dx else x.new_empty((M * vc,))
+
+    def chunk_in(flat, w):  # an M x w dz chunk at the start of a flat buffer
+        return flat[:M * w].view(M, w)
+
+    # phase 1: every chunk's dz; dX (+)= dz W_c (W_c.t() and dz read by TMA as they are); dW rows below `split`.
+    # The chunks are the same whichever gradients are needed, so dX is too (bitwise).
     for v0 in range(0, v8, vc):
         v1 = min(v0 + vc, v8)
-        w_c = weight[v0:v1]  # a row slice: a view
-        dz = buf[:, :v1 - v0]
-        gemm(x, w_c, epilogue=epi, out=dz, t=tcol - v0, **ops)  # recomputed logits -> dz, never the logits
-        if need_w:  # dW rows [v0, v1) = dz^T x, written in place
-            if dw_on_kernel:
-                gemm(dz.t(), x.t(), out=dw[v0:v1])
+        dz = dz_chunk(v0, chunk_in(buf, v1 - v0))
+        if need_w and v0 < split:
+            dw_rows(v0, dz[:, :min(v1, split) - v0])
+        if need_x:
+            w_t = weight[v0:v1].t()
+            if v0 == 0:
+                gemm(dz, w_t, out=acc)
             else:
-                torch.matmul(dz.t(), x, out=dw[v0:v1])
-        if need_x:  # dX (+)= dz W_c: W_c.t() and dz are read by TMA as they are
-            if first:
-                gemm(dz, w_c.t(), out=dx32)
-            else:
-                gemm(dz, w_c.t(), epilogue=accumulate, out=dx32, prev=dx32)
-        first = False
+                gemm(dz, w_t, epilogue=accumulate, out=acc, prev=acc)
+    dz_tail = None
     if v8 < V:  # the last V % 8 columns: torch ops on M x (V - v8) fp32 logits
-        dz = epi.reference(_tail_logits(x, weight, v8), t=tcol - v8, **ops)["out"]
+        dz_tail = epi.reference(_tail_logits(x, weight, v8), t=tcol - v8, **ops)["out"]
         if need_x:
             w_t = weight[v8:].float()
-            dx32.addmm_(dz, w_t) if not first else torch.mm(dz, w_t, out=dx32)
-        if need_w:
-            dw[v8:] = torch.matmul(dz.t().to(x.dtype), x)
-    return (dx32.to(x.dtype) if need_x else None), dw
+            acc.addmm_(dz_tail, w_t) if v8 else torch.mm(dz_tail, w_t, out=acc)
+    if need_x:
+        dx.copy_(acc)  # after the last chunk's GEMMs (stream order): dx's storage is free again
+    # phase 2: dW rows [split, v8) from dz recomputed once more, through one buffer of <= SCRATCH_BYTES (the
+    # allocated chunk buffer, when there is one, is free again and serves instead)
+    if split < v8:
+        w2 = min(vc if not in_dx else _chunk_columns(M, x.element_size(), chunk_size, SCRATCH_BYTES), v8 - split)
+        spare = buf if not in_dx else x.new_empty((M * w2,))
+        for v0 in range(split, v8, w2):
+            dw_rows(v0, dz_chunk(v0, chunk_in(spare, min(w2, v8 - v0))))
+    if need_w and dz_tail is not None:
+        dw[v8:] = torch.matmul(dz_tail.t().to(x.dtype), x)
+    return dx, dw
 
 
 @custom_op("linear_cross_entropy_backward")

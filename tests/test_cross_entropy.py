@@ -195,6 +195,76 @@ def test_chunking_identical_and_bounded(monkeypatch):
     assert any(e is ce.accumulate for _, _, e in calls)  # dX accumulated by the add-to-output epilogue
 
 
+def _record_outs(monkeypatch):
+    """Patch the op's GEMM entry to record (epilogue, out) of every call."""
+    calls, real = [], ce_op.gemm_for
+
+    def recording(device, entry="coda.ops"):
+        fn = real(device, entry)
+
+        def gemm(a, b, **k):
+            calls.append((k.get("epilogue"), k.get("out")))
+            return fn(a, b, **k)
+        return gemm
+    monkeypatch.setattr(ce_op, "gemm_for", recording)
+    return calls
+
+
+def _inside(t, owner):
+    lo, hi = owner.data_ptr(), owner.data_ptr() + owner.numel() * owner.element_size()
+    return lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi
+
+
+@pytest.mark.parametrize("M,V,H,chunk,scratch", [
+    (16, 203, 32, 16, 16),   # dz chunks (16 columns) in dx's storage; phase 2 in 16-column chunks
+    (16, 203, 32, 16, 8),    # phase 2 in 8-column chunks
+    (16, 205, 32, 24, 16),   # a V % 8 tail (in the scratch rows), a chunk straddling the split
+    (13, 40, 16, 8, 8),      # M % 8 != 0: dW on torch.matmul; the smallest vocabulary with the scheme (2M + 8)
+    (16, 203, 16, 32, 8),    # a chunk wider than H: an allocated chunk buffer, reused by phase 2
+])
+def test_scratch_in_gradient_storage(monkeypatch, M, V, H, chunk, scratch):
+    """With both gradients needed and V >= 2M + 8, the fp32 dX accumulator lives in dW's last 2M rows and the dz
+    chunks in dx's storage (phase 1), then in one small buffer (phase 2: the last 2M rows' dW); dX equals a
+    dX-only backward (allocated scratch) bit for bit, dW a dW-only one to rounding. ``chunk`` / ``scratch``:
+    the default chunk widths (CHUNK_BYTES / SCRATCH_BYTES scaled down to this size)."""
+    monkeypatch.setattr(ce_op, "CHUNK_BYTES", M * chunk * 2)
+    monkeypatch.setattr(ce_op, "SCRATCH_BYTES", M * scratch * 2)
+    chunk_size = None
+    x, w, t = _problem(M, V, H, seed=M + V + chunk)
+    args = (-100, "mean", 0.1, 1e-3)
+    loss, lse = ce_op._forward(x, w, t, *args)
+    grad = torch.tensor(1.25)
+    calls = _record_outs(monkeypatch)
+    dx, dw = ce_op._backward(grad, x, w, t, lse, *args, chunk_size, True, True)
+    joint = list(calls)
+    dx_only, _ = ce_op._backward(grad, x, w, t, lse, *args, chunk_size, True, False)
+    _, dw_only = ce_op._backward(grad, x, w, t, lse, *args, chunk_size, False, True)
+    assert torch.equal(dx, dx_only)
+    torch.testing.assert_close(dw, dw_only, rtol=1e-2, atol=1e-5)
+    assert rel(dw, dw_only) < 2e-3
+    acc = [o for e, o in joint if e is ce.accumulate]
+    assert acc and all(o.dtype == torch.float32 and _inside(o, dw[V - 2 * M:]) for o in acc)
+    dz = [o for e, o in joint if e is ce.ce_backward_general and o is not None]
+    split = (V - 2 * M) // 8 * 8
+    phase2 = -(-(V // 8 * 8 - split) // (chunk if chunk > H else scratch))
+    assert len(dz) == -(-(V // 8 * 8) // chunk) + phase2  # every column once, the scratch rows' once more
+    outside = {o.untyped_storage().data_ptr() for o in dz if not _inside(o, dx)}
+    assert len(outside) == 1  # one allocated buffer
+    if chunk <= H:  # phase 1's chunks are in dx's storage
+        assert all(_inside(o, dx) for o in dz[:len(dz) - phase2]) and not _inside(dz[-1], dx)
+    assert max(o.shape[1] for o in dz if not _inside(o, dx)) == (scratch if chunk <= H else chunk)
+
+
+def test_scratch_not_in_place_for_small_vocabularies(monkeypatch):
+    """V < 2M + 8: the accumulator is allocated (dW has no room); dW alone needs no accumulator."""
+    x, w, t = _problem(16, 37, 24)
+    loss, lse = ce_op._forward(x, w, t, -100, "mean", 0.0, 0.0)
+    calls = _record_outs(monkeypatch)
+    dx, dw = ce_op._backward(torch.tensor(1.0), x, w, t, lse, -100, "mean", 0.0, 0.0, 8, True, True)
+    acc = [o for e, o in calls if e is ce.accumulate]
+    assert acc and not any(_inside(o, dw) for o in acc)
+
+
 def test_default_chunk_size():
     assert ce_op._chunk_columns(4096, 2, None) * 4096 * 2 <= ce_op.CHUNK_BYTES
     assert ce_op._chunk_columns(4096, 2, None) % 256 == 0
