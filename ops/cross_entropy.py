@@ -14,8 +14,8 @@ its epilogue writes dz = d loss / d z (M x (v1 - v0), in x's dtype) into one reu
 dW[v0:v1] = dz^T x is written straight into dW's rows, and dX += dz W[v0:v1] accumulates in fp32 through the
 ``accumulate`` epilogue (``acc + prev``, ``out=prev``). No M x V tensor is ever allocated. Where the scratch lives:
 
-- When both gradients are needed and V >= 2M + 8 (an LM head: V ~ 1e5, M a few thousand tokens), the scratch lives
-  in the gradients' own storage. The fp32 dX accumulator (M x H x 4 bytes) occupies dW's last 2M rows, whose dW is
+- When both gradients are needed and 2M <= V / 4 (``IN_PLACE_MAX_RECOMPUTE``; an LM head: V ~ 1e5, M a few
+  thousand tokens), the scratch lives in the gradients' own storage. The fp32 dX accumulator (M x H x 4 bytes) occupies dW's last 2M rows, whose dW is
   formed after dX is finished (phase 2, below). The dz chunk uses dx's storage while dX is being accumulated
   (when the chunk is at most H columns wide; else it is allocated).
 - Phase 2 recomputes dz for those last ~2M vocabulary columns (~2M / V of one GEMM more: ~13 % of one of the four
@@ -23,7 +23,7 @@ dW[v0:v1] = dz^T x is written straight into dW's rows, and dX += dz W[v0:v1] acc
   buffer, when there is one) and writes their dW rows.
 - Extra memory besides the gradients is then that buffer, a few M-vectors, and the forward's per-tile partials
   (M x ceil(V / tile_n) x 4 bytes each, freed before the backward).
-- Otherwise (dX or dW alone, or V < 2M + 8) the fp32 accumulator, if dX is needed, is allocated, and so is a
+- Otherwise (dX or dW alone, or 2M > V / 4, where phase 2 would recompute too much) the fp32 accumulator, if dX is needed, is allocated, and so is a
   chunk buffer that does not fit in dx (dW alone, or a chunk wider than H).
 
 Shapes the kernel cannot align: H (the contraction of x W^T) must be a multiple of 8 (16-byte rows; else
@@ -216,6 +216,7 @@ def _op_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss
 
 # ------------------------------------------------------------------------------------------------ backward
 SCRATCH_BYTES = 16 << 20  # bound on the one dz buffer of phase 2 (see the module docstring)
+IN_PLACE_MAX_RECOMPUTE = 0.25  # scratch in the gradients only while phase 2 recomputes <= this share of V
 
 
 def _rows_view(t: Tensor, row: int, shape, dtype=None) -> Tensor:
@@ -260,7 +261,8 @@ def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoot
 
     # The fp32 dX accumulator lives in dW's last 2M rows (M x H x 4 bytes) when both gradients are needed and the
     # vocabulary is large enough; those rows' dW is formed after dX is finished (phase 2). Else it is allocated.
-    in_place = need_x and need_w and V >= 2 * M + ALIGN and x.element_size() == 2
+    in_place = need_x and need_w and 2 * M <= IN_PLACE_MAX_RECOMPUTE * V and V >= 2 * M + ALIGN \
+        and x.element_size() == 2
     split = (V - 2 * M) // ALIGN * ALIGN if in_place else v8  # dW rows >= split are written in phase 2
     if in_place:
         acc = _rows_view(dw, V - 2 * M, (M, H), torch.float32)

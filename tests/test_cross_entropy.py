@@ -219,11 +219,11 @@ def _inside(t, owner):
     (16, 203, 32, 16, 16),   # dz chunks (16 columns) in dx's storage; phase 2 in 16-column chunks
     (16, 203, 32, 16, 8),    # phase 2 in 8-column chunks
     (16, 205, 32, 24, 16),   # a V % 8 tail (in the scratch rows), a chunk straddling the split
-    (13, 40, 16, 8, 8),      # M % 8 != 0: dW on torch.matmul; the smallest vocabulary with the scheme (2M + 8)
+    (13, 104, 16, 8, 8),     # M % 8 != 0: dW on torch.matmul; the smallest vocabulary with the scheme (8M)
     (16, 203, 16, 32, 8),    # a chunk wider than H: an allocated chunk buffer, reused by phase 2
 ])
 def test_scratch_in_gradient_storage(monkeypatch, M, V, H, chunk, scratch):
-    """With both gradients needed and V >= 2M + 8, the fp32 dX accumulator lives in dW's last 2M rows and the dz
+    """With both gradients needed and 2M <= V / 4, the fp32 dX accumulator lives in dW's last 2M rows and the dz
     chunks in dx's storage (phase 1), then in one small buffer (phase 2: the last 2M rows' dW); dX equals a
     dX-only backward (allocated scratch) bit for bit, dW a dW-only one to rounding. ``chunk`` / ``scratch``:
     the default chunk widths (CHUNK_BYTES / SCRATCH_BYTES scaled down to this size)."""
@@ -255,9 +255,11 @@ def test_scratch_in_gradient_storage(monkeypatch, M, V, H, chunk, scratch):
     assert max(o.shape[1] for o in dz if not _inside(o, dx)) == (scratch if chunk <= H else chunk)
 
 
-def test_scratch_not_in_place_for_small_vocabularies(monkeypatch):
-    """V < 2M + 8: the accumulator is allocated (dW has no room); dW alone needs no accumulator."""
-    x, w, t = _problem(16, 37, 24)
+@pytest.mark.parametrize("V", [37, 120])
+def test_scratch_not_in_place_for_small_vocabularies(monkeypatch, V):
+    """2M > V / 4: the accumulator is allocated (phase 2 would recompute more than a quarter of the vocabulary;
+    at V < 2M + 8 dW has no room at all)."""
+    x, w, t = _problem(16, V, 24)
     loss, lse = ce_op._forward(x, w, t, -100, "mean", 0.0, 0.0)
     calls = _record_outs(monkeypatch)
     dx, dw = ce_op._backward(torch.tensor(1.0), x, w, t, lse, -100, "mean", 0.0, 0.0, 8, True, True)
