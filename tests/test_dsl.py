@@ -52,6 +52,23 @@ def test_dict_outputs_and_reductions():
     torch.testing.assert_close(got["pre"], acc)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_finish_logsumexp_in_place_equals_torch(dtype):
+    """kernels.epilogue.finish_reduction's logsumexp (in place over the call's own partials: no temporary of their
+    size) is torch.logsumexp bit for bit, rows of -inf, +inf and NaN partials included."""
+    from coda.kernels.epilogue import finish_reduction
+    p = torch.randn(2, 7, 9, dtype=dtype) * 30
+    p[0, :, 0] = -math.inf              # every tile of a row empty
+    p[0, 3, 1] = math.inf               # a +inf partial
+    p[1, 2, 2] = math.nan
+    p[1, :4, 3] = -math.inf
+    want = torch.logsumexp(p, dim=1)
+    got = finish_reduction(p.clone(), "logsumexp")
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()], want[~want.isnan()])
+    assert finish_reduction(torch.empty(1, 0, 4, dtype=dtype), "logsumexp").shape == (1, 4)
+
+
 def test_no_main_output():
     """A dict without "out": nothing M x N is stored (the LM-head forward keeps only per-row reductions)."""
     @coda.epilogue
