@@ -235,7 +235,7 @@ def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoot
         return (torch.zeros_like(x) if need_x else None), (torch.zeros((V, H), dtype=weight.dtype,
                                                                        device=weight.device) if need_w else None)
     # every element of both is written below (the chunks and the tail cover all V columns)
-    dx = torch.empty_like(x) if need_x else None
+    dx = x.new_empty((M, H)) if need_x else None  # contiguous whatever x's layout: it doubles as the dz buffer
     dw = torch.empty((V, H), dtype=weight.dtype, device=weight.device) if need_w else None
     valid, tcol = _target_columns(target, ignore_index)
     g = grad.to(torch.float32)
@@ -322,7 +322,7 @@ def _op_backward(grad: Tensor, x: Tensor, weight: Tensor, target: Tensor, lse: T
 def _op_backward_fake(grad, x, weight, target, lse, ignore_index, reduction, label_smoothing, z_loss, chunk_size,
                       need_x, need_w):
     dw = weight.new_empty(weight.shape) if need_w else weight.new_empty((0,))
-    return (torch.empty_like(x) if need_x else x.new_empty((0,))), dw
+    return (x.new_empty(x.shape) if need_x else x.new_empty((0,))), dw
 
 
 def _setup_context(ctx, inputs, output):

@@ -255,6 +255,19 @@ def test_scratch_in_gradient_storage(monkeypatch, M, V, H, chunk, scratch):
     assert max(o.shape[1] for o in dz if not _inside(o, dx)) == (scratch if chunk <= H else chunk)
 
 
+@pytest.mark.parametrize("chunk", [16, None])
+def test_column_major_x(chunk):
+    """x read MN-major (a transposed view): the same loss and gradients as a contiguous copy (the backward's dx
+    is contiguous whatever x's layout: it doubles as the dz chunk buffer, a flat view)."""
+    x, w, t = _problem(16, 203, 32)
+    xt = x.t().contiguous().t()
+    up = torch.tensor(1.0, dtype=torch.float64)
+    a = run(lce, xt, w, t, up, chunk_size=chunk)
+    b = run(lce, x, w, t, up, chunk_size=chunk)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+
+
 @pytest.mark.parametrize("V", [37, 120])
 def test_scratch_not_in_place_for_small_vocabularies(monkeypatch, V):
     """2M > V / 4: the accumulator is allocated (phase 2 would recompute more than a quarter of the vocabulary;
