@@ -1,10 +1,13 @@
 """coda.ops.linear_cross_entropy on the CPU (the reference path: the same epilogue programs as torch ops) vs torch
 F.cross_entropy(x @ W.T) in float64; the backward algebra checked with sympy."""
+import contextlib
 import math
 
 import pytest
 import sympy as sp
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import coda.ops
 from coda.dsl import ACC, COL, operand_symbol
@@ -253,6 +256,48 @@ def test_scratch_in_gradient_storage(monkeypatch, M, V, H, chunk, scratch):
     if chunk <= H:  # phase 1's chunks are in dx's storage
         assert all(_inside(o, dx) for o in dz[:len(dz) - phase2]) and not _inside(dz[-1], dx)
     assert max(o.shape[1] for o in dz if not _inside(o, dx)) == (scratch if chunk <= H else chunk)
+
+
+@settings(max_examples=40, deadline=None)
+@given(M=st.integers(1, 24), V=st.integers(1, 320), H=st.sampled_from([8, 16, 40]),
+       chunk=st.integers(1, 12).map(lambda c: 8 * c), scratch=st.integers(1, 6).map(lambda c: 8 * c),
+       smooth=st.booleans())
+def test_scratch_schedule_any_shape(M, V, H, chunk, scratch, smooth):
+    """Any M, V, H and chunk widths (via CHUNK_BYTES / SCRATCH_BYTES): the joint backward (scratch in the
+    gradients where the rule allows) gives dX bitwise equal to a dX-only backward and dW equal to a dW-only one
+    to rounding; every element of both is written (poisoned allocations)."""
+    x, w, t = _problem(M, V, H, seed=M * 1000 + V)
+    args = (-100, "sum", 0.1 if smooth else 0.0, 0.0)
+    _, lse = ce_op._forward(x, w, t, *args)
+    grad = torch.tensor(0.75)
+    saved = ce_op.CHUNK_BYTES, ce_op.SCRATCH_BYTES
+    ce_op.CHUNK_BYTES, ce_op.SCRATCH_BYTES = M * chunk * 2, M * scratch * 2
+    try:
+        with _poisoned_empty():
+            dx, dw = ce_op._backward(grad, x, w, t, lse, *args, None, True, True)
+            dx_only, _ = ce_op._backward(grad, x, w, t, lse, *args, None, True, False)
+            _, dw_only = ce_op._backward(grad, x, w, t, lse, *args, None, False, True)
+    finally:
+        ce_op.CHUNK_BYTES, ce_op.SCRATCH_BYTES = saved
+    assert torch.isfinite(dx).all() and torch.isfinite(dw).all()
+    assert torch.equal(dx, dx_only)
+    torch.testing.assert_close(dw, dw_only, rtol=2e-2, atol=1e-5)
+
+
+@contextlib.contextmanager
+def _poisoned_empty():
+    """torch.empty / new_empty / empty_like fill with NaN, so an element the backward never writes shows."""
+    real = torch.empty, torch.Tensor.new_empty, torch.empty_like
+
+    def fill(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    torch.empty = lambda *a, **k: fill(real[0](*a, **k))
+    torch.Tensor.new_empty = lambda self, *a, **k: fill(real[1](self, *a, **k))
+    torch.empty_like = lambda *a, **k: fill(real[2](*a, **k))
+    try:
+        yield
+    finally:
+        torch.empty, torch.Tensor.new_empty, torch.empty_like = real
 
 
 @pytest.mark.parametrize("chunk", [16, None])
