@@ -15,16 +15,17 @@ dW[v0:v1] = dz^T x is written straight into dW's rows, and dX += dz W[v0:v1] acc
 ``accumulate`` epilogue (``acc + prev``, ``out=prev``). No M x V tensor is ever allocated. Where the scratch lives:
 
 - When both gradients are needed and 2M <= V / 4 (``IN_PLACE_MAX_RECOMPUTE``; an LM head: V ~ 1e5, M a few
-  thousand tokens), the scratch lives in the gradients' own storage. The fp32 dX accumulator (M x H x 4 bytes) occupies dW's last 2M rows, whose dW is
-  formed after dX is finished (phase 2, below). The dz chunk uses dx's storage while dX is being accumulated
-  (when the chunk is at most H columns wide; else it is allocated).
+  thousand tokens), the scratch lives in the gradients' own storage. The fp32 dX accumulator (M x H x 4 bytes)
+  occupies dW's last 2M rows, whose dW is formed after dX is finished (phase 2, below). The dz chunk uses dx's
+  storage while dX is being accumulated (when the chunk is at most H columns wide; else it is allocated).
 - Phase 2 recomputes dz for those last ~2M vocabulary columns (~2M / V of one GEMM more: ~13 % of one of the four
   GEMMs at M = 8192, V = 128256) through one buffer of at most ``SCRATCH_BYTES`` = 16 MiB (or the allocated chunk
   buffer, when there is one) and writes their dW rows.
 - Extra memory besides the gradients is then that buffer, a few M-vectors, and the forward's per-tile partials
-  (M x ceil(V / tile_n) x 4 bytes each, freed before the backward).
-- Otherwise (dX or dW alone, or 2M > V / 4, where phase 2 would recompute too much) the fp32 accumulator, if dX is needed, is allocated, and so is a
-  chunk buffer that does not fit in dx (dW alone, or a chunk wider than H).
+  (M x ceil(V / tile_n) x 4 bytes each, freed before the backward). H100, M = 8192, H = 4096, V = 128256: 0.017 GB
+  over forward and backward (0.201 GB with everything allocated) for ~4 % more time (docs/NOTES.md, session 15).
+- Otherwise (dX or dW alone, or 2M > V / 4, where phase 2 would recompute too much) the fp32 accumulator, if dX is
+  needed, is allocated, and so is a chunk buffer that does not fit in dx (dW alone, or a chunk wider than H).
 
 Shapes the kernel cannot align: H (the contraction of x W^T) must be a multiple of 8 (16-byte rows; else
 ValueError). A vocabulary V that is not a multiple of 8 runs on the kernel for its first V - V % 8 columns; the
