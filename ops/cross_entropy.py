@@ -220,14 +220,6 @@ SCRATCH_BYTES = 16 << 20  # bound on the one dz buffer of phase 2 (see the modul
 IN_PLACE_MAX_RECOMPUTE = 0.25  # scratch in the gradients only while phase 2 recomputes <= this share of V
 
 
-def _rows_view(t: Tensor, row: int, shape, dtype=None) -> Tensor:
-    """A contiguous ``shape`` tensor in ``t``'s storage from the start of ``t``'s row ``row`` (``t`` contiguous)."""
-    flat = t.view(-1)[row * t.shape[1]:]
-    if dtype is not None:
-        flat = flat.view(dtype)
-    return flat[:math.prod(shape)].view(shape)
-
-
 def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoothing, z_loss, chunk_size,
               need_x, need_w):
     M, H = x.shape
@@ -262,11 +254,10 @@ def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoot
 
     # The fp32 dX accumulator lives in dW's last 2M rows (M x H x 4 bytes) when both gradients are needed and the
     # vocabulary is large enough; those rows' dW is formed after dX is finished (phase 2). Else it is allocated.
-    in_place = need_x and need_w and 2 * M <= IN_PLACE_MAX_RECOMPUTE * V and V >= 2 * M + ALIGN \
-        and x.element_size() == 2
+    in_place = need_x and need_w and 2 * M <= IN_PLACE_MAX_RECOMPUTE * V and V >= 2 * M + ALIGN
     split = (V - 2 * M) // ALIGN * ALIGN if in_place else v8  # dW rows >= split are written in phase 2
     if in_place:
-        acc = _rows_view(dw, V - 2 * M, (M, H), torch.float32)
+        acc = dw[V - 2 * M:].view(-1).view(torch.float32).view(M, H)  # 2-byte dW: 2M rows hold M x H fp32
     else:
         acc = torch.empty((M, H), dtype=torch.float32, device=x.device) if need_x else None
     # the dz chunk buffer (flat, M x vc elements): dx's own storage until dX is finished, when a chunk fits there

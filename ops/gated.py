@@ -200,9 +200,10 @@ register_autograd("linear_geglu", _autograd_backward, _setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public entries
-def _apply(entry: str, op: str, x: Tensor, weight_gu: Tensor, *args, save_preact) -> Tensor:
-    _check(entry, x, weight_gu)
-    save = save_preact_for(entry, save_preact, x, weight_gu)
+def _apply(op: str, x: Tensor, weight_gu: Tensor, *args, save_preact) -> Tensor:
+    """The public entry ``op`` (also the custom op's name): checks, then the op on 2-D x."""
+    _check(op, x, weight_gu)
+    save = save_preact_for(op, save_preact, x, weight_gu)
     lead, H = x.shape[:-1], x.shape[-1]
     y = call(op, x.reshape(math.prod(lead), H), weight_gu, *args, save)[0]
     return y.reshape(*lead, weight_gu.shape[0] // 2)
@@ -216,7 +217,7 @@ def linear_swiglu(x: Tensor, weight_gu: Tensor, *, save_preact: bool = True) -> 
     (default) saves the gate/up pre-activation (M x 2I, like the GEMM output torch autograd saves) for the
     backward -- only when autograd records the call (grad mode on and x or weight_gu requiring grad); ``False``
     saves only x and the weight and recomputes it with one more GEMM."""
-    return _apply("linear_swiglu", "linear_swiglu", x, weight_gu, save_preact=save_preact)
+    return _apply("linear_swiglu", x, weight_gu, save_preact=save_preact)
 
 
 def linear_geglu(x: Tensor, weight_gu: Tensor, approximate: str = "tanh", *, save_preact: bool = True) -> Tensor:
@@ -227,4 +228,4 @@ def linear_geglu(x: Tensor, weight_gu: Tensor, approximate: str = "tanh", *, sav
     :func:`linear_swiglu`."""
     if approximate not in ("tanh", "none"):
         raise ValueError(f"linear_geglu: approximate must be 'tanh' or 'none', got {approximate!r}")
-    return _apply("linear_geglu", "linear_geglu", x, weight_gu, approximate, save_preact=save_preact)
+    return _apply("linear_geglu", x, weight_gu, approximate, save_preact=save_preact)

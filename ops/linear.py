@@ -75,21 +75,18 @@ def _backward_of(epi: DslEpilogue, grads: tuple, needs: tuple, tiles: bool = Fal
 # ------------------------------------------------------------------------- forward / backward (2-D), two entries
 # torch.compile: the torch.library custom ops coda::linear / coda::linear_backward (fake implementations, autograd),
 # which it traces as single ops instead of tracing into the kernels. Eager: ops._common.call runs the same
-# functions through an autograd.Function (no dispatcher host time). The epilogue travels by name (DslEpilogue.op_name), operands as a tensor list
-# plus (names, values) of the Python-number scalars; names are comma-separated.
-def _forward_impl(x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values) -> list:
+# functions through an autograd.Function (no dispatcher host time). The epilogue travels by name
+# (DslEpilogue.op_name), operands as a tensor list plus (names, values) of the Python-number scalars; names are
+# comma-separated.
+@custom_op("linear")
+def _linear_op(x2: Tensor, weight: Tensor, epilogue: str, save_preact: bool, names: str,
+               tensors: List[Tensor], scalar_names: str, scalar_values: List[float]) -> List[Tensor]:
     """The epilogue's results (``result_keys`` order), then, with ``save_preact``, the pre-activation parts."""
     epi = by_op_name(epilogue)
     ops = dict(zip(_split(names), tensors), **dict(zip(_split(scalar_names), scalar_values)))
     res = gemm_for(x2.device, ENTRY)(x2, weight, epilogue=with_preact(epi) if save_preact else epi, **ops)
     res = res if isinstance(res, dict) else {"out": res}
     return [res[k] for k in (*epi.result_keys, *(preact_keys(epi) if save_preact else ()))]
-
-
-@custom_op("linear")
-def _linear_op(x2: Tensor, weight: Tensor, epilogue: str, save_preact: bool, names: str,
-               tensors: List[Tensor], scalar_names: str, scalar_values: List[float]) -> List[Tensor]:
-    return _forward_impl(x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values)
 
 
 @_linear_op.register_fake
@@ -316,10 +313,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
         epilogue.check_operands(flat, None, M, N, x.device)
     names = tuple(n for n, v in flat.items() if isinstance(v, torch.Tensor))
     scalars = {n: v for n, v in flat.items() if not isinstance(v, torch.Tensor)}
-    args = (x2, weight, epilogue.op_name, save_preact, ",".join(names), ",".join(scalars),
-            [float(v) for v in scalars.values()])
-    tensors = [flat[n] for n in names]
-    outs = call("linear", *args[:5], tensors, *args[5:])
+    outs = call("linear", x2, weight, epilogue.op_name, save_preact, ",".join(names), [flat[n] for n in names],
+                ",".join(scalars), [float(v) for v in scalars.values()])
     keys = epilogue.result_keys
     axes = {r.name: r.axis for r in epilogue.reductions}
     res = {}

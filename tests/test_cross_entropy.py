@@ -174,39 +174,28 @@ def test_chunking_identical_and_bounded(monkeypatch):
     up = torch.tensor(1.0, dtype=torch.float64)
     kw = dict(label_smoothing=0.1, z_loss=1e-3)
     ref = run(lce, x, w, t, up, chunk_size=1024, **kw)
-    calls = []
-    real = ce_op.gemm_for
-
-    def recording(device, entry="coda.ops"):
-        fn = real(device, entry)
-
-        def gemm(a, b, **k):
-            res = fn(a, b, **k)
-            calls.append((tuple(a.shape), tuple(b.shape), k.get("epilogue")))
-            return res
-        return gemm
-    monkeypatch.setattr(ce_op, "gemm_for", recording)
+    calls = _record_gemms(monkeypatch)
     tiny = run(lce, x, w, t, up, chunk_size=8, **kw)
     assert torch.equal(tiny[0], ref[0]) and torch.equal(tiny[2], ref[2])
     torch.testing.assert_close(tiny[1], ref[1], rtol=1e-2, atol=1e-4)
     assert rel(tiny[1], ref[1]) < 1e-3
     # every GEMM that stores a result is one chunk (8 columns; the tail's padded GEMM too) or H wide (dX, dW)
-    stored = [b[0] for _, b, e in calls if getattr(e, "stores_out", True)]
+    stored = [b[0] for _, b, e, _ in calls if getattr(e, "stores_out", True)]
     assert len(stored) > 3 * 203 // 8 and set(stored) == {8, 32}
-    fwd = [e for _, _, e in calls if e is ce.ce_forward_smooth]
+    fwd = [e for _, _, e, _ in calls if e is ce.ce_forward_smooth]
     assert len(fwd) == 1  # the forward: one GEMM over the whole (aligned) vocabulary, nothing stored
-    assert any(e is ce.accumulate for _, _, e in calls)  # dX accumulated by the add-to-output epilogue
+    assert any(e is ce.accumulate for _, _, e, _ in calls)  # dX accumulated by the add-to-output epilogue
 
 
-def _record_outs(monkeypatch):
-    """Patch the op's GEMM entry to record (epilogue, out) of every call."""
+def _record_gemms(monkeypatch):
+    """Patch the op's GEMM entry to record (a's shape, b's shape, epilogue, out) of every call."""
     calls, real = [], ce_op.gemm_for
 
     def recording(device, entry="coda.ops"):
         fn = real(device, entry)
 
         def gemm(a, b, **k):
-            calls.append((k.get("epilogue"), k.get("out")))
+            calls.append((tuple(a.shape), tuple(b.shape), k.get("epilogue"), k.get("out")))
             return fn(a, b, **k)
         return gemm
     monkeypatch.setattr(ce_op, "gemm_for", recording)
@@ -237,7 +226,7 @@ def test_scratch_in_gradient_storage(monkeypatch, M, V, H, chunk, scratch):
     args = (-100, "mean", 0.1, 1e-3)
     loss, lse = ce_op._forward(x, w, t, *args)
     grad = torch.tensor(1.25)
-    calls = _record_outs(monkeypatch)
+    calls = _record_gemms(monkeypatch)
     dx, dw = ce_op._backward(grad, x, w, t, lse, *args, chunk_size, True, True)
     joint = list(calls)
     dx_only, _ = ce_op._backward(grad, x, w, t, lse, *args, chunk_size, True, False)
@@ -245,9 +234,9 @@ def test_scratch_in_gradient_storage(monkeypatch, M, V, H, chunk, scratch):
     assert torch.equal(dx, dx_only)
     torch.testing.assert_close(dw, dw_only, rtol=1e-2, atol=1e-5)
     assert rel(dw, dw_only) < 2e-3
-    acc = [o for e, o in joint if e is ce.accumulate]
+    acc = [o for _, _, e, o in joint if e is ce.accumulate]
     assert acc and all(o.dtype == torch.float32 and _inside(o, dw[V - 2 * M:]) for o in acc)
-    dz = [o for e, o in joint if e is ce.ce_backward_general and o is not None]
+    dz = [o for _, _, e, o in joint if e is ce.ce_backward_general and o is not None]
     split = (V - 2 * M) // 8 * 8
     phase2 = -(-(V // 8 * 8 - split) // (chunk if chunk > H else scratch))
     assert len(dz) == -(-(V // 8 * 8) // chunk) + phase2  # every column once, the scratch rows' once more
@@ -319,9 +308,9 @@ def test_scratch_not_in_place_for_small_vocabularies(monkeypatch, V):
     at V < 2M + 8 dW has no room at all)."""
     x, w, t = _problem(16, V, 24)
     loss, lse = ce_op._forward(x, w, t, -100, "mean", 0.0, 0.0)
-    calls = _record_outs(monkeypatch)
+    calls = _record_gemms(monkeypatch)
     dx, dw = ce_op._backward(torch.tensor(1.0), x, w, t, lse, -100, "mean", 0.0, 0.0, 8, True, True)
-    acc = [o for e, o in calls if e is ce.accumulate]
+    acc = [o for _, _, e, o in calls if e is ce.accumulate]
     assert acc and not any(_inside(o, dw) for o in acc)
 
 
