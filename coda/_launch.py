@@ -12,8 +12,9 @@ For one (shapes, strides, dtypes, epilogue, config) everything in those structs 
 into them and calls the compiled host function directly (``JitCompiledFunction.run_compiled_program``).
 
 A plan is only used after it was checked against the DSL's own marshalling of the first call's arguments: every
-struct must be byte-identical to the descriptor ``generate_execution_args`` built, and the argument list must have
-the same length and order. If anything differs (a future DSL changes the layout), no plan is made and ``coda.gemm``
+struct's fields (data pointer, shapes, strides; not the padding bytes, which hold whatever the DSL's allocation
+held) must equal the descriptor ``generate_execution_args`` built, and the argument list must have the same length
+and order. If anything differs (a future DSL changes the layout), no plan is made and ``coda.gemm``
 keeps the ordinary path. Plans hold no reference to any tensor of the call that built them.
 """
 from __future__ import annotations
@@ -43,6 +44,12 @@ def descriptor_class(n_shapes: int, n_strides: int, shape64: bool = False, strid
         cls = type(f"MemrefDesc_{n_shapes}_{n_strides}", (ctypes.Structure,), {"_fields_": fields})
         _desc_classes[key] = cls
     return cls
+
+
+def fields(d) -> tuple:
+    """(data, shapes, strides) of a descriptor struct: what the compiled function reads of it."""
+    names = [n for n, _ in d._fields_]
+    return (d.data, tuple(d.shapes) if "shapes" in names else (), tuple(d.strides) if "strides" in names else ())
 
 
 def make_descriptor(view: torch.Tensor, shapes_mask: Sequence[int], strides_mask: Sequence[int],
@@ -93,10 +100,11 @@ class Plan:
             d = make_descriptor(v, t.dynamic_shapes_mask, t.dynamic_strides_mask,
                                 stride64=not getattr(t, "_use_32bit_stride", False))
             j = i if i < self.STREAM_INDEX else i + 1
-            theirs = ctypes.string_at(exe_args[j], ctypes.sizeof(d))
-            if theirs != bytes(d):
-                raise PlanError(f"descriptor of argument {j} differs from the DSL's: {theirs.hex()} vs "
-                                f"{bytes(d).hex()}")
+            # field by field, not byte by byte: the struct's padding (after an odd number of int32 shapes) is
+            # whatever the DSL's allocation held, and no callee reads it
+            theirs = fields(type(d).from_address(exe_args[j]))
+            if theirs != fields(d):
+                raise PlanError(f"descriptor of argument {j} differs from the DSL's: {theirs} vs {fields(d)}")
             self.descs.append(d)
         theirs = ctypes.c_void_p.from_address(exe_args[self.STREAM_INDEX]).value or 0
         if theirs != stream:

@@ -1,5 +1,6 @@
 """coda.autotune: config space pruning, cache keys, the on-disk result and compile caches, CODA_AUTOTUNE=0, the CLI,
 and coda.gemm's launch plans (CPU, CI); the timing / loading on the H100 is in the tests marked ``gpu``."""
+import ctypes
 import gc
 import importlib
 import json
@@ -604,6 +605,46 @@ def test_plan_keeps_no_tensor_alive_and_rejects_mismatched_descriptors(kernel_ca
     gc.collect()
     assert all(r() is None for r in refs)
     assert len(plan.descs) == 3
+
+
+def test_plan_ignores_the_descriptor_padding(kernel_cache):
+    """The DSL allocates its descriptors itself: the 4 bytes of padding after an odd number of int32 shapes hold
+    whatever that memory held. A plan compares the fields the compiled function reads, so garbage there must not
+    reject it (a byte comparison did, at random: the CPU micro-benchmark failed once with "the plan did not match");
+    a field that differs still does."""
+    from coda.bench_launch import cpu_plan
+    a, b, out = torch.randn(256, 64, dtype=BF16), torch.randn(128, 64, dtype=BF16), torch.empty(256, 128, dtype=BF16)
+    _, plan, args, views, _ = cpu_plan(a, b, out, None, GemmConfig())
+    cls = type(plan.descs[0])
+    pad = range(cls.shapes.offset + cls.shapes.size, cls.strides.offset)
+    assert len(pad) == 4  # (M, K, L) int32 shapes, then int64 strides
+
+    class Dirty:  # the compiled function, its descriptors copied into buffers whose padding is 0xFF
+        def __init__(self, fn, field=None):
+            self.fn, self.field, self.bufs = fn, field, []
+            self.run_compiled_program = fn.run_compiled_program
+
+        def generate_execution_args(self, *cute_args):
+            exe, keep = self.fn.generate_execution_args(*cute_args)
+            out = []
+            for j, p in enumerate(exe):
+                if j == _launch.Plan.STREAM_INDEX:
+                    out.append(p)
+                    continue
+                raw = bytearray(ctypes.string_at(p, ctypes.sizeof(cls)))
+                for i in pad:
+                    raw[i] = 0xFF
+                buf = ctypes.create_string_buffer(bytes(raw), len(raw))
+                if self.field is not None and j == 0:
+                    cls.from_buffer(buf).strides[0] += self.field
+                self.bufs.append(buf)
+                out.append(ctypes.addressof(buf))
+            return out, (keep, self.bufs)
+
+    dirty = _launch.Plan(Dirty(plan.fn), args, views, 0x5EED)
+    assert [_launch.fields(d) for d in dirty.descs] == [_launch.fields(d) for d in plan.descs]
+    with pytest.raises(_launch.PlanError, match="descriptor of argument 0"):
+        _launch.Plan(Dirty(plan.fn, field=8), args, views, 0x5EED)
 
 
 # -------------------------------------------------------------------------------------------------------- GPU
