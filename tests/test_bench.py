@@ -156,6 +156,24 @@ def test_finalize_and_winner():
     assert R.winner(_case({"coda": {"ms": 1.0, "mismatch": True}})) is None
 
 
+def test_paired_ratio_cancels_drift_between_repeats():
+    # the card slows down by 2x in the third repeat for both: the quotient of medians moves, the paired one does not
+    cublas, coda_reps = [1.0, 1.0, 2.0, 2.0, 2.0], [0.9, 0.9, 1.8, 1.8, 1.8]
+    assert R.paired_ratio(coda_reps, cublas) == pytest.approx(0.9)
+    assert R.median(coda_reps) / R.median(cublas) == pytest.approx(0.9)
+    drift = [1.0, 1.0, 1.0, 2.0, 2.0]  # cuBLAS measured while slow, CODA while fast: 0.9 / 1.0 vs 1.8 / 2.0
+    assert R.paired_ratio([0.9, 0.9, 1.8, 1.8, 1.8], drift) == pytest.approx(0.9)
+    assert R.median([0.9, 0.9, 1.8, 1.8, 1.8]) / R.median(drift) == pytest.approx(1.8)
+    assert R.paired_ratio([1.0, 2.0], [1.0]) is None and R.paired_ratio(None, [1.0]) is None
+    ceil = dict(gemm=dict(peak_tflops=1000.0), bandwidth=dict(gbps=1000.0))
+    impls = {"cublas": R.summarize_timings([(0, m, 0) for m in drift]),
+             "coda": R.summarize_timings([(0, m, 0) for m in [0.9, 0.9, 1.8, 1.8, 1.8]]), "eager": {"ms": 3.0}}
+    c = R.finalize(dict(ceilings=ceil, results=[_case(impls)]))["results"][0]
+    assert c["impls"]["coda"]["vs_cublas"] == pytest.approx(1.8)
+    assert c["impls"]["coda"]["vs_cublas_paired"] == pytest.approx(0.9)
+    assert c["impls"]["eager"]["vs_cublas_paired"] is None  # no repeat medians recorded
+
+
 # -- measurement loop on CPU tensors ---------------------------------------------------------------------------------
 def _cpu_timer(fn, warmup_ms, rep_ms):
     fn()
@@ -332,6 +350,7 @@ def test_render_from_saved_json(tmp_path):
     md = (out / "report.md").read_text()
     assert "NVIDIA H100 80GB HBM3" in md and "commit 0123456789" in md
     assert f"**{PEAK:.0f} TFLOP/s**" in md and f"**{BW:.0f} GB/s**" in md
+    assert "| CODA / cuBLAS GEMM | paired |" in md and "Paired: the median over repeats" in md
     for spec in B.REGISTRY:
         assert f"## {spec.op} ({spec.mode})" in md
     lines = md.splitlines()
