@@ -48,8 +48,7 @@ def descriptor_class(n_shapes: int, n_strides: int, shape64: bool = False, strid
 
 def fields(d) -> tuple:
     """(data, shapes, strides) of a descriptor struct: what the compiled function reads of it."""
-    names = [n for n, _ in d._fields_]
-    return (d.data, tuple(d.shapes) if "shapes" in names else (), tuple(d.strides) if "strides" in names else ())
+    return d.data, tuple(getattr(d, "shapes", ())), tuple(getattr(d, "strides", ()))
 
 
 def make_descriptor(view: torch.Tensor, shapes_mask: Sequence[int], strides_mask: Sequence[int],
@@ -102,9 +101,9 @@ class Plan:
             j = i if i < self.STREAM_INDEX else i + 1
             # field by field, not byte by byte: the struct's padding (after an odd number of int32 shapes) is
             # whatever the DSL's allocation held, and no callee reads it
-            theirs = fields(type(d).from_address(exe_args[j]))
-            if theirs != fields(d):
-                raise PlanError(f"descriptor of argument {j} differs from the DSL's: {theirs} vs {fields(d)}")
+            theirs, ours = fields(type(d).from_address(exe_args[j])), fields(d)
+            if theirs != ours:
+                raise PlanError(f"descriptor of argument {j} differs from the DSL's: {theirs} vs {ours}")
             self.descs.append(d)
         theirs = ctypes.c_void_p.from_address(exe_args[self.STREAM_INDEX]).value or 0
         if theirs != stream:

@@ -247,7 +247,7 @@ def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoot
         return out
 
     def dw_rows(v0, dz):  # dW rows [v0, v0 + width) = dz^T x, in place (torch.matmul where M breaks alignment)
-        if kernel_aligned(dz.t(), x.t()):
+        if dw_on_kernel:
             gemm(dz.t(), x.t(), out=dw[v0:v0 + dz.shape[1]])
         else:
             torch.matmul(dz.t(), x, out=dw[v0:v0 + dz.shape[1]])
@@ -266,6 +266,10 @@ def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoot
 
     def chunk_in(flat, w):  # an M x w dz chunk at the start of a flat buffer
         return flat[:M * w].view(M, w)
+
+    # one alignment decision for every dz^T x: each chunk (and each column slice of one) is an M x w view at the
+    # start of a fresh or 16-byte aligned buffer with w a multiple of 8, so only M and x decide
+    dw_on_kernel = need_w and v8 > 0 and kernel_aligned(chunk_in(buf, min(vc, v8)).t(), x.t())
 
     # phase 1: every chunk's dz; dX (+)= dz W_c (W_c.t() and dz read by TMA as they are); dW rows below `split`.
     # The chunks are the same whichever gradients are needed, so dX is too (bitwise).
