@@ -46,6 +46,14 @@ def _kernel_view(prob) -> tuple:
     return (L * prob.M, 1) if prob.b_broadcast else (prob.M, L)
 
 
+def heuristic(prob) -> Any:
+    """``coda.config.default_config`` for this problem as the kernel sees it, on its device's SMs."""
+    from coda._device import sm_count
+    from coda.config import default_config
+    M, L = _kernel_view(prob)
+    return default_config(M, prob.N, prob.K, batch=L, sms=sm_count(prob.device))
+
+
 def _config_of(entry: Optional[dict], epi: Any, prob) -> Optional[Any]:
     """The stored config if the entry is usable: parses, and the config is still kept by today's pruning rules."""
     from . import space
@@ -88,8 +96,7 @@ def _capturing() -> bool:
 
 def select_config(prob, epi: Any, a: Any, b: Any, operands: dict) -> Any:
     """The config ``coda.gemm`` uses when called with ``config=None`` (see the module docstring)."""
-    from coda.config import default_config
-    default = default_config(prob.M, prob.N, prob.K)
+    default = heuristic(prob)
     if not enabled() or prob.empty_result or prob.zero_k:
         return default
     key = key_for(prob, epi)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from coda.config import GemmConfig, default_config
+from coda.config import GemmConfig
 
 from . import space
 from .keys import device_info, dtype_name
@@ -253,7 +253,8 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
     require_hopper(prob.device, "coda.autotune")
     Lk = prob.L or 1
     M, L = (Lk * prob.M, 1) if prob.b_broadcast else (prob.M, Lk)
-    default = default_config(prob.M, prob.N, prob.K)
+    from . import heuristic
+    default = heuristic(prob)
     cands, pruned = space.candidates(epi, prob.in_dtype, prob.out_dtype, M, prob.N, L, "quick")
     if default in cands:
         cands.remove(default)

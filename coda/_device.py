@@ -20,6 +20,23 @@ def hopper_available() -> bool:
         return False
 
 
+_sm_counts: dict = {}
+
+
+def sm_count(device=None) -> int:
+    """The number of SMs of a CUDA ``device`` (cached per index); an H100's 132 where there is none (the config
+    heuristic's wave size for CPU-side planning)."""
+    from .config import H100_SMS
+    dev = torch.device(device) if device is not None else None
+    if (dev is not None and dev.type != "cuda") or not torch.cuda.is_available():
+        return H100_SMS
+    index = dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()
+    n = _sm_counts.get(index)
+    if n is None:
+        n = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
+
+
 def require_hopper(device: Optional[Union[torch.device, str, int]], entry: str = "coda.gemm") -> None:
     """Raise ``RuntimeError`` unless ``device`` is a Hopper (sm_90) CUDA device.
 

@@ -151,14 +151,39 @@ def all_configs() -> Iterator[GemmConfig]:
         yield GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, sched="dynamic")
 
 
-def default_config(M: int, N: int, K: int) -> GemmConfig:
-    """Heuristic choice without timing (used when autotuning is off)."""
-    if M * N <= 2048 * 2048 or M <= 256:
-        cfg = GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, pingpong=True)
-    else:
-        # the dynamic tile schedule keeps the tiles in flight consecutive in the raster order (kernels/schedule.py):
-        # on the H100, 0.98-1.00x cuBLAS's time where the static order took 1.00-1.02x (docs/NOTES.md, session 13)
-        cfg = GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, pingpong=False, sched="dynamic")
+H100_SMS = 132  # SMs of an H100 SXM: the default wave size of the heuristic
+
+# The heuristic's candidates, each with its throughput per SM relative to 128x256 cooperative in full waves (the
+# H100's do_bench medians at K >= 1024, docs/NOTES.md session 17: 128x128 ping-pong 0.86-0.94, 64x128 0.55-0.65).
+HEURISTIC = (
+    # the dynamic tile schedule keeps the tiles in flight consecutive in the raster order (kernels/schedule.py):
+    # on the H100, 0.98-1.00x cuBLAS's time where the static order took 1.00-1.02x (docs/NOTES.md, session 13)
+    (GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, sched="dynamic"), 1.0),
+    (GemmConfig(tile_m=128, tile_n=128, cluster_m=2, cluster_n=1, pingpong=True), 0.89),
+    (GemmConfig(tile_m=64, tile_n=128, cluster_m=1, cluster_n=1, pingpong=True), 0.6),
+)
+HEURISTIC_MARGIN = 0.9  # a smaller tile must promise 10 % less time than the one before it to be chosen
+
+
+def wave_cost(cfg: GemmConfig, efficiency: float, M: int, N: int, batch: int = 1, sms: int = H100_SMS) -> float:
+    """Modelled time of a problem in units of one 128x256 tile: whole waves of tiles over ``sms`` SMs, each wave
+    as long as one tile of ``cfg`` (its area over its relative throughput)."""
+    tiles = -(-M // cfg.tile_m) * -(-N // cfg.tile_n) * max(batch, 1)
+    return -(-tiles // sms) * cfg.tile_m * cfg.tile_n / (128 * 256) / efficiency
+
+
+def default_config(M: int, N: int, K: int, batch: int = 1, sms: int = H100_SMS) -> GemmConfig:
+    """Heuristic choice without timing (used when autotuning is off): the largest tile unless a smaller one fills
+    the ``sms`` SMs in fewer or emptier waves so that its modelled time (:func:`wave_cost`) is at least 10 % lower.
+    A problem of few tiles (small M or N, e.g. decoding, or a weight gradient with a large K) gets the smaller
+    tiles; a 2x1 cluster needs two M-tiles. ``batch``: the L of a batched problem, in the kernel's view."""
+    best, best_cost = None, None
+    for cfg, efficiency in HEURISTIC:
+        if -(-M // cfg.tile_m) < cfg.cluster_m and cfg is not HEURISTIC[-1][0]:
+            continue
+        cost = wave_cost(cfg, efficiency, M, N, batch, sms)
+        if best is None or cost < HEURISTIC_MARGIN * best_cost:
+            best, best_cost = cfg, cost
     # K = 0 (an epilogue-only pass over memory): one all-zero k-tile, so 2 stages; the shared memory left deepens
     # the TileMN operands' TMA rings and the output buffers (kernels/epilogue.py: tile_ring, GemmConfig.epi_buffers)
-    return dataclasses.replace(cfg, stages=2) if K == 0 else cfg
+    return dataclasses.replace(best, stages=2) if K == 0 else best

@@ -326,6 +326,13 @@ def test_autotune_off_uses_the_heuristic_without_touching_caches(cache, monkeypa
     monkeypatch.setattr(at.store, "get", boom)
     for M, N, K in ((8192, 8192, 8192), (64, 4096, 4096)):
         assert at.select_config(_prob(M, N, K), IDENTITY, None, None, {}) == default_config(M, N, K)
+    # the heuristic counts the tiles of every batch (16 x 32 of 128x256: 4 waves), a shared weight folding L into M
+    batched = check_gemm_args(torch.empty(16, 1024, 1024, dtype=BF16), torch.empty(16, 1024, 1024, dtype=BF16))
+    shared = check_gemm_args(torch.empty(16, 1024, 1024, dtype=BF16), torch.empty(1024, 1024, dtype=BF16))
+    assert default_config(1024, 1024, 1024).tile_n == 128
+    for prob in (batched, shared):
+        assert at.select_config(prob, IDENTITY, None, None, {}) == default_config(1024, 1024, 1024, batch=16)
+        assert default_config(1024, 1024, 1024, batch=16).tile_n == 256
     assert not cache.exists()
 
 

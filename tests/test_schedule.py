@@ -56,6 +56,30 @@ def test_dynamic_schedule_config_rules():
         config_from_dict(dict(old, bogus=1))
 
 
+def test_heuristic_follows_the_waves_of_tiles_over_the_sms():
+    """default_config models whole waves of tiles over the SMs (H100 timings: docs/NOTES.md, session 17): large
+    problems keep 128x256 cooperative; problems of few tiles (decoding, weight gradients with a large K) take
+    128x128 or 64x128 ping-pong tiles."""
+    import itertools
+    from coda.config import default_config
+
+    def kind(c):
+        return c.tile_m, c.tile_n, c.pingpong, c.cluster_m
+    assert kind(default_config(8192, 8192, 8192)) == (128, 256, False, 2)
+    for M, N in ((1, 4096), (64, 14336), (256, 4096), (1024, 1024)):
+        assert kind(default_config(M, N, 4096)) == (64, 128, True, 1), (M, N)
+    # 176 tiles of 128x256 are 2 waves on 132 SMs; 352 tiles of 128x128 are 3 waves of half-size tiles
+    assert kind(default_config(5632, 1024, 8192)) == (128, 128, True, 2)
+    # 128 tiles of 128x256 are one wave of 132 SMs, but two of 114
+    assert default_config(4096, 1024, 8192).tile_n == 256 and default_config(4096, 1024, 8192, sms=114).tile_n == 128
+    assert default_config(1024, 1024, 1024, batch=16).tile_n == 256  # a batch multiplies the tiles
+    from coda._device import sm_count
+    assert sm_count("cpu") == 132  # no CUDA device: an H100's wave
+    for M, N in itertools.product((1, 127, 129, 1000, 8191), (8, 200, 4104, 128256)):
+        c = default_config(M, N, 64)
+        assert not c.problems() and -(-M // c.tile_m) >= c.cluster_m, (M, N, c)  # no cluster over a single M-tile
+
+
 def test_heuristic_default_is_dynamic_for_large_problems_and_the_tuner_tries_both():
     from coda.autotune import space
     from coda.config import default_config
