@@ -172,11 +172,8 @@ def wave_cost(cfg: GemmConfig, efficiency: float, M: int, N: int, batch: int = 1
     return -(-tiles // sms) * cfg.tile_m * cfg.tile_n / (128 * 256) / efficiency
 
 
-def default_config(M: int, N: int, K: int, batch: int = 1, sms: int = H100_SMS) -> GemmConfig:
-    """Heuristic choice without timing (used when autotuning is off): the largest tile unless a smaller one fills
-    the ``sms`` SMs in fewer or emptier waves so that its modelled time (:func:`wave_cost`) is at least 10 % lower.
-    A problem of few tiles (small M or N, e.g. decoding, or a weight gradient with a large K) gets the smaller
-    tiles; a 2x1 cluster needs two M-tiles. ``batch``: the L of a batched problem, in the kernel's view."""
+def _heuristic(M: int, N: int, batch: int = 1, sms: int = H100_SMS) -> tuple:
+    """(config, modelled time in 128x256 tile-times) of :func:`default_config`'s choice."""
     best, best_cost = None, None
     for cfg, efficiency in HEURISTIC:
         if -(-M // cfg.tile_m) < cfg.cluster_m and cfg is not HEURISTIC[-1][0]:
@@ -184,6 +181,61 @@ def default_config(M: int, N: int, K: int, batch: int = 1, sms: int = H100_SMS) 
         cost = wave_cost(cfg, efficiency, M, N, batch, sms)
         if best is None or cost < HEURISTIC_MARGIN * best_cost:
             best, best_cost = cfg, cost
+    return best, best_cost
+
+
+def default_config(M: int, N: int, K: int, batch: int = 1, sms: int = H100_SMS) -> GemmConfig:
+    """Heuristic choice without timing (used when autotuning is off): the largest tile unless a smaller one fills
+    the ``sms`` SMs in fewer or emptier waves so that its modelled time (:func:`wave_cost`) is at least 10 % lower.
+    A problem of few tiles (small M or N, e.g. decoding, or a weight gradient with a large K) gets the smaller
+    tiles; a 2x1 cluster needs two M-tiles. ``batch``: the L of a batched problem, in the kernel's view."""
+    best = _heuristic(M, N, batch, sms)[0]
     # K = 0 (an epilogue-only pass over memory): one all-zero k-tile, so 2 stages; the shared memory left deepens
     # the TileMN operands' TMA rings and the output buffers (kernels/epilogue.py: tile_ring, GemmConfig.epi_buffers)
     return dataclasses.replace(best, stages=2) if K == 0 else best
+
+
+# --- split-K: a problem of few tiles and a long K as S problems of K/S, summed (coda.gemm, identity epilogue) ------
+# H100 constants of the model (docs/NOTES.md, session 17): one 64-deep k-step of a 128x256 tile (8192^3 sustained:
+# 1.58 ms over 16 waves of 128 k-steps), the copy bandwidth, and the gap a dependent kernel adds.
+K_STEP_US = 0.7
+HBM_BYTES_PER_US = 3.0e6
+KERNEL_US = 3.0
+SPLIT_K_WORKSPACE = 64 << 20  # bytes of fp32 partials a split may allocate
+SPLIT_K_FACTORS = (2, 4, 8, 16, 32)
+SPLIT_K_MIN_K = 512  # K per slice
+# below this modelled time the split's extra host work (a batched launch, a sum and a cast instead of one launch;
+# ~40 us) is not hidden: measured on the H100, 200x136x16384 took 10.7x cuBLAS split, 2.9x unsplit
+SPLIT_K_MIN_US = 200.0
+
+
+def gemm_us(M: int, N: int, K: int, batch: int = 1, sms: int = H100_SMS) -> float:
+    """Modelled time (us) of the heuristic's kernel for a (batch x) M x N x K problem."""
+    return _heuristic(M, N, batch, sms)[1] * -(-K // TILE_K) * K_STEP_US
+
+
+def split_k_us(M: int, N: int, K: int, split: int, out_bytes: int, sms: int = H100_SMS) -> float:
+    """Modelled time (us) of the split: ``split`` batched problems of K/split into fp32 partials, their sum over the
+    split (read split x M x N x 4 bytes, write M x N x 4) and, for a 16-bit result, the cast (another kernel)."""
+    cast = out_bytes != 4
+    moved = M * N * 4 * (split + 1) + (M * N * (4 + out_bytes) if cast else 0)
+    return gemm_us(M, N, K // split, split, sms) + moved / HBM_BYTES_PER_US + KERNEL_US * (2 if cast else 1)
+
+
+def split_k(M: int, N: int, K: int, out_bytes: int = 2, sms: int = H100_SMS) -> int:
+    """The K-split :func:`coda.gemm` uses for a 2-D problem with the identity epilogue and no config: 1 (none)
+    unless the unsplit kernel's modelled time is >= :data:`SPLIT_K_MIN_US` and a split into whole 64-deep k-steps
+    of >= 512 each, with partials within :data:`SPLIT_K_WORKSPACE`, promises >= 10 % less time (:func:`split_k_us`
+    vs :func:`gemm_us`): problems whose tiles fill few SMs and whose K is long, e.g. a weight gradient (K =
+    tokens) of a small layer.""" 
+    base = gemm_us(M, N, K, 1, sms)
+    if base < SPLIT_K_MIN_US:
+        return 1
+    best, best_us = 1, base
+    for s in SPLIT_K_FACTORS:
+        if K % (s * TILE_K) or K // s < SPLIT_K_MIN_K or s * M * N * 4 > SPLIT_K_WORKSPACE:
+            continue
+        t = split_k_us(M, N, K, s, out_bytes, sms)
+        if t < best_us:
+            best, best_us = s, t
+    return best if best_us < HEURISTIC_MARGIN * base else 1

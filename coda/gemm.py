@@ -8,6 +8,11 @@ on-disk compile cache or compiled, once per process (cached, thread-safe), and l
 Repeated calls with the same shapes, strides, dtypes, epilogue and config reuse a *launch plan*
 (``coda._launch``): only the data pointers and the stream change, and the compiled host function is called
 directly. ``CODA_LAUNCH_PLANS=0`` turns plans off.
+
+Split-K (``config=None``, identity epilogue, 2-D operands): a problem whose output tiles fill few SMs and whose K is
+long (``coda.config.split_k``'s model, e.g. the weight gradient of a small layer, K = tokens) runs as one batched
+launch over ``split`` K-slices of ``a`` and ``b`` (strided views, nothing copied) into fp32 partials, which
+``torch.sum`` adds (fp32) and, for a 16-bit result, casts: a deterministic reduction pass.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import torch
 
 from . import _device, _launch
 from ._validate import check_gemm_args
-from .config import GemmConfig
+from .config import GemmConfig, split_k
 from .kernels.epilogue import (Epilogue, check_call, check_epilogue, empty_reductions,
                                finish_reduction, half_out)
 
@@ -171,6 +176,10 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
     if config is not None:
         config.validate()
     _device.require_hopper(prob.device, "coda.gemm")
+    if config is None and epi.is_identity and not (prob.batched or prob.zero_k or prob.empty_result):
+        split = split_k(prob.M, prob.N, prob.K, prob.out_dtype.itemsize, _device.sm_count(prob.device))
+        if split > 1:
+            return _split_k(a, b, out, prob, split)
     cfg = (config or _auto_config(prob, epi, a, b, operands)).validate()
 
     res, key, views, leads, outs, partials = _kernel_views(prob, epi, cfg, a, b, out, operands)
@@ -194,6 +203,23 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
         fn(*cute_args)
     reds = {name: finish_reduction(p, op) for name, (p, op) in partials.items()}
     return _package(epi, res, outs, reds, prob)
+
+
+def split_k_views(t: torch.Tensor, split: int) -> torch.Tensor:
+    """(rows, K) -> (split, rows, K / split): slice s holds columns [s K/split, (s + 1) K/split) of every row; a
+    strided view of ``t`` (K-major or rows-major alike), nothing copied."""
+    rows, K = t.shape
+    s_rows, s_k = t.stride()
+    return t.as_strided((split, rows, K // split), (s_k * (K // split), s_rows, s_k))
+
+
+def _split_k(a, b, out, prob, split: int):
+    """``a @ b.T`` of a validated 2-D problem as ``split`` K-slices (one batched launch, fp32 partials) summed."""
+    partial = gemm(split_k_views(a, split), split_k_views(b, split), out_dtype=torch.float32)
+    if prob.out_dtype == torch.float32:
+        return torch.sum(partial, 0) if out is None else torch.sum(partial, 0, out=out)
+    total = torch.sum(partial, 0)
+    return total.to(prob.out_dtype) if out is None else out.copy_(total)
 
 
 def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):

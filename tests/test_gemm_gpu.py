@@ -102,3 +102,28 @@ def test_tiles_past_a_swizzle_group(N, K):
     group of 8): the narrower last group (schedule.py) must still cover every tile once."""
     run_check(8192, N, K, torch.bfloat16)
     run_check(1000, N, K, torch.bfloat16, L=2, config=GemmConfig(raster="n", swizzle=4))
+
+
+@pytest.mark.parametrize("majors", [("k", "k"), ("mn", "k"), ("k", "mn")], ids="".join)
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+def test_split_k(monkeypatch, majors, dtype, out_dtype):
+    """Few output tiles and a long K: coda.gemm (config=None) runs coda.config.split_k's K-slices as one batched
+    launch and sums them; the 2x rule, every element written, ragged M / N, transposed operands; out=None equal."""
+    import importlib
+    from coda.config import split_k
+    module = importlib.import_module("coda.gemm")
+    calls = []
+    real = module._split_k
+    monkeypatch.setattr(module, "_split_k", lambda *a: calls.append(a[-1]) or real(*a))
+    for M, N, K in ((1000, 1000, 65536), (1024, 2816, 32768)):
+        assert split_k(M, N, K, out_dtype.itemsize) > 1
+        run_check(M, N, K, dtype, out_dtype=out_dtype, majors=majors)
+    assert calls == [split_k(1000, 1000, 65536, out_dtype.itemsize), split_k(1024, 2816, 32768, out_dtype.itemsize)]
+    a = torch.randn(1000, 65536, device="cuda", dtype=dtype)
+    b = torch.randn(1000, 65536, device="cuda", dtype=dtype)
+    out = torch.full((1000, 1000), float("nan"), device="cuda", dtype=out_dtype)
+    assert torch.equal(coda.gemm(a, b, out_dtype=out_dtype), coda.gemm(a, b, out=out))
+    # an explicit config is the kernel asked for: no split
+    n = len(calls)
+    coda.gemm(a, b, out=out, config=GemmConfig())
+    assert len(calls) == n

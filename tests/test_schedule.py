@@ -80,6 +80,45 @@ def test_heuristic_follows_the_waves_of_tiles_over_the_sms():
         assert not c.problems() and -(-M // c.tile_m) >= c.cluster_m, (M, N, c)  # no cluster over a single M-tile
 
 
+def test_split_k_only_where_few_tiles_meet_a_long_k(monkeypatch):
+    from coda import config
+    from coda.config import split_k, split_k_us, gemm_us
+    for M, N, K in ((8192, 8192, 8192), (8192, 4096, 4096), (8192, 28672, 4096), (8192, 4096, 14336),
+                    (8192, 128256, 4096), (4096, 1024, 8192), (1000, 3000, 5000), (64, 14336, 4096)):
+        assert split_k(M, N, K) == 1, (M, N, K)  # enough tiles, or a short K: one launch
+    s = split_k(1024, 1024, 65536)  # 32 tiles of 128x256 for 1024 k-steps each
+    assert s > 1 and 65536 % (64 * s) == 0 and split_k_us(1024, 1024, 65536, s, 2) < 0.9 * gemm_us(1024, 1024, 65536)
+    assert split_k(1024, 2816, 32768) > 1  # a small layer's weight gradient over 32k tokens
+    assert split_k(1024, 1024, 65536 + 8) == 1  # K not a whole number of 64-deep steps per slice
+    assert split_k(512, 512, 32768) == 1  # ~150 us: the split's host work would not be hidden
+    s = split_k(1024, 2816, 32768)
+    assert s * 1024 * 2816 * 4 <= config.SPLIT_K_WORKSPACE
+    monkeypatch.setattr(config, "SPLIT_K_WORKSPACE", 1024 * 2816 * 4)  # no room for two fp32 partials
+    assert split_k(1024, 2816, 32768) == 1
+
+
+@pytest.mark.parametrize("majors", ["kk", "mk", "km"])
+def test_split_k_views_sum_to_the_product(majors):
+    """The K-slices coda.gemm's split launches: strided views (no copy) that pass the kernel's layout rules and
+    whose products sum to a @ b.T (checked on the reference path, which runs the same argument checks)."""
+    import torch
+    import coda
+    from coda.gemm import split_k_views
+    g = torch.Generator().manual_seed(0)
+
+    def operand(rows, K, major):
+        t = torch.randn(rows, K, generator=g, dtype=torch.float64)
+        return (t if major == "k" else t.t().contiguous().t()).to(torch.bfloat16)
+    a, b = operand(24, 1024, majors[0]), operand(16, 1024, majors[1])
+    sa, sb = split_k_views(a, 4), split_k_views(b, 4)
+    assert sa.shape == (4, 24, 256) and sa.data_ptr() == a.data_ptr() and sb.untyped_storage().data_ptr() == \
+        b.untyped_storage().data_ptr()
+    parts = coda.reference.gemm(sa, sb, out_dtype=torch.float32)
+    full = a.double() @ b.double().t()
+    assert parts.shape == (4, 24, 16)
+    torch.testing.assert_close(parts.double().sum(0), full, rtol=1e-5, atol=1e-4)
+
+
 def test_heuristic_default_is_dynamic_for_large_problems_and_the_tuner_tries_both():
     from coda.autotune import space
     from coda.config import default_config
