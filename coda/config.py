@@ -176,7 +176,7 @@ def _heuristic(M: int, N: int, batch: int = 1, sms: int = H100_SMS) -> tuple:
     """(config, modelled time in 128x256 tile-times) of :func:`default_config`'s choice."""
     best, best_cost = None, None
     for cfg, efficiency in HEURISTIC:
-        if -(-M // cfg.tile_m) < cfg.cluster_m and cfg is not HEURISTIC[-1][0]:
+        if cfg.cluster_m > 1 and -(-M // cfg.tile_m) < cfg.cluster_m:  # a 2-CTA cluster along M needs 2 M-tiles
             continue
         cost = wave_cost(cfg, efficiency, M, N, batch, sms)
         if best is None or cost < HEURISTIC_MARGIN * best_cost:

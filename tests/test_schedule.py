@@ -75,9 +75,10 @@ def test_heuristic_follows_the_waves_of_tiles_over_the_sms():
     assert default_config(1024, 1024, 1024, batch=16).tile_n == 256  # a batch multiplies the tiles
     from coda._device import sm_count
     assert sm_count("cpu") == 132  # no CUDA device: an H100's wave
-    for M, N in itertools.product((1, 127, 129, 1000, 8191), (8, 200, 4104, 128256)):
+    for M, N in itertools.product((0, 1, 127, 129, 1000, 8191), (0, 8, 200, 4104, 128256)):
         c = default_config(M, N, 64)
-        assert not c.problems() and -(-M // c.tile_m) >= c.cluster_m, (M, N, c)  # no cluster over a single M-tile
+        assert not c.problems() and (c.cluster_m == 1 or -(-M // c.tile_m) >= c.cluster_m), (M, N, c)  # no 2-CTA
+        # cluster over a single M-tile; empty problems (M or N = 0) get a config too
 
 
 def test_split_k_only_where_few_tiles_meet_a_long_k(monkeypatch):
