@@ -251,9 +251,8 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
     epi = check_epilogue(epi)
     prob = check_gemm_args(a, b, out_dtype=out_dtype)
     require_hopper(prob.device, "coda.autotune")
-    Lk = prob.L or 1
-    M, L = (Lk * prob.M, 1) if prob.b_broadcast else (prob.M, Lk)
-    from . import heuristic
+    from . import _kernel_view, heuristic
+    M, L = _kernel_view(prob)
     default = heuristic(prob)
     cands, pruned = space.candidates(epi, prob.in_dtype, prob.out_dtype, M, prob.N, L, "quick")
     if default in cands:
