@@ -706,11 +706,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup-ms", type=float, default=25.0)
     ap.add_argument("--rep-ms", type=float, default=100.0)
     ap.add_argument("--compile-mode", default="default", help="torch.compile mode (default, max-autotune, ...)")
+    ap.add_argument("--model", help="training-step report of a model preset instead (python -m coda.bench --model "
+                                    "llama-1b --help: coda.bench_step)")
     return ap
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--model" or a.startswith("--model=") for a in argv):  # the training-step report
+        from . import bench_step
+        return bench_step.main(argv)
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.from_:

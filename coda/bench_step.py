@@ -1,0 +1,289 @@
+"""Training-step report: ``python -m coda.bench --model PRESET [--batch B] [--seq T] [--steps N] [--modes ...]``.
+
+Trains the stock Llama-style model of ``examples/llama_model.py`` (Hugging Face's ``LlamaForCausalLM`` when that file
+is not there and transformers is installed) in several modes -- ``stock``, ``stock+compile``, ``fused``
+(``coda.fuse``), ``fused+compile`` and the ``-ro`` variants (torch.compile mode="reduce-overhead") -- each in its own
+process (same seed, same init, same data), and reports per mode: tokens/s (median step over the timed steps),
+MFU (model FLOPs over the measured GEMM peak and over the datasheet peak), peak memory, the loss of the last step,
+the time from process start to the end of the first step, and the GPU time per step in four classes (GEMM,
+attention, optimizer, other) from torch.profiler, with the step's speed of light (GEMM FLOPs / measured GEMM peak +
+attention + optimizer). Writes report.json, report.md and step.png into ``--out`` (rendering:
+:mod:`coda.bench_step_report`); ``--from report.json`` re-renders without a GPU.
+
+Phases of a run: (1) a process measures the GEMM peak (cuBLAS bf16 8192^3, do_bench median); (2) one process per mode
+builds, trains (``--warmup`` untimed steps, then ``--steps`` timed ones, CUDA events per step, one sync at the
+end), profiles ``--profile-steps`` more steps, and prints its result as one JSON line; (3) the parent renders.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+from . import bench_step_report as SR
+
+PRESETS = {  # hidden, intermediate, layers, heads, kv heads, vocab
+    "small": dict(hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=8, vocab=32000),
+    "llama-1b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256),
+    "llama-8b-4l": dict(hidden=4096, intermediate=14336, layers=4, heads=32, kv_heads=8, vocab=128256),
+    "tiny": dict(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, vocab=256),  # CPU smoke tests
+}
+MODES = ("stock", "stock+compile", "fused", "fused+compile", "stock+compile-ro", "fused+compile-ro")
+DEFAULT_MODES = MODES[:4]
+RESULT = "CODA_STEP_RESULT "
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _model_module():
+    """The stock model: examples/llama_model.py of the checkout, else Hugging Face's."""
+    path = os.path.join(ROOT, "examples", "llama_model.py")
+    if os.path.exists(path):
+        spec = importlib.util.spec_from_file_location("coda_bench_llama_model", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up
+        spec.loader.exec_module(mod)
+        return mod
+    return None
+
+
+def build_model(cfg: dict, seq: int):
+    mod = _model_module()
+    kw = dict(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
+              num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+              num_key_value_heads=cfg["kv_heads"], max_position_embeddings=max(seq, 256))
+    if mod is not None:
+        return mod.LlamaForCausalLM(mod.LlamaConfig(**kw)), "examples/llama_model.py"
+    import transformers
+    hf = transformers.LlamaConfig(**kw, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(hf), f"transformers {transformers.__version__}"
+
+
+def make_batches(vocab: int, batch: int, seq: int, n: int, seed: int) -> list:
+    """``n`` batches of a fixed random bigram chain (each token has 4 likely successors), so the loss falls."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    succ, probs = torch.randint(0, vocab, (vocab, 4), generator=g), torch.randn(vocab, 4, generator=g).softmax(-1)
+    cum = probs.cumsum(-1)
+    out = []
+    for _ in range(n):
+        ids = torch.empty(batch, seq, dtype=torch.long)
+        ids[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+        u = torch.rand(batch, seq, 1, generator=g)
+        for t in range(1, seq):  # inverse-CDF draw of the successor slot from the previous token's row
+            prev = ids[:, t - 1]
+            slot = (u[:, t] > cum[prev]).sum(-1).clamp_max(3)
+            ids[:, t] = succ[prev, slot]
+        out.append(ids)
+    return out
+
+
+# -- one mode, in its own process --------------------------------------------------------------------------------
+def run_mode(args) -> dict:
+    import torch
+    t_start = float(os.environ.get("CODA_STEP_T0", time.time()))
+    cfg, dev = PRESETS[args.model], torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(args.seed)
+    model, source = build_model(cfg, args.seq)
+    model = model.to(dev, dtype)
+    mode = args.worker
+    if mode.startswith("fused"):
+        import coda
+        coda.fuse(model)
+    step_fn = model
+    if "+compile" in mode:
+        step_fn = torch.compile(model, mode="reduce-overhead" if mode.endswith("-ro") else "default")
+    kw = {"fused": True} if args.optimizer == "adamw-fused" else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **kw)
+    batches = [b.to(dev) for b in make_batches(cfg["vocab"], args.batch, args.seq, 4, args.seed + 1)]
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+
+    def step(i):
+        if mode.endswith("-ro"):
+            torch.compiler.cudagraph_mark_step_begin()
+        ids = batches[i % len(batches)]
+        loss = step_fn(ids, labels=ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    loss = step(0)
+    first_loss = loss.item()
+    first_step_s = time.time() - t_start
+    print(f"  [{mode}] first step done at {first_step_s:.1f} s (loss {first_loss:.3f})", flush=True)
+    for i in range(1, args.warmup):
+        step(i)
+    events = []
+    for i in range(args.steps):
+        e0 = torch.cuda.Event(enable_timing=True) if cuda else None
+        if cuda:
+            e0.record()
+        t0 = time.perf_counter()
+        loss = step(args.warmup + i)
+        if cuda:
+            e1 = torch.cuda.Event(enable_timing=True)
+            e1.record()
+            events.append((e0, e1))
+        else:
+            events.append(time.perf_counter() - t0)
+    if cuda:
+        torch.cuda.synchronize(dev)
+        step_ms = [a.elapsed_time(b) for a, b in events]
+    else:
+        step_ms = [1e3 * s for s in events]
+    res = dict(mode=mode, model_source=source, step_ms_all=step_ms, loss=loss.item(), first_loss=first_loss,
+               first_step_s=first_step_s,
+               peak_bytes=torch.cuda.max_memory_allocated(dev) if cuda else 0, kernels={})
+    if cuda and args.profile_steps > 0:
+        res["kernels"] = profile_kernels(lambda i: step(args.warmup + args.steps + i), args.profile_steps)
+    return res
+
+
+def profile_kernels(step, n: int) -> dict:
+    """{kernel name: GPU ms per step} over ``n`` profiled steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            step(i)
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", None)
+        if us is None:
+            us = getattr(ev, "self_cuda_time_total", 0)
+        if us > 0:
+            out[ev.key] = out.get(ev.key, 0.0) + us / 1e3 / n
+    return out
+
+
+def measure_peak() -> dict:
+    import torch
+    from triton.testing import do_bench
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = sorted(do_bench(lambda: torch.mm(a, b.t()), warmup=50, rep=200) for _ in range(3))[1]
+    props = torch.cuda.get_device_properties(0)
+    return dict(gemm_peak_tflops=2 * 8192 ** 3 / (ms * 1e-3) / 1e12, device=torch.cuda.get_device_name(0),
+                sms=props.multi_processor_count, memory_bytes=props.total_memory, torch=torch.__version__)
+
+
+# -- the parent ----------------------------------------------------------------------------------------------------
+def _spawn(worker_argv: list, timeout: float) -> dict:
+    env = dict(os.environ, CODA_STEP_T0=repr(time.time()))
+    proc = subprocess.Popen([sys.executable, "-m", "coda.bench_step", *worker_argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=os.getcwd())
+    result, tail = None, []
+    t0 = time.time()
+    for line in proc.stdout:
+        if line.startswith(RESULT):
+            result = json.loads(line[len(RESULT):])
+        else:
+            tail = (tail + [line.rstrip()])[-20:]
+            print("   " + line.rstrip(), flush=True)
+        if time.time() - t0 > timeout:
+            proc.kill()
+            break
+    proc.wait()
+    if result is None:
+        return {"error": f"exit {proc.returncode}: " + " / ".join(tail[-3:])}
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m coda.bench --model", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, choices=sorted(PRESETS))
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per mode")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (the first compiles)")
+    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    ap.add_argument("--optimizer", default="adamw-fused", choices=["adamw-fused", "adamw-foreach"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mode")
+    ap.add_argument("--out", default="bench-results/step")
+    ap.add_argument("--from", dest="from_", metavar="REPORT_JSON", help="re-render a saved report (no GPU)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--peak", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def parse_modes(text: str) -> list:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"--modes: choose from {','.join(MODES)}, got {text!r}")
+    return modes
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--from" in argv and "--model" not in argv:
+        argv += ["--model", "tiny"]  # --from needs no model; the saved report names its own
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.from_:
+        with open(args.from_) as f:
+            report = json.load(f)
+        same = os.path.abspath(os.path.join(args.out, "report.json")) == os.path.abspath(args.from_)
+        for p in SR.write_step_report(report, args.out, write_json=not same):
+            print(f"wrote {p}")
+        return 0
+    if args.peak:
+        print(RESULT + json.dumps(measure_peak()), flush=True)
+        return 0
+    if args.worker:
+        print(RESULT + json.dumps(run_mode(args)), flush=True)
+        return 0
+    try:
+        modes = parse_modes(args.modes)
+    except ValueError as e:
+        ap.error(str(e))
+    os.environ.setdefault("CODA_AUTOTUNE", "0")
+    from .bench import _git, _version
+    commit, dirty = _git()
+    common = ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+              "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--optimizer", args.optimizer,
+              "--dtype", args.dtype, "--device", args.device, "--seed", str(args.seed)]
+    peak = _spawn(["--model", args.model, "--peak"], 120) if args.device == "cuda" else {}
+    meta = dict(model=args.model, config=PRESETS[args.model], batch=args.batch, seq=args.seq, steps=args.steps,
+                warmup=args.warmup, optimizer=args.optimizer, dtype=args.dtype, commit=commit, dirty=dirty,
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                autotune=os.environ.get("CODA_AUTOTUNE"), cutlass_dsl=_version("nvidia-cutlass-dsl"),
+                device=peak.get("device", args.device), torch=peak.get("torch"), argv=argv)
+    report = dict(schema=1, meta=meta, gemm_peak_tflops=peak.get("gemm_peak_tflops"),
+                  flops=SR.step_flops(PRESETS[args.model], args.batch, args.seq), modes=[])
+    print(f"coda.bench --model {args.model} on {meta['device']}: GEMM peak "
+          f"{SR._f(report['gemm_peak_tflops'], '{:.0f}')} TFLOP/s; modes {', '.join(modes)}", flush=True)
+    for mode in modes:
+        t0 = time.time()
+        res = _spawn(common + ["--worker", mode], args.timeout)
+        res.setdefault("mode", mode)
+        res["wall_s"] = time.time() - t0
+        report["modes"].append(res)
+        if not res.get("error"):
+            print(f"  {mode}: {SR.median(res['step_ms_all']):.1f} ms/step, "
+                  f"{args.batch * args.seq / SR.median(res['step_ms_all']) * 1e3:,.0f} tok/s, peak "
+                  f"{res['peak_bytes'] / 1e9:.1f} GB ({res['wall_s']:.0f} s)", flush=True)
+        else:
+            print(f"  {mode}: FAILED {res['error']}", flush=True)
+        SR.write_step_report(report, args.out)
+    for p in SR.write_step_report(report, args.out):
+        print(f"wrote {p}")
+    return 0 if all(not m.get("error") for m in report["modes"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

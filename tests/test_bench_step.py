@@ -1,0 +1,147 @@
+"""CPU (CI): the training-step report ``python -m coda.bench --model`` -- kernel classes, FLOP counts, rendering."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from coda import bench_step as S
+from coda import bench_step_report as SR
+
+KERNELS = {
+    # ours (CuTeDSL) and cuBLAS
+    "kernel_cutlass_kernel_coda_kernels_gemm_sm90_GemmSm90_object_at__tensorptrbf16gmemalign16": "gemm",
+    "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNT": "gemm",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel"
+    "__5x_cublas": "gemm",
+    "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>(T1::Params)": "gemm",
+    "void splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, true, false, false>": "gemm",
+    "triton_tem_fused_mm_0": "gemm",
+    # attention: flash (it names cutlass types), cuDNN, memory-efficient
+    "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t, "
+    "Flash_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t> >, false, true, false, false, true, true, false, "
+    "false>(pytorch_flash::Flash_fwd_params)": "attention",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, 128, 8>>":
+        "attention",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0": "attention",
+    "fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<cutlass::arch::Sm80>)":
+        "attention",
+    # optimizer
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+    "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<c10::BFloat16, 4, "
+    "(at::native::ADAM_MODE)1, false>, double, double, double, double, double, bool, float const*, float const*>":
+        "optimizer",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+    "TensorListMetadata<2>, at::native::(anonymous namespace)::PointwiseOpScalarFunctor<float, 2, 2, 0>>": "optimizer",
+    # everything else: Triton pointwise / reductions (even when named after a fused mm), torch elementwise, copies
+    "triton_poi_fused__to_copy_add_mul_0": "other",
+    "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1": "other",
+    "triton_poi_fused_add_mm_3": "other",
+    "triton_per_fused__log_softmax_backward_data_nll_loss_backward_2": "other",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, "
+    "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<c10::BFloat16>, std::array<char*, 3ul>)": "other",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
+    "float>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::MeanOps<float, float, float, float>, "
+    "unsigned int, float, 4, 4>)": "other",
+    "void at::native::(anonymous namespace)::indexSelectLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, true>":
+        "other",
+    "Memcpy DtoD (Device -> Device)": "other",
+    "kernel_cutlass_softmax_grad_kernel_coda_kernels_ce_grad": "other",
+}
+
+
+@pytest.mark.parametrize("name,cls", sorted(KERNELS.items()))
+def test_classify_real_kernel_names(name, cls):
+    assert SR.classify(name) == cls
+
+
+def test_flops_of_llama_1b_by_hand():
+    h, i, v, n, kv = 2048, 8192, 128256, 16, 8 * 64
+    per_layer = h * h + h * kv + h * kv + h * h + 3 * h * i   # q k v o, gate up down
+    params = n * per_layer + h * v                             # + lm_head
+    assert params == 1_235_746_816
+    m = 2 * 4096
+    f = SR.step_flops(S.PRESETS["llama-1b"], 2, 4096)
+    assert f["gemm"] == 6 * m * params
+    # causal attention: QK^T and PV, 2 * B * heads * T^2 * d FLOPs each, half under the mask, x3 for fwd+bwd
+    assert f["attention"] == 3 * n * 2 * (2 * 2 * 32 * 4096 ** 2 * 64) // 2
+    assert f["total"] == f["gemm"] + f["attention"]
+    assert 60.7e12 < f["gemm"] < 60.8e12
+
+
+def _fake_report():
+    kernels_stock = {"nvjet_tst_a": 80.0, "pytorch_flash::flash_fwd_kernel": 20.0,
+                     "multi_tensor_apply_kernel<FusedAdamMathFunctor>": 8.0, "triton_poi_fused_add_0": 12.0,
+                     "triton_red_fused_pow_1": 3.0}
+    kernels_fused = {"kernel_cutlass_kernel_GemmSm90": 85.0, "pytorch_flash::flash_fwd_kernel": 20.0,
+                     "multi_tensor_apply_kernel<FusedAdamMathFunctor>": 8.0, "triton_poi_fused_add_0": 4.0}
+    meta = dict(model="llama-1b", config=S.PRESETS["llama-1b"], batch=2, seq=4096, steps=3, warmup=1,
+                optimizer="adamw-fused", dtype="bfloat16", commit="abc", dirty=False, date="2026-11-26",
+                autotune="0", cutlass_dsl="4.8.1", device="NVIDIA H100 80GB HBM3", torch="2.11")
+    return dict(schema=1, meta=meta, gemm_peak_tflops=750.0, flops=SR.step_flops(S.PRESETS["llama-1b"], 2, 4096),
+                modes=[dict(mode="stock+compile", step_ms_all=[130.0, 125.0, 128.0], loss=5.0, first_step_s=60.0,
+                            peak_bytes=21.5e9, kernels=kernels_stock),
+                       dict(mode="fused", step_ms_all=[120.0, 118.0, 500.0], loss=5.0, first_step_s=20.0,
+                            peak_bytes=19e9, kernels=kernels_fused),
+                       dict(mode="fused+compile", error="exit 1: boom")])
+
+
+def test_summary_arithmetic():
+    r = SR.summarize(_fake_report())
+    sc, fu = r["modes"][0], r["modes"][1]
+    assert sc["step_ms"] == 128.0 and fu["step_ms"] == 120.0          # medians: an outlier step does not count
+    assert fu["tok_s"] == pytest.approx(8192 / 0.120)
+    assert fu["vs_stock_compile"] == pytest.approx(128.0 / 120.0)
+    assert sc["classes"] == {"gemm": 80.0, "attention": 20.0, "optimizer": 8.0, "other": 15.0}
+    assert [k for k, _ in sc["top_other"]] == ["triton_poi_fused_add_0", "triton_red_fused_pow_1"]
+    gemm_ms = r["flops"]["gemm"] / 750e12 * 1e3
+    assert r["sol"]["ms"] == pytest.approx(gemm_ms + 20.0 + 8.0)
+    assert fu["pct_sol"] == pytest.approx(100 * r["sol"]["ms"] / 120.0)
+    assert fu["mfu_measured"] == pytest.approx(r["flops"]["total"] / 0.120 / 750e12)
+    assert fu["mfu_datasheet"] == pytest.approx(r["flops"]["total"] / 0.120 / 989.4e12)
+
+
+def test_from_renders_without_gpu(tmp_path):
+    src = tmp_path / "saved.json"
+    src.write_text(json.dumps(_fake_report()))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "coda.bench", "--from", str(src), "--model", "llama-1b",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    md = (out / "report.md").read_text()
+    assert "| fused | 68.3k | 1.067x | 120.0 |" in md
+    assert "failed: exit 1: boom" in md
+    assert "`triton_poi_fused_add_0`" in md
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["sol"]["ms"] == pytest.approx(SR.summarize(_fake_report())["sol"]["ms"])
+    try:
+        import matplotlib  # noqa: F401
+        assert (out / "step.png").stat().st_size > 1000
+    except ImportError:
+        assert not (out / "step.png").exists()
+
+
+def test_modes_are_checked():
+    assert S.parse_modes("stock, fused+compile") == ["stock", "fused+compile"]
+    with pytest.raises(ValueError, match="--modes"):
+        S.parse_modes("stock,fast")
+
+
+def test_batches_are_deterministic_and_in_range():
+    a = S.make_batches(97, 2, 16, 2, seed=3)
+    b = S.make_batches(97, 2, 16, 2, seed=3)
+    assert all((x == y).all() for x, y in zip(a, b))
+    assert all(int(x.min()) >= 0 and int(x.max()) < 97 for x in a)
+
+
+def test_tiny_cpu_run_end_to_end(tmp_path):
+    """The whole pipeline on the CPU reference path: two modes, each in its own process, the report rendered."""
+    proc = subprocess.run([sys.executable, "-m", "coda.bench", "--model", "tiny", "--device", "cpu", "--seq", "16",
+                           "--steps", "2", "--warmup", "1", "--modes", "stock,fused", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert [m["mode"] for m in rep["modes"]] == ["stock", "fused"]
+    losses = [m["loss"] for m in rep["modes"]]
+    assert all(math.isfinite(x) for x in losses) and losses[0] == pytest.approx(losses[1], rel=0.05)
