@@ -8,8 +8,9 @@
    the epilogue's semantic key; see :mod:`coda.autotune.keys` and :mod:`coda.autotune.store`);
 3. on a miss, tune (:mod:`coda.autotune.tuner`: every config of the pruned space that is worth timing,
    L2-cold inputs, ``triton.testing.do_bench`` medians, results checked against the torch reference) and store the
-   winner -- unless the problem is too small to be worth it (< ``MIN_TUNE_FLOP``) or the stream is being captured
-   into a CUDA graph, where the heuristic is used (remembered in memory only).
+   winner (kept in memory, with one warning, if the cache dir cannot be written) -- unless the problem is too
+   small to be worth it (< ``MIN_TUNE_FLOP``) or the stream is being captured into a CUDA graph, where the
+   heuristic is used (remembered in memory only).
 
 Also: :func:`clear` (results, compiled kernels, in-memory state), :func:`tune_shape` (what the CLI
 ``python -m coda.autotune --gemm M,N,K`` runs), and the compile cache (:mod:`coda.autotune.compile_cache`).
@@ -23,14 +24,14 @@ import threading
 import warnings
 from typing import Any, Optional
 
-from .keys import tune_key
-from .store import ResultStore, cache_dir
+from .keys import config_problem, result_entry_problem, tune_key
+from .store import ResultStore, cache_dir, path_exists
 
 __all__ = ["enabled", "select_config", "lookup", "tune_shape", "clear", "cache_dir", "store", "MIN_TUNE_FLOP"]
 
 MIN_TUNE_FLOP = 2**34  # ~17 GFLOP (~25 us on an H100): below this, tuning is not worth a first-call delay
 
-store = ResultStore()
+store = ResultStore(validate=result_entry_problem)  # a bad entry on disk is ignored (one warning), then dropped
 _memory: dict = {}  # tune key -> GemmConfig
 _tune_lock = threading.RLock()
 
@@ -57,7 +58,7 @@ def heuristic(prob) -> Any:
 def _config_of(entry: Optional[dict], epi: Any, prob) -> Optional[Any]:
     """The stored config if the entry is usable: parses, and the config is still kept by today's pruning rules."""
     from . import space
-    if not entry:
+    if not entry or config_problem(entry.get("config")) is not None:
         return None
     try:
         cfg = space.config_from_dict(entry.get("config"))
@@ -165,12 +166,13 @@ def _drop_plans() -> None:
 
 def clear(results: bool = True, kernels: bool = True) -> dict:
     """Empty the caches of the current cache dir (tuning results, compiled kernels) and this process's memory of
-    them (remembered configs, launch plans). Returns what was removed."""
+    them (remembered configs, launch plans). Returns what was removed. A cache dir that cannot be written (or is
+    refused, see :mod:`coda.autotune.store`) warns once; the memory is cleared anyway."""
     removed = {"results": False, "kernels": 0}
     if results:
         path = store.path
-        removed["results"] = path.exists()
-        store.clear()
+        removed["results"] = path_exists(path)
+        removed["results"] &= store.clear()  # never raises: an unwritable cache dir warns once
     if kernels:
         from . import compile_cache
         removed["kernels"] = compile_cache.clear()

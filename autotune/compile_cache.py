@@ -16,23 +16,32 @@ annotated parameters that calls ``GemmSm90.__call__`` (inlined at trace time; sa
 Keys (:func:`coda.autotune.keys.kernel_key`) cover arch, max active clusters, config, epilogue semantic key,
 dtypes, argument signature, cutlass-dsl / CODA versions and a hash of ``coda/kernels/*.py``, ``coda/config.py`` and
 this file. ``CODA_COMPILE_CACHE=0`` turns the disk cache off. This module imports cutlass; import it lazily.
+
+Integrity and safety: each object ``<key>.o`` has its sha256 beside it in ``<key>.sha256`` (written first); an
+object whose bytes do not match (flipped bits, a truncated write, no checksum) is not loaded: one warning, it is
+recompiled and rewritten. The cache dir (and ``kernels/``) must be a directory owned by the current user and not
+writable by group or others (:func:`coda.autotune.store.dir_problem`), since a planted object would be linked into
+every process; otherwise, and when writing fails (read-only dir, ``CODA_CACHE_DIR`` naming a file, ...), kernels
+are compiled in memory with one warning per dir. Nothing here raises on a bad cache.
 """
 import ctypes
+import hashlib
 import os
 import pathlib
 import threading
 import warnings
 from typing import Any, Optional
 
-from .keys import cutlass_dsl_version, kernel_key
-from .store import CacheFileWarning, ResultStore, atomic_write_bytes, cache_dir
+from .keys import cutlass_dsl_version, hardware_entry_problem, kernel_key
+from .store import (CacheFileWarning, ResultStore, atomic_write_bytes, cache_dir, dir_problem, usable_dir,
+                    warn_unwritable)
 
 KERNEL_DIR = "kernels"
 _modules: dict = {}  # path -> ExternalBinaryModule (keeps the JIT engines alive)
 _runtime_loaded = False
 _lock = threading.Lock()
 _Entry = None
-hardware = ResultStore(name="hardware.json")  # per-GPU facts that cost a compile to find out
+hardware = ResultStore(name="hardware.json", validate=hardware_entry_problem)  # per-GPU facts that cost a compile
 
 
 def enabled() -> bool:
@@ -45,6 +54,16 @@ def kernel_dir() -> pathlib.Path:
 
 def kernel_path(key: str) -> pathlib.Path:
     return kernel_dir() / f"{key[:40]}.o"
+
+
+def checksum_path(key: str) -> pathlib.Path:
+    """Where the sha256 (hex) of ``kernel_path(key)``'s bytes is stored."""
+    return kernel_dir() / f"{key[:40]}.sha256"
+
+
+def _usable() -> bool:
+    """The cache dir and its ``kernels/`` may hold objects (else one warning per dir; compile in memory)."""
+    return usable_dir(cache_dir()) and usable_dir(kernel_dir(), group=cache_dir())
 
 
 def prefix_of(key: str) -> str:
@@ -86,42 +105,90 @@ def _load_runtime_global() -> None:
     _runtime_loaded = True
 
 
-def load(key: str) -> Optional[Any]:
-    """The compiled function stored under ``key``, or None (missing; unreadable files warn once and are removed)."""
+def _drop(key: str) -> None:
+    for p in (kernel_path(key), checksum_path(key)):
+        try:
+            p.unlink()
+        except OSError:
+            pass
+
+
+def _verified(key: str) -> Optional[str]:
+    """Why the stored object of ``key`` must not be loaded (None: its bytes match the stored sha256). Raises
+    ``FileNotFoundError`` if there is no object."""
     path = kernel_path(key)
-    if not path.exists():
-        return None
     try:
-        import cutlass.runtime as crt
-        with _lock:
-            mod = _modules.get(str(path))
-            if mod is None:
-                mod = _modules[str(path)] = crt.load_module(str(path))
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        return f"unreadable: {type(e).__name__}"
+    try:
+        want = checksum_path(key).read_bytes().decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return "no readable checksum beside it"
+    got = hashlib.sha256(data).hexdigest()
+    if want != got:
+        return f"checksum mismatch: sha256 {got[:16]}..., expected {want[:16]!r:.20}..."
+    return None
+
+
+def load(key: str) -> Optional[Any]:
+    """The compiled function stored under ``key``, or None: missing, in a refused cache dir, or damaged (checksum
+    mismatch, unloadable: one warning, the files are removed and the kernel is recompiled)."""
+    if not _usable():
+        return None
+    path = kernel_path(key)
+    with _lock:
+        mod = _modules.get(str(path))
+    try:
+        if mod is None:
+            try:
+                why = _verified(key)
+            except FileNotFoundError:
+                return None
+            if why is not None:
+                raise DamagedObject(why)
+            import cutlass.runtime as crt
+            with _lock:
+                mod = _modules.get(str(path))
+                if mod is None:
+                    mod = _modules[str(path)] = crt.load_module(str(path))
         return mod[prefix_of(key)]
-    except Exception as e:  # a truncated / foreign / incompatible object: recompile and overwrite it
+    except Exception as e:  # a truncated / flipped / foreign / incompatible object: recompile and overwrite it
         warnings.warn(f"coda.autotune: ignoring unloadable compiled kernel {path} ({type(e).__name__}: "
                       f"{str(e).splitlines()[0][:200] if str(e) else ''}); it will be recompiled", CacheFileWarning,
                       stacklevel=2)
-        _modules.pop(str(path), None)
-        try:
-            path.unlink()
-        except OSError:
-            pass
+        with _lock:
+            _modules.pop(str(path), None)
+        _drop(key)
         return None
 
 
+class DamagedObject(Exception):
+    """A stored object failed its checksum."""
+
+
 def save(key: str, fn: Any) -> bool:
-    """Write ``fn`` (a compiled function) under ``key``; False (with a warning) if it cannot be exported."""
+    """Write ``fn`` (a compiled function) under ``key`` with its checksum; False (with a warning) if it cannot be
+    exported or written (then it stays in memory only)."""
+    if not _usable():
+        return False
     try:
         _load_runtime_global()
         data = fn.dump_to_object(prefix_of(key))
-        atomic_write_bytes(kernel_path(key), data)
-        return True
     except Exception as e:
         warnings.warn(f"coda.autotune: could not store the compiled kernel ({type(e).__name__}: "
                       f"{str(e).splitlines()[0][:200] if str(e) else ''}); it stays in memory only",
                       CacheFileWarning, stacklevel=2)
         return False
+    try:  # the checksum first: a reader that sees the new object also sees its checksum
+        atomic_write_bytes(checksum_path(key), hashlib.sha256(data).hexdigest().encode() + b"\n")
+        atomic_write_bytes(kernel_path(key), data)
+    except OSError as e:
+        warn_unwritable(cache_dir(), e)
+        return False
+    return True
 
 
 def compile_kernel(cfg: Any, epi: Any, in_dtype: Any, out_dtype: Any, arg_sig: tuple, args: list,
@@ -148,30 +215,36 @@ def compile_kernel(cfg: Any, epi: Any, in_dtype: Any, out_dtype: Any, arg_sig: t
 def max_active_clusters(dev: Any, cluster_size: int, compute) -> int:
     """``cutlass.utils.HardwareInfo().get_max_active_clusters(cluster_size)`` remembered on disk per GPU: the DSL
     answers it by compiling and loading a dummy kernel (``HardwareInfo._get_device_function``), a cost every new
-    process would otherwise pay on its first call."""
+    process would otherwise pay on its first call. A stored count must be an int in [1, SM count] (the dummy kernel
+    takes a whole SM's shared memory); anything else is recomputed. Never raises on a bad or unwritable cache."""
     if not enabled():
         return compute()
     key = f"{dev.name}|sm{dev.sm_count}|{dev.arch}|cutlass-dsl {cutlass_dsl_version()}|cluster {cluster_size}"
     entry = hardware.get(key)
     n = entry.get("max_active_clusters") if entry else None
-    if isinstance(n, int) and n > 0:
+    if type(n) is int and 1 <= n <= max(int(dev.sm_count), 1):
         return n
     n = int(compute())
-    hardware.put(key, {"max_active_clusters": n})
+    hardware.put(key, {"max_active_clusters": n})  # kept in memory (one warning) if it cannot be written
     return n
 
 
 def clear() -> int:
-    """Remove every stored kernel of the current cache dir; returns how many files were removed."""
+    """Remove every stored kernel of the current cache dir (objects and checksums); returns how many objects were
+    removed. A refused cache dir is left alone; an unwritable one warns once. Never raises ``OSError``."""
     n = 0
     d = kernel_dir()
-    if d.is_dir():
-        for p in d.glob("*.o"):
-            try:
-                p.unlink()
-                n += 1
-            except OSError:
-                pass
+    if dir_problem(cache_dir()) is None and dir_problem(d) is None:
+        try:
+            if d.is_dir():
+                for p in list(d.glob("*.o")) + list(d.glob("*.sha256")):
+                    try:
+                        p.unlink()
+                        n += p.suffix == ".o"
+                    except FileNotFoundError:
+                        pass
+        except OSError as e:
+            warn_unwritable(cache_dir(), e)
     with _lock:
         _modules.clear()
     hardware.clear()
