@@ -36,17 +36,17 @@ def _node(e, leaves, B, memo):
     if e.is_Symbol:
         raise KeyError(f"no value for symbol {e}")
     if e.is_number and not isinstance(e, (sp.core.relational.Relational, sp.logic.boolalg.Boolean)):
-        try:
+        # a number; a constant expression (1 / 0.0, log(-0.25), 0.0 * exp(1000.0), ...) is evaluated node by node
+        # as written, in the backend's precision, as torch would (inf, NaN); sympy's exact value would differ
+        if not e.args:
             return B.const(_num(e))
-        except (TypeError, ValueError):  # e.g. Sigmoid(<number>): no numeric value in sympy; evaluate the node
-            pass
     if isinstance(e, sp.Add):
         return _fold(B.add, e.args, ev)
     if isinstance(e, sp.Mul):
         num, den = [], []
         for a in e.args:
             if isinstance(a, sp.Pow) and a.exp.is_Integer and a.exp < 0:
-                den.append(a.base ** -a.exp)
+                den.append(a.base if a.exp == -1 else sp.Pow(a.base, -a.exp, evaluate=False))
             else:
                 num.append(a)
         r = _fold(B.mul, num, ev) if num else None

@@ -5,8 +5,11 @@ For a forward epilogue with outputs ``O_k = e_k(acc, p)`` (main and extra M x N 
 the loss with respect to any per-element quantity ``z`` (the accumulator or an operand's value at the element) is
 
     G(z) = sum_k g_k * de_k/dz + sum_r w_r * de_r/dz,      w_r = g_r                      (sum)
-                                                            w_r = g_r * [e_r >= R_r(1 - 2^-14)] (max; ties share)
+                                                            w_r = g_r * t_r                (max)
                                                             w_r = g_r * exp(e_r - R_r)     (logsumexp)
+
+where t_r = [e_r == R_r] / #(e_r == R_r) in the row: exact ties split the gradient, as torch's amax does; a TileMN
+operand ``tie_<r>`` computed from the fp32 values the forward compared (:func:`tie_epilogue`, :func:`tie_shares`).
 
 The backward epilogue runs on the recomputed accumulator (a second GEMM of the same x and W) and produces:
 ``out`` = dacc = G(acc) (then dX = dacc W and dW = dacc^T X), and per operand ``p``: TileMN -> G(p) as an extra
@@ -26,9 +29,10 @@ from __future__ import annotations
 
 import sympy as sp
 
-from .dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, Operand, operand_symbol
+from .dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, Operand, operand_symbol, rebuild
 
-GRAD, VALUE, DGRAD = "grad_", "value_", "d_"
+GRAD, VALUE, TIE, DGRAD = "grad_", "value_", "tie_", "d_"
+RESERVED_PREFIXES = (GRAD, VALUE, TIE)  # operand names of the backward programs (refused at decoration: coda.dsl)
 
 
 def grad_name(output: str) -> str:
@@ -37,8 +41,55 @@ def grad_name(output: str) -> str:
 
 
 def value_name(reduction: str) -> str:
-    """The operand name of a max / logsumexp reduction's forward result (needed by its backward)."""
+    """The operand name of a logsumexp reduction's forward result (needed by its backward)."""
     return VALUE + reduction
+
+
+def tie_name(reduction: str) -> str:
+    """The operand name of a max reduction's tie shares (a TileMN operand: :func:`tie_shares`)."""
+    return TIE + reduction
+
+
+def tie_epilogue(epi: DslEpilogue, names: tuple) -> DslEpilogue:
+    """The values that the max reductions ``names`` of ``epi`` compare, as M x N outputs (the first as ``out``,
+    the others under their names; one value per pair in a pairs epilogue): run on the accumulator in fp32, their
+    :func:`tie_shares` are the max reductions' operands ``tie_<name>`` in the backward programs."""
+    outputs = {("out" if i == 0 else k): epi.red_specs[k][2] for i, k in enumerate(names)}
+    return DslEpilogue(f"{epi.name}_ties", epi.operands, outputs, {}, pair_mode="half" if epi.pair_mode else None)
+
+
+def tie_shares(values):
+    """Each element's share of its row's max-reduction gradient, as torch's ``amax`` backward splits it: 1 / (the
+    number of elements equal to the row's max) at those elements (exact ties only), 0 elsewhere (NaN in a row
+    with a NaN max, as torch's)."""
+    import torch
+    values = values.to(torch.promote_types(values.dtype, torch.float32))
+    if values.shape[-1] == 0:
+        return values
+    hit = (values == values.amax(-1, keepdim=True)).to(values.dtype)
+    return hit / hit.sum(-1, keepdim=True)
+
+
+def _sum(terms):
+    """The sum of ``terms`` without sympy's rewrites (structural zeros -- terms that do not depend on the variable
+    -- left out, as autograd adds nothing for them)."""
+    terms = [t for t in terms if t is not sp.S.Zero]
+    if not terms:
+        return sp.S.Zero
+    return terms[0] if len(terms) == 1 else sp.Add(*terms, evaluate=False)
+
+
+def _prod(factors):
+    """The product of ``factors`` without sympy's rewrites (exact factors of 1 left out)."""
+    factors = [f for f in factors if f is not sp.S.One]
+    if not factors:
+        return sp.S.One
+    return factors[0] if len(factors) == 1 else sp.Mul(*factors, evaluate=False)
+
+
+def _select(c1, v1, c2, v2):
+    """v1 where c1, else v2 where c2, else 1."""
+    return sp.Piecewise((v1, c1), (v2, c2), (sp.S.One, sp.true), evaluate=False)
 
 
 def derivative(expr: sp.Expr, z: sp.Symbol) -> sp.Expr:
@@ -46,8 +97,10 @@ def derivative(expr: sp.Expr, z: sp.Symbol) -> sp.Expr:
 
     ``sympy.diff`` walks the expression as a tree: an epilogue that reuses a value (``gelu(gelu(x))`` uses its
     argument three times) grows exponentially with nesting (6 nested gelus: 130 s). Here every node's local
-    derivative comes from sympy on a shallow copy whose arguments are real dummies (so its rules, e.g. d|u| =
-    sign(u) du, apply), then is combined with the memoised derivatives of the arguments. Conditions of
+    derivative comes from sympy on a shallow copy whose arguments that depend on ``z`` are real dummies (so its
+    rules, e.g. d|u| = sign(u) du, apply), then is combined with the memoised derivatives of the arguments. Nothing
+    is simplified (the traced math is unevaluated, coda.dsl._node): the derivative computes what autograd computes
+    for the expression as written, NaN and inf included (d(sqrt(x) sqrt(x)) is NaN at x < 0, not 2). Conditions of
     ``Piecewise`` (comparisons) are piecewise constant: derivative 0 almost everywhere."""
     memo: dict = {}
 
@@ -60,21 +113,34 @@ def derivative(expr: sp.Expr, z: sp.Symbol) -> sp.Expr:
         elif not e.args or isinstance(e, (sp.core.relational.Relational, sp.logic.boolalg.Boolean)):
             r = sp.S.Zero
         elif isinstance(e, sp.Add):
-            r = sp.Add(*[d(a) for a in e.args])
+            r = _sum([d(a) for a in e.args])
         elif isinstance(e, sp.Piecewise):
-            r = sp.Piecewise(*[(d(v), c) for v, c in e.args])
+            pieces = [(d(v), c) for v, c in e.args]
+            r = (sp.S.Zero if all(dv is sp.S.Zero for dv, _ in pieces)
+                 else sp.Piecewise(*pieces, evaluate=False))
         else:
             dargs = [d(a) for a in e.args]
-            if all(da == 0 for da in dargs):
+            if all(da is sp.S.Zero for da in dargs):
                 r = sp.S.Zero
+            elif isinstance(e, (sp.Max, sp.Min)) and len(e.args) == 2:
+                # torch.maximum / minimum: a tie splits the gradient; the other side gets none; NaN passes it
+                a, b = e.args
+                big = sp.Gt if isinstance(e, sp.Max) else sp.Lt
+                r = _sum([_prod([_select(big(y, x, evaluate=False), sp.S.Zero, sp.Eq(x, y, evaluate=False),
+                                         sp.S.Half), da]) for x, y, da in ((a, b, dargs[0]), (b, a, dargs[1]))
+                          if da is not sp.S.Zero])
             elif isinstance(e, sp.Mul):
-                r = sp.Add(*[sp.Mul(*e.args[:i], da, *e.args[i + 1:]) for i, da in enumerate(dargs) if da != 0])
+                r = _sum([_prod([*e.args[:i], da, *e.args[i + 1:]]) for i, da in enumerate(dargs)
+                          if da is not sp.S.Zero])
             else:
-                dummies = [sp.Dummy(real=True) for _ in e.args]
+                # arguments that do not depend on z stay as they are when they are numbers (d(x ** 2) = 2 x, not
+                # 2 x ** 2 / x), else become dummies too (sympy need not compare log(0.0) with a dummy)
+                dummies = [a if da is sp.S.Zero and not a.args else sp.Dummy(real=True)
+                           for a, da in zip(e.args, dargs)]
                 shallow = e.func(*dummies)
-                back = dict(zip(dummies, e.args))
-                r = sp.Add(*[sp.diff(shallow, u).xreplace(back) * da
-                             for u, da in zip(dummies, dargs) if da != 0])
+                back = {u: a for u, a in zip(dummies, e.args) if u is not a}
+                r = _sum([_prod([rebuild(sp.diff(shallow, u), back), da])
+                          for u, da in zip(dummies, dargs) if da is not sp.S.Zero])
         memo[e] = r
         return r
 
@@ -86,9 +152,9 @@ def _gradient_terms(epi: DslEpilogue, grads: tuple) -> tuple[list, list]:
     gradients of ``grads`` and the forward values of max / logsumexp reductions) and the terms ``(w, e)`` of
     ``G(z) = sum w * de/dz`` (see the module docstring)."""
     for o in epi.operands:
-        if o.name.startswith((GRAD, VALUE)):
-            raise ValueError(f"epilogue {epi.name!r}: operand names starting with {GRAD!r} / {VALUE!r} are "
-                             "reserved for the backward")
+        if o.name.startswith(RESERVED_PREFIXES):
+            raise ValueError(f"epilogue {epi.name!r}: operand names starting with {', '.join(RESERVED_PREFIXES)} "
+                             "are reserved for the backward")
     ops = list(epi.operands)
     terms = []  # (weight expression, forward expression)
     for k in grads:
@@ -106,13 +172,16 @@ def _gradient_terms(epi: DslEpilogue, grads: tuple) -> tuple[list, list]:
             ops.append(Operand(grad_name(k), "vec_m" if axis == "n" else "vec_n"))
             if op == "sum":
                 w = g
+            elif op == "max":
+                # exact ties split the gradient (torch's amax): the shares come with the call (tie_shares of the
+                # values the forward compared, tie_epilogue), not from a test on recomputed, maybe rounded values
+                ops.append(Operand(tie_name(k), "tile"))
+                w = _prod([g, operand_symbol(tie_name(k))])
             else:
                 val = operand_symbol(value_name(k))
                 ops.append(Operand(value_name(k), "vec_m"))
-                # max: the recomputed e may differ from the forward's by a few ulps (other evaluation order), so
-                # "e is the max" is e >= R - 2^-14 |R|; elements that close to the max share its gradient
-                near = val - sp.Abs(val) * sp.Float(2.0 ** -14)
-                w = g * (sp.Piecewise((1, sp.Ge(e, near)), (0, True)) if op == "max" else sp.exp(e - val))
+                diff = sp.Add(e, sp.Mul(sp.S.NegativeOne, val, evaluate=False), evaluate=False)
+                w = _prod([g, sp.exp(diff, evaluate=False)])
             terms.append((w, e))
         else:
             raise ValueError(f"epilogue {epi.name!r} has no output or reduction {k!r}")
@@ -121,7 +190,7 @@ def _gradient_terms(epi: DslEpilogue, grads: tuple) -> tuple[list, list]:
 
 def _gradient(terms: list, z: sp.Symbol) -> sp.Expr:
     """G(z) = sum_t w_t * de_t/dz."""
-    return sp.Add(*[w * derivative(e, z) for w, e in terms])
+    return _sum([_prod([w, de]) for w, de in ((w, derivative(e, z)) for w, e in terms) if de is not sp.S.Zero])
 
 
 def _operand_kinds(epi: DslEpilogue, needs: tuple) -> dict:
@@ -240,7 +309,8 @@ def on_preact(bwd: DslEpilogue, epi: DslEpilogue) -> DslEpilogue:
     accumulator, so it runs as a K = 0 GEMM: CODA's kernel doing only the epilogue, one pass over memory."""
     keys = PREACT_PAIRS if epi.pair_mode else (PREACT,)  # (a 2 -> 2 forward cannot save them, but could be given)
     sub = {s: operand_symbol(k) for s, k in zip((ACC_EVEN, ACC_ODD) if epi.pair_mode else (ACC,), keys)}
-    outputs = {k: e.xreplace(sub) for k, e in bwd.exprs.items()}
-    reductions = {k: (axis, op, e.xreplace(sub)) for k, (axis, op, e) in bwd.red_specs.items()}
+    memo: dict = {}
+    outputs = {k: rebuild(e, sub, memo) for k, e in bwd.exprs.items()}
+    reductions = {k: (axis, op, rebuild(e, sub, memo)) for k, (axis, op, e) in bwd.red_specs.items()}
     ops = tuple(bwd.operands) + tuple(Operand(k, "tile") for k in keys)
     return DslEpilogue(f"{bwd.name}_on_preact", ops, outputs, reductions, pair_mode=bwd.pair_mode)

@@ -3,13 +3,13 @@
 Tracing
     The decorated function is called once, at decoration time, with symbolic values: ``acc`` (the fp32
     accumulator element), one symbol per annotated operand and, on request, ``coda.row()`` / ``coda.col()``. The
-    arithmetic builds a sympy expression per output (sympy canonicalises it: ``a + b`` and ``b + a`` are the same
-    expression). The canonical expressions, operand names/kinds, outputs and reductions form the semantic key of the
-    compile cache.
+    arithmetic builds a sympy expression per output, unevaluated: what was written, no sympy rewrites (they are not
+    IEEE-safe), only the two arguments of ``a + b``, ``a * b``, ... in a canonical order. The expressions, operand
+    names/kinds, outputs and reductions form the semantic key of the compile cache.
 
 Three programs come out of one trace
     - the kernel code: :meth:`DslEpilogue.visit` evaluates the expressions with CuTeDSL arithmetic while the GEMM is
-      being traced (common subexpressions eliminated once, at decoration);
+      being traced (each distinct subexpression evaluated once);
     - the torch reference: :meth:`DslEpilogue.reference` evaluates the same expressions with torch ops;
     - the backward: :func:`coda.autodiff.backward_epilogue` differentiates the expressions with sympy.
     The two evaluations read ``sin`` / ``cos`` of a product through :class:`ProductAngle` (an exactly formed,
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import sys
 import threading
 from typing import Callable, Optional
@@ -62,6 +63,7 @@ class TileMN(_Kind):
 
 
 _KINDS = {VecM: "vec_m", VecN: "vec_n", Scalar: "scalar", TileMN: "tile"}
+_BACKWARD_PREFIXES = ("grad_", "value_", "tie_")  # operand names of the backward (coda.autodiff.RESERVED_PREFIXES)
 
 
 class EpilogueError(TypeError):
@@ -124,6 +126,11 @@ class ProductAngle(sp.Function):
         return True
 
 
+def _factors(e) -> list:
+    """The factors of a (nested, unevaluated) product: ``(p * f) * 2`` -> [p, f, 2]."""
+    return [f for a in e.args for f in (_factors(a) if isinstance(a, sp.Mul) else [a])]
+
+
 def with_product_angles(e, memo: dict):
     """``e`` with every ``sin(a*b*...)`` / ``cos(a*b*...)`` (a product argument that is not a number) written as
     ``sin(ProductAngle(a, b, ...))``. A memoised walk over the DAG (sympy's ``replace`` walks the tree, exponential
@@ -136,11 +143,11 @@ def with_product_angles(e, memo: dict):
     else:
         args = tuple(with_product_angles(a, memo) for a in e.args)
         if isinstance(e, (sp.sin, sp.cos)) and isinstance(args[0], sp.Mul) and not args[0].is_number:
-            r = e.func(ProductAngle(*args[0].args), evaluate=False)
+            r = e.func(ProductAngle(*_factors(args[0])), evaluate=False)
         elif args == e.args:
             r = e
         else:
-            r = e.func(*args)
+            r = _remake(e.func, args)
     memo[e] = r
     return r
 
@@ -167,6 +174,55 @@ def operand_symbol(name: str) -> sp.Symbol:
     return sp.Symbol(f"op_{name}", real=True)
 
 
+# ------------------------------------------------------------------------------------ unevaluated construction
+# The traced math is built with sympy's automatic evaluation off: its rewrites are not IEEE-safe (acc - acc -> 0,
+# acc / acc -> 1, acc * 0 -> 0, Eq(acc, acc) -> True, ~(acc > 0) -> acc <= 0, sqrt(acc)**2 -> acc,
+# exp(log(acc)) -> acc change what NaN and inf give). The expressions are evaluated as written (coda/_eval.py);
+# sympy only differentiates them (coda/autodiff.py, also without evaluation). The two arguments of a commutative
+# binary operation are put in a canonical order (a + b and b + a: one semantic key; exact in IEEE arithmetic).
+def _canon(a, b):
+    return (a, b) if sp.default_sort_key(a) <= sp.default_sort_key(b) else (b, a)
+
+
+def _node(func, *args):
+    """``func(*args)`` unevaluated (two-argument commutative operations in canonical order)."""
+    if len(args) == 2 and func in (sp.Add, sp.Mul, sp.Max, sp.Min, sp.And, sp.Or):
+        args = _canon(*args)
+    return func(*args, evaluate=False)
+
+
+def _add(a, b): return _node(sp.Add, a, b)
+def _mul(a, b): return _node(sp.Mul, a, b)
+def _neg(a): return sp.Mul(sp.S.NegativeOne, a, evaluate=False)
+def _div(a, b): return sp.Mul(a, sp.Pow(b, sp.S.NegativeOne, evaluate=False), evaluate=False)
+
+
+def rebuild(e, mapping: dict, memo: Optional[dict] = None):
+    """``e`` with the subexpressions in ``mapping`` replaced, rebuilt without evaluation (``xreplace`` would
+    re-evaluate, and with it apply the rewrites above); a memoised walk over the DAG."""
+    memo = {} if memo is None else memo
+    r = mapping.get(e)
+    if r is not None:
+        return r
+    r = memo.get(e)
+    if r is not None:
+        return r
+    if not e.args:
+        r = e
+    else:
+        args = tuple(rebuild(a, mapping, memo) for a in e.args)
+        r = e if args == e.args else _remake(e.func, args)
+    memo[e] = r
+    return r
+
+
+def _remake(func, args):
+    try:
+        return func(*args, evaluate=False)
+    except TypeError:  # (e.g. Piecewise's ExprCondPair takes no evaluate flag)
+        return func(*args)
+
+
 # ----------------------------------------------------------------------------------------------- tracing
 _state = threading.local()
 _OP_NAMES: dict = {}  # DslEpilogue key -> op_name
@@ -191,11 +247,31 @@ class _Trace:
         self.name, self.code = name, code
         self.used_pairs = False  # coda.pairs(acc) was called: a pairs epilogue even if the math ignores a value
 
-    def line(self) -> str:
-        """The line of the epilogue function being executed (for error messages)."""
+    def frame(self):
+        """The frame of the epilogue function being executed (None if it is not on the stack)."""
         f = sys._getframe(1)
         while f is not None and f.f_code is not self.code:
             f = f.f_back
+        return f
+
+    def builtin_compare(self):
+        """'max' / 'min' when the epilogue's current instruction is a call of the built-in max / min (which makes
+        the truth test of a traced comparison), else None."""
+        import dis
+        f = self.frame()
+        if f is None:
+            return None
+        ins = next((i for i in dis.get_instructions(f.f_code) if i.offset == f.f_lasti), None)
+        if ins is None or not ins.opname.startswith("CALL"):
+            return None  # (if / while / and / or / not test in the function's own code)
+        m = re.search(r"(?<![\w.])(max|min)\s*\(", _source_line(f))
+        if m:
+            return m.group(1)
+        return next((n for n in ("max", "min") if n in f.f_code.co_names), None)
+
+    def line(self) -> str:
+        """The line of the epilogue function being executed (for error messages)."""
+        f = self.frame()
         if f is None:
             return f"epilogue {self.name!r}"
         return f"epilogue {self.name!r}, line {f.f_lineno}: {_source_line(f)}"
@@ -230,7 +306,8 @@ def _expr(x) -> sp.Expr:
 
 
 class Value:
-    """A traced fp32 value (wraps a sympy expression). Arithmetic builds expressions; truth tests are errors."""
+    """A traced fp32 value (wraps a sympy expression, built unevaluated: see :func:`_node`). Arithmetic builds
+    expressions; truth tests are errors."""
     __slots__ = ("e",)
     __array_priority__ = 1000
 
@@ -238,39 +315,44 @@ class Value:
         self.e = e
 
     # arithmetic
-    def __add__(self, o): return Value(self.e + _expr(o))
-    def __radd__(self, o): return Value(_expr(o) + self.e)
-    def __sub__(self, o): return Value(self.e - _expr(o))
-    def __rsub__(self, o): return Value(_expr(o) - self.e)
-    def __mul__(self, o): return Value(self.e * _expr(o))
-    def __rmul__(self, o): return Value(_expr(o) * self.e)
-    def __truediv__(self, o): return Value(self.e / _expr(o))
-    def __rtruediv__(self, o): return Value(_expr(o) / self.e)
-    def __neg__(self): return Value(-self.e)
+    def __add__(self, o): return Value(_add(self.e, _expr(o)))
+    def __radd__(self, o): return Value(_add(_expr(o), self.e))
+    def __sub__(self, o): return Value(_add(self.e, _neg(_expr(o))))
+    def __rsub__(self, o): return Value(_add(_expr(o), _neg(self.e)))
+    def __mul__(self, o): return Value(_mul(self.e, _expr(o)))
+    def __rmul__(self, o): return Value(_mul(_expr(o), self.e))
+    def __truediv__(self, o): return Value(_div(self.e, _expr(o)))
+    def __rtruediv__(self, o): return Value(_div(_expr(o), self.e))
+    def __neg__(self): return Value(_neg(self.e))
     def __pos__(self): return self
-    def __abs__(self): return Value(sp.Abs(self.e))
+    def __abs__(self): return Value(_node(sp.Abs, self.e))
 
     def __pow__(self, o):
         if isinstance(o, Value) or not float(o).is_integer():
             raise _err("only integer powers are supported (x ** 2, x ** -1); use coda.sqrt / rsqrt / exp / log")
-        return Value(self.e ** sp.Integer(int(o)))
+        return Value(sp.Pow(self.e, sp.Integer(int(o)), evaluate=False))
 
     def __rpow__(self, o):
         raise _err("a number to a traced power: use coda.exp2(x) or coda.exp(x)")
 
     # comparisons give traced booleans (for coda.where)
-    def __lt__(self, o): return Value(sp.Lt(self.e, _expr(o)))
-    def __le__(self, o): return Value(sp.Le(self.e, _expr(o)))
-    def __gt__(self, o): return Value(sp.Gt(self.e, _expr(o)))
-    def __ge__(self, o): return Value(sp.Ge(self.e, _expr(o)))
-    def __eq__(self, o): return Value(sp.Eq(self.e, _expr(o)))  # noqa: E704
-    def __ne__(self, o): return Value(sp.Ne(self.e, _expr(o)))  # noqa: E704
-    def __and__(self, o): return Value(sp.And(self.e, _expr(o)))
-    def __or__(self, o): return Value(sp.Or(self.e, _expr(o)))
-    def __invert__(self): return Value(sp.Not(self.e))
+    def __lt__(self, o): return Value(sp.Lt(self.e, _expr(o), evaluate=False))
+    def __le__(self, o): return Value(sp.Le(self.e, _expr(o), evaluate=False))
+    def __gt__(self, o): return Value(sp.Gt(self.e, _expr(o), evaluate=False))
+    def __ge__(self, o): return Value(sp.Ge(self.e, _expr(o), evaluate=False))
+    def __eq__(self, o): return Value(sp.Eq(self.e, _expr(o), evaluate=False))  # noqa: E704
+    def __ne__(self, o): return Value(sp.Ne(self.e, _expr(o), evaluate=False))  # noqa: E704
+    def __and__(self, o): return Value(_node(sp.And, self.e, _expr(o)))
+    def __or__(self, o): return Value(_node(sp.Or, self.e, _expr(o)))
+    def __invert__(self): return Value(sp.Not(self.e, evaluate=False))
     __hash__ = object.__hash__
 
     def __bool__(self):
+        t = getattr(_state, "trace", None)
+        fn = t.builtin_compare() if t is not None else None
+        if fn is not None:
+            raise _err(f"the built-in {fn}() compares traced values, which tracing cannot follow; use "
+                       f"coda.{'maximum' if fn == 'max' else 'minimum'}(a, b)")
         raise _err("Python control flow (if / while / and / or / not) on a traced value is not allowed; "
                    "use coda.where(cond, a, b)")
 
@@ -283,7 +365,8 @@ class Value:
     def __array__(self, *a, **k):
         raise _err("a traced value was passed to numpy; use the coda math functions")
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
         raise _err(f"torch.{getattr(func, '__name__', func)} cannot take a traced value; use the coda math "
                    "functions (coda.exp, coda.sigmoid, ...)")
 
@@ -343,18 +426,18 @@ def pairs(acc):
     return Value(ACC_EVEN), Value(ACC_ODD)
 
 
-def exp(x): return Value(sp.exp(_v(x)))
-def exp2(x): return Value(sp.Integer(2) ** _v(x))
-def log(x): return Value(sp.log(_v(x)))
-def log2(x): return Value(sp.log(_v(x)) / sp.log(2))
-def sqrt(x): return Value(sp.sqrt(_v(x)))
-def rsqrt(x): return Value(1 / sp.sqrt(_v(x)))
-def sigmoid(x): return Value(Sigmoid(_v(x)))
-def tanh(x): return Value(sp.tanh(_v(x)))
-def relu(x): return Value(sp.Max(_v(x), 0))
-def abs(x): return Value(sp.Abs(_v(x)))  # noqa: A001 - mirrors the builtin on traced values
-def minimum(a, b): return Value(sp.Min(_v(a), _v(b)))
-def maximum(a, b): return Value(sp.Max(_v(a), _v(b)))
+def exp(x): return Value(sp.exp(_v(x), evaluate=False))
+def exp2(x): return Value(sp.Pow(sp.Integer(2), _v(x), evaluate=False))
+def log(x): return Value(sp.log(_v(x), evaluate=False))
+def log2(x): return Value(_div(sp.log(_v(x), evaluate=False), sp.Float(math.log(2.0))))
+def sqrt(x): return Value(sp.Pow(_v(x), sp.S.Half, evaluate=False))
+def rsqrt(x): return Value(sp.Pow(_v(x), sp.Rational(-1, 2), evaluate=False))
+def sigmoid(x): return Value(Sigmoid(_v(x), evaluate=False))
+def tanh(x): return Value(sp.tanh(_v(x), evaluate=False))
+def relu(x): return Value(_node(sp.Max, _v(x), sp.S.Zero))
+def abs(x): return Value(_node(sp.Abs, _v(x)))  # noqa: A001 - mirrors the builtin on traced values
+def minimum(a, b): return Value(_node(sp.Min, _v(a), _v(b)))
+def maximum(a, b): return Value(_node(sp.Max, _v(a), _v(b)))
 
 
 def sin(x):
@@ -362,17 +445,17 @@ def sin(x):
     with constants merged in) is formed and reduced modulo 2*pi in extended precision (``reduce_angle`` in
     coda/_eval.py): a few 1e-7 rad at angles of 10^5 rad, e.g. RoPE at position 131072, where the plain fp32
     product is off by up to 4e-3 rad. The reference forms such angles in float64."""
-    return Value(sp.sin(_v(x)))
+    return Value(sp.sin(_v(x), evaluate=False))
 
 
 def cos(x):
     """cos(x); as :func:`sin` (a sin and cos of the same argument share the angle and one sincos evaluation)."""
-    return Value(sp.cos(_v(x)))
+    return Value(sp.cos(_v(x), evaluate=False))
 
 
 def silu(x):
     e = _v(x)
-    return Value(e * Sigmoid(e))
+    return Value(_mul(e, Sigmoid(e, evaluate=False)))
 
 
 def gelu(x, approximate: str = "tanh"):
@@ -381,10 +464,11 @@ def gelu(x, approximate: str = "tanh"):
     if approximate == "tanh":
         # x (1 + tanh(u)) / 2 == x sigmoid(2u): the same function, written as one Sigmoid node so the kernel
         # evaluates it with ex2 + rcp (a few instructions) instead of a full-precision tanh (~30)
-        k = sp.sqrt(2 / sp.pi)
-        return Value(e * Sigmoid(2 * k * (e + sp.Float(0.044715) * e ** 3)))
+        inner = _add(e, _mul(sp.Float(0.044715), sp.Pow(e, 3, evaluate=False)))
+        return Value(_mul(e, Sigmoid(_mul(sp.Float(2 * math.sqrt(2 / math.pi)), inner), evaluate=False)))
     if approximate == "none":
-        return Value(sp.Rational(1, 2) * e * (1 + sp.erf(e / sp.sqrt(2))))
+        half = _mul(sp.Rational(1, 2), e)
+        return Value(_mul(half, _add(sp.S.One, sp.erf(_div(e, sp.Float(math.sqrt(2.0))), evaluate=False))))
     raise _err(f"gelu: approximate must be 'tanh' or 'none', got {approximate!r}")
 
 
@@ -393,10 +477,7 @@ def where(cond, a, b):
     c = _v(cond)
     if not _is_bool(c):
         raise _err("coda.where: the condition must be a comparison (e.g. acc > 0)")
-    try:
-        return Value(sp.Piecewise((_v(a), c), (_v(b), True)))
-    except RecursionError:  # sympy's Piecewise.eval can recurse without end on nested piecewise conditions
-        return Value(sp.Piecewise((_v(a), c), (_v(b), True), evaluate=False))
+    return Value(sp.Piecewise((_v(a), c), (_v(b), sp.true), evaluate=False))
 
 
 def cast(x, dtype):
@@ -465,9 +546,10 @@ class DslEpilogue(Epilogue):
         keys = list(self.exprs) + list(self.red_specs)
         exprs = [self.exprs[k] for k in self.exprs] + [e for (_, _, e) in self.red_specs.values()]
         memo: dict = {}  # sin / cos of products: accurate angle reduction (evaluation only, not in the key)
-        self._cse_repl, reduced = sp.cse([with_product_angles(e, memo) for e in exprs],
-                                         symbols=sp.numbered_symbols("_t", real=True), optimizations=None)
-        self._cse_out = dict(zip(keys, reduced))
+        # common subexpressions: every distinct node is evaluated once (evaluate's memo over all the outputs); no
+        # sympy cse, whose rebuilding re-evaluates the expressions (see _node)
+        self._cse_repl = []
+        self._cse_out = dict(zip(keys, [with_product_angles(e, memo) for e in exprs]))
         dag, self.symbols = _dag_key(exprs)  # symbols: the leaves visit/reference must provide
         # pairs: None, "half" (one value per pair: M x N/2 outputs) or "full" (two values per pair: M x N)
         # (explicit for derived epilogues whose math may not use the pair values, e.g. a rotation's backward)
@@ -498,6 +580,16 @@ class DslEpilogue(Epilogue):
 
     def key(self) -> tuple:
         return self._key
+
+    def check_operands(self, operands, L, M, N, device) -> None:
+        """The base checks, and: a Scalar operand given as a tensor must be a floating-point one (an int, bool or
+        complex tensor would be converted silently, or lose its imaginary part)."""
+        super().check_operands(operands, L, M, N, device)
+        import torch
+        for o in self.operands:
+            v = operands[o.name]
+            if o.kind == "scalar" and isinstance(v, torch.Tensor) and not v.dtype.is_floating_point:
+                raise TypeError(f"operand {o.name!r} (Scalar): expected a floating-point tensor, got {v.dtype}")
 
     @property
     def result_keys(self) -> list:
@@ -601,6 +693,9 @@ def trace(fn: Callable, name: Optional[str] = None) -> DslEpilogue:
                                 "coda.VecM, coda.VecN, coda.Scalar or coda.TileMN")
         if p.name in ("out", "a", "b", "epilogue", "config", "out_dtype"):
             raise EpilogueError(f"{where_def}: operand name {p.name!r} is reserved by coda.gemm")
+        if p.name.startswith(_BACKWARD_PREFIXES):
+            raise EpilogueError(f"{where_def}: operand name {p.name!r}: names starting with "
+                                f"{', '.join(_BACKWARD_PREFIXES)} are reserved for the derived backward")
         operands.append(Operand(p.name, _KINDS[ann]))
     args = [Value(ACC)] + [Value(operand_symbol(o.name)) for o in operands]
     prev = getattr(_state, "trace", None)
@@ -648,6 +743,10 @@ def _outputs(res, name):
             if not isinstance(k, str) or not k.isidentifier():
                 raise _err(f"output names must be identifiers, got {k!r}")
             if isinstance(v, Reduced):
+                if k == "out":
+                    raise _err("'out' is the main M x N output and cannot be a reduction; return the reduction "
+                               "under another name (e.g. {'out': y, 's': coda.reduce_n(y)}, or {'s': ...} alone "
+                               "for no main output)")
                 reductions[k] = (v.axis, v.op, v.e)
             else:
                 outputs[k] = value_expr(k, v)

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from . import _device, _launch
-from ._validate import check_gemm_args
+from ._validate import _overlaps, check_gemm_args
 from .config import GemmConfig, split_k
 from .kernels.epilogue import (Epilogue, check_call, check_epilogue, empty_reductions,
                                finish_reduction, half_out)
@@ -370,7 +370,8 @@ def _make_plan(fn, cute_args, views, handle, prob, cfg, epi, tensors, device_ind
 def _run_plan(plan, a, b, out, operands):
     """A repeated call through its launch plan; None when a per-call check fails (the full path then raises the
     proper error). Shapes, strides, dtypes, devices and the epilogue are the plan's (its key); what is left to check
-    per call is what depends on the data pointers: 16-byte alignment and ``out`` sharing memory with ``a``/``b``."""
+    per call is what depends on the data pointers: 16-byte alignment and ``out`` sharing memory with ``a``/``b`` or
+    with an operand (as the full path's ``check_call``)."""
     prob = plan.prob
     if prob.zero_k:  # K = 0: A and B are the cached zeros (the buffer may have been replaced by a larger one)
         pa = pb = _zeros(a.device, a.dtype, plan.zero_elems).data_ptr()
@@ -386,6 +387,13 @@ def _run_plan(plan, a, b, out, operands):
         ea, eb, eo = plan.extents
         if po & 15 or _launch.overlap(po, eo, pa, ea) or _launch.overlap(po, eo, pb, eb):
             return None
+        if any(isinstance(v, torch.Tensor) and _overlaps(out, v) for v in operands.values()):
+            # out shares memory with an operand: allowed only as add-to-output (a TileMN operand that is exactly
+            # out); the full path's check decides (check_call), else the full path raises its error
+            try:
+                check_call(plan.epi, prob, out, operands)
+            except (TypeError, ValueError):
+                return None
         res = out
     epi = plan.epi
     if plan.operand_names is not None:  # operands only, each passed as is: just their pointers

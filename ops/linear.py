@@ -44,7 +44,8 @@ from typing import List, Optional
 from torch import Tensor
 
 from coda.autodiff import (DGRAD, backward_epilogue, grad_name, on_preact, pair_tile_grad_epilogue,
-                           pair_tile_operands, preact_keys, value_name, with_preact)
+                           pair_tile_operands, preact_keys, tie_epilogue, tie_name, tie_shares, value_name,
+                           with_preact)
 from coda.dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, by_op_name, operand_symbol
 
 from ._common import call, custom_op, epilogue_pass, gemm_for, linear_grads, register_autograd
@@ -57,14 +58,18 @@ _bwd_lock = threading.Lock()
 
 
 def _backward_of(epi: DslEpilogue, grads: tuple, needs: tuple, tiles: bool = False,
-                 preact: bool = False) -> DslEpilogue:
+                 preact: bool = False, ties: bool = False) -> DslEpilogue:
     """The (cached) dacc backward epilogue, or with ``tiles`` the pairs TileMN-gradient one; with ``preact`` the
-    same program reading the saved pre-activation (``coda.autodiff.on_preact``: a K = 0 GEMM's epilogue)."""
-    key = (epi.key(), grads, needs, tiles, preact)
+    same program reading the saved pre-activation (``coda.autodiff.on_preact``: a K = 0 GEMM's epilogue); with
+    ``ties`` the values that the max reductions ``grads`` compare (``coda.autodiff.tie_epilogue``)."""
+    key = (epi.key(), grads, needs, tiles, preact, ties)
     with _bwd_lock:
         prog = _bwd_cache.get(key)
     if prog is None:  # built outside the lock (sympy); a race builds the same program twice, harmlessly
-        prog = (pair_tile_grad_epilogue if tiles else backward_epilogue)(epi, grads, needs)
+        if ties:
+            prog = tie_epilogue(epi, grads)
+        else:
+            prog = (pair_tile_grad_epilogue if tiles else backward_epilogue)(epi, grads, needs)
         if preact:
             prog = on_preact(prog, epi)
         with _bwd_lock:
@@ -111,6 +116,7 @@ def _backward_impl(grads, x2, weight, epilogue, save_preact, names, tensors, sca
     names = _split(names)
     scalars = dict(zip(_split(scalar_names), scalar_values))
     value_names = [r.name for r in epi.reductions if r.op != "sum"]
+    maxes = tuple(r.name for r in epi.reductions if r.op == "max")
     vals = dict(zip(value_names, saved))
     preact = saved_preact(epi, *saved[len(value_names):]) if save_preact else None
     keys = epi.result_keys
@@ -131,8 +137,11 @@ def _backward_impl(grads, x2, weight, epilogue, save_preact, names, tensors, sca
                 ops[grad_name(ODD_OUT)] = g[..., 1::2].contiguous()
             else:
                 ops[grad_name(k)] = g.contiguous()
-            if k in vals:
+            if k in vals and k not in maxes:
                 ops[value_name(k)] = vals[k]
+        if any(grad_name(k) in ops for k in maxes):  # max reductions: each element's share of the gradient
+            ops.update(_tie_operands(epi, tuple(k for k in maxes if grad_name(k) in ops), x2, weight,
+                                     {o.name: ops[o.name] for o in epi.operands}))
         if preact is not None and any(value_name(k) in ops for k in vals):
             # max / logsumexp results of the rounded pre-activation, so that ties still match
             parts = list(preact.values())  # pairs: even / odd columns interleaved back into M x N
@@ -235,6 +244,18 @@ def saved_preact(epi: DslEpilogue, *parts):
     return dict(zip(preact_keys(epi), parts))
 
 
+def _tie_operands(epi: DslEpilogue, maxes: tuple, x2, weight, fwd_ops: dict) -> dict:
+    """The operands ``tie_<name>`` of the max reductions ``maxes``: each element's share of its row's gradient
+    (exact ties split it, as torch's amax does), from the values the forward compared: the reduced expressions on
+    the fp32 accumulator, recomputed by one GEMM (also with ``save_preact``, whose saved pre-activation is rounded
+    to the output dtype: 1000 and 1000.03125 would tie in bf16)."""
+    prog = _backward_of(epi, maxes, (), ties=True)
+    dt = torch.promote_types(x2.dtype, torch.float32)
+    res = gemm_for(x2.device, ENTRY)(x2, weight, epilogue=prog, out_dtype=dt, **fwd_ops)
+    res = res if isinstance(res, dict) else {"out": res}
+    return {tie_name(k): tie_shares(res["out" if i == 0 else k]) for i, k in enumerate(maxes)}
+
+
 def _evaluate(epi: DslEpilogue, which: tuple, x2, weight, ops: dict, preact, out_dtype) -> dict:
     """The results of the backward program ``_backward_of(epi, *which)`` (dacc and operand gradients, or a pairs
     epilogue's TileMN gradients), ``out`` cast to ``out_dtype``: computed on a recomputed accumulator (one GEMM of
@@ -323,7 +344,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
             res[k] = t.reshape(*lead) if axes[k] == "n" else t
         else:
             res[k] = t.reshape(*lead, epilogue.out_cols(N))  # N/2 columns for a pairs epilogue
-    return res["out"] if len(keys) == 1 else res
+    return res["out"] if keys == ["out"] else res  # (an epilogue of reductions only: a dict of them)
 
 
 @functools.lru_cache(maxsize=None)

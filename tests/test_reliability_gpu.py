@@ -506,3 +506,84 @@ def test_fp16_output_overflow_is_inf():
     lse = coda.gemm(a, b, epilogue=rel_lse)["lse"]
     assert torch.isfinite(lse).all()
     torch.testing.assert_close(lse.double(), torch.logsumexp(ref, -1), rtol=1e-5, atol=0.0)
+
+
+# ----------------------------------------------------------------------------------- issue 26: wrong results
+@coda.epilogue
+def add_tile26(acc, r: coda.TileMN):
+    return acc + r
+
+
+def test_plan_repeat_call_checks_out_against_operands():
+    """The repeat-call fast path refuses an out that overlaps a TileMN operand, as the first call does (a
+    read/write race otherwise); add-to-output (the operand is exactly out) stays allowed."""
+    M, N, K = 256, 256, 128
+    a, b = _inputs(M, N, K, seed=26)
+    buf = torch.zeros(2 * M * N, device=DEV, dtype=BF16)
+    out = buf[:M * N].view(M, N)
+    r_ok = torch.randn(M, N, device=DEV, dtype=BF16)
+    for _ in range(2):  # the second call runs through the launch plan
+        coda.gemm(a, b, epilogue=add_tile26, out=out, r=r_ok)
+    r_bad = buf[N:N + M * N].view(M, N)  # same shape and strides, one row into out
+    with pytest.raises(ValueError, match="share memory with operand"):
+        coda.gemm(a, b, epilogue=add_tile26, out=out, r=r_bad)
+    acc = a.double() @ b.double().T
+    res = torch.randn(M, N, device=DEV, dtype=BF16)
+    for _ in range(2):
+        start = res.clone()
+        coda.gemm(a, b, epilogue=add_tile26, out=res, r=res)  # add-to-output, then through the plan
+        torch.testing.assert_close(res.double(), acc + start.double(), rtol=2e-2, atol=2e-1)
+
+
+@coda.epilogue
+def with_max26(acc):
+    return {"out": acc, "mx": coda.reduce_n(acc, "max")}
+
+
+@pytest.mark.parametrize("save_preact", [False, True])
+def test_max_gradient_splits_exact_ties(save_preact):
+    """Equal weight rows tie in every row: torch's amax splits the gradient (0.5 each); 1000 and 1000.03125 do
+    not tie (equal only in bf16, the dtype of the saved pre-activation)."""
+    M, N, K = 64, 128, 64
+    x = torch.zeros(M, K, device=DEV, dtype=BF16)
+    x[:, 0] = 1000.0
+    x[:, 1] = 0.03125
+    x[1::2, 1] = 0.0  # odd rows: columns 0, 1 and 2 tie; even rows: column 1 wins alone
+    w = torch.zeros(N, K, device=DEV, dtype=BF16)
+    w[:3, 0] = 1.0
+    w[1, 1] = 1.0
+    x.requires_grad_()
+    w.requires_grad_()
+    coda.ops.linear(x, w, epilogue=with_max26, save_preact=save_preact)["mx"].sum().backward()
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    (x64 @ w64.T).amax(-1).sum().backward()
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=8e-3, atol=0.0)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=8e-3, atol=0.0)
+
+
+IEEE26 = [
+    (lambda acc: coda.where(acc == acc, acc, 0.0), lambda x: torch.where(x == x, x, 0.0)),
+    (lambda acc: acc - acc + 1, lambda x: x - x + 1),
+    (lambda acc: acc / acc, lambda x: x / x),
+    (lambda acc: acc * 0, lambda x: x * 0),
+    (lambda acc: coda.where(~(acc > 0), 1.0, 2.0), lambda x: torch.where(~(x > 0), 1.0, 2.0)),
+    (lambda acc: coda.sqrt(acc) * coda.sqrt(acc), lambda x: x.sqrt() * x.sqrt()),
+    (lambda acc: coda.exp(coda.log(acc)), lambda x: x.log().exp()),
+]
+
+
+@pytest.mark.parametrize("i", range(len(IEEE26)))
+def test_kernel_keeps_ieee_semantics(i):
+    """NaN, +-inf, zero and negative accumulators: the kernel computes what was written, as torch does."""
+    f, ref = IEEE26[i]
+    epi = coda.epilogue(f, name=f"ieee26_{i}")
+    M, N, K = 128, 128, 64
+    a = torch.rand(M, K, device=DEV) + 0.1
+    a[0, 0], a[1, 0], a[2, 0], a[3] = math.nan, math.inf, -math.inf, 0.0
+    a[4:64] = -a[4:64]  # negative accumulators
+    b = torch.rand(N, K, device=DEV) + 0.1
+    a, b = a.to(BF16), b.to(BF16)
+    got = coda.gemm(a, b, epilogue=epi, out_dtype=FP32)
+    want = ref(a.float() @ b.float().T)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    torch.testing.assert_close(got.nan_to_num(0.0), want.nan_to_num(0.0), rtol=1e-3, atol=1e-3)
