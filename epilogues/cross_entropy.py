@@ -18,7 +18,7 @@ the row's upstream gradient g. ``t`` is a float32 VecM (exact for column indices
 """
 import coda
 
-__all__ = ["ce_forward", "ce_forward_smooth", "ce_backward", "ce_backward_general", "accumulate"]
+__all__ = ["ce_forward", "ce_forward_smooth", "ce_backward", "ce_backward_general", "accumulate", "ce_forward_logits"]
 
 
 @coda.epilogue
@@ -57,3 +57,30 @@ def accumulate(acc, prev: coda.TileMN):
     """acc + prev: add a GEMM's product to a running sum (``out=`` may be ``prev`` itself: each element is read
     by the thread that then stores it)."""
     return acc + prev
+
+
+def _logits_epilogue(dtype, smooth: bool):
+    """The fast mode's forward epilogue for logits stored in ``dtype``: stores the logit tile and emits lse, z_t
+    (and sum_v z_v with label smoothing) of the *stored* (rounded) logits, so that the in-place softmax gradient
+    exp(z - lse) of ``coda.kernels.ce_grad`` sums to one over the row, as torch's softmax of its 16-bit logits does."""
+    def ce_forward_logits(acc, t: coda.VecM):
+        z = coda.cast(acc, dtype)
+        out = {"out": z, "lse": coda.reduce_n(z, "logsumexp"),
+               "zt": coda.reduce_n(coda.where(coda.col() == t, z, 0.0), "sum")}
+        if smooth:
+            out["zsum"] = coda.reduce_n(z, "sum")
+        return out
+    ce_forward_logits.__name__ = f"ce_forward_logits_{str(dtype).replace('torch.', '')}{'_smooth' if smooth else ''}"
+    ce_forward_logits.__qualname__ = ce_forward_logits.__name__
+    return coda.epilogue(ce_forward_logits)
+
+
+_LOGITS = {}
+
+
+def ce_forward_logits(dtype, smooth: bool = False):
+    """The fast mode's forward epilogue (stores the logits; see :func:`_logits_epilogue`), one per dtype."""
+    key = (str(dtype), smooth)
+    if key not in _LOGITS:
+        _LOGITS[key] = _logits_epilogue(dtype, smooth)
+    return _LOGITS[key]

@@ -53,6 +53,7 @@ and autograd, so ``torch.compile(fullgraph=True)`` traces through it); its backw
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional, Tuple, Union
 
 import torch
@@ -62,8 +63,9 @@ from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_g
                                           ce_forward_smooth)
 
 from ._common import call, custom_op, gemm_for, kernel_aligned, register_autograd
+from .cross_entropy_fast import plan_rows, forward_with_grads
 
-__all__ = ["linear_cross_entropy", "CHUNK_BYTES"]
+__all__ = ["linear_cross_entropy", "CHUNK_BYTES", "MEMORY_BUDGET"]
 
 CHUNK_BYTES = 64 << 20  # default bound on one backward chunk of the logits gradient (M x chunk, x's dtype)
 ENTRY = "coda.ops.linear_cross_entropy"
@@ -185,19 +187,22 @@ def _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss
     else:  # no rows
         lse = x.new_empty((0,), dtype=torch.float32)
         stats = {"zt": lse, "zsum": lse}
+    return _finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss), lse.contiguous()
+
+
+def _finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss):
+    """The loss from the per-row statistics (lse, z_t, sum_v z_v)."""
     row = lse - (1 - label_smoothing) * stats["zt"]
-    if smooth:
+    if label_smoothing > 0:
         row = row - (label_smoothing / V) * stats["zsum"]
     if z_loss > 0:
         row = row + z_loss * lse * lse
     row = torch.where(valid, row, 0.0)
     if reduction == "none":
-        loss = row
-    elif reduction == "sum":
-        loss = row.sum()
-    else:  # mean over the non-ignored rows: NaN when there are none, as in torch
-        loss = row.sum() / valid.sum()
-    return loss, lse.contiguous()
+        return row
+    if reduction == "sum":
+        return row.sum()
+    return row.sum() / valid.sum()  # mean over the non-ignored rows: NaN when there are none, as in torch
 
 
 @custom_op("linear_cross_entropy")
@@ -339,10 +344,72 @@ def _autograd_backward(ctx, grad_loss, grad_lse):
 register_autograd("linear_cross_entropy", _autograd_backward, _setup_context)
 
 
+# ------------------------------------------------------------------------------------------------ fast mode
+@custom_op("linear_cross_entropy_fast")
+def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
+             z_loss: float, rows: int, check: str, need_x: bool, need_w: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(loss, dx, dw) with dx, dw the gradients for an upstream gradient of 1 (empty where not needed); see
+    ``ops/cross_entropy_fast.py``."""
+    V = weight.shape[0]
+    _check_target_range(target, V, ignore_index, check)
+    valid, tcol = _target_columns(target, ignore_index)
+    lse, stats, dx, dw = forward_with_grads(x, weight, target, valid, tcol, ignore_index, reduction,
+                                            label_smoothing, z_loss, rows, need_x, need_w, ENTRY, _tail_logits)
+    loss = _finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss)
+    return loss, (dx if need_x else x.new_empty((0,))), (dw if need_w else weight.new_empty((0,)))
+
+
+@_op_fast.register_fake
+def _op_fast_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, rows, check, need_x, need_w):
+    return (x.new_empty((), dtype=torch.float32), x.new_empty(x.shape) if need_x else x.new_empty((0,)),
+            weight.new_empty(weight.shape) if need_w else weight.new_empty((0,)))
+
+
+def _setup_fast(ctx, inputs, output):
+    ctx.need = (inputs[-2], inputs[-1])
+    ctx.save_for_backward(output[1], output[2])
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _backward_fast(ctx, grad_loss, grad_dx, grad_dw):
+    """The gradients formed by the forward, times the upstream gradient: in place in eager mode (the saved tensors
+    are this call's own and are released after this node; no second V x H buffer), out of place under
+    torch.compile (its graphs are functional)."""
+    dx, dw = ctx.saved_tensors
+    g = grad_loss.to(torch.float32)
+    if getattr(ctx, "coda_eager", False):
+        grads = [t.mul_(g) if need else None for t, need in zip((dx, dw), ctx.need)]
+    else:
+        grads = [(t * g).to(t.dtype) if need else None for t, need in zip((dx, dw), ctx.need)]
+    return (*grads, None, None, None, None, None, None, None, None, None)
+
+
+register_autograd("linear_cross_entropy_fast", _backward_fast, _setup_fast)
+
+MEMORY_BUDGET = int(os.environ.get("CODA_CE_MEMORY_BUDGET", 10 ** 9))  # bytes of the fast mode's logits chunk
+MODES = ("auto", "fast", "lean")
+
+
+def _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget) -> Optional[int]:
+    """Rows per chunk of the fast mode, or None for the lean mode (see ``linear_cross_entropy``)."""
+    mode = os.environ.get("CODA_CE_MODE", mode) if mode == "auto" else mode  # the global override
+    if mode == "lean" or reduction == "none":
+        return None
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return None
+    V = weight.shape[0]
+    if label_smoothing > 0 and V % ALIGN:  # the in-place pass would divide eps by the chunk's V8
+        return None
+    budget = MEMORY_BUDGET if memory_budget is None else memory_budget
+    M = x.numel() // max(1, x.shape[-1])
+    return plan_rows(M, V, x.element_size(), budget, force=mode == "fast")
+
+
 # ------------------------------------------------------------------------------------------------ public entry
 def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0, *,
-                         chunk_size: Optional[int] = None, check_targets: Union[bool, str] = True) -> Tensor:
+                         chunk_size: Optional[int] = None, check_targets: Union[bool, str] = True,
+                         mode: str = "auto", memory_budget: Optional[int] = None) -> Tensor:
     """``F.cross_entropy(x @ weight.T, target, ...)`` (+ ``z_loss * logsumexp**2`` per row) without storing logits.
 
     x (..., H) bfloat16/float16, weight (V, H) of x's dtype, target (...) int64 in [0, V) or ``ignore_index``.
@@ -350,10 +417,27 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
     [0, 1] (torch semantics); ``z_loss`` >= 0. ``chunk_size``: vocabulary columns per backward chunk (a multiple of
     8; default: chunks of at most ``CHUNK_BYTES``). ``check_targets``: True (a device sync,
     ValueError on a bad target), "async" (a device-side assert, no sync) or False (no check). Returns a float32
-    loss. See the module docstring."""
+    loss. See the module docstring.
+
+    ``mode``: "fast" forms the gradients during the forward at the cost of three GEMMs through a logits chunk
+    buffer of at most ``memory_budget`` bytes (default ``MEMORY_BUDGET`` = 1 GB, env ``CODA_CE_MEMORY_BUDGET``;
+    ``ops/cross_entropy_fast.py``); "lean" stores no logits at all (four GEMMs: the backward recomputes them);
+    "auto" (default) is "fast" when gradients are needed, the reduction is "mean" or "sum" and at least
+    ``MIN_ROWS`` rows of logits fit the budget, else "lean"."""
     _check(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size)
     check = check_targets_option("linear_cross_entropy", check_targets)
+    if mode not in MODES:
+        raise ValueError(f"linear_cross_entropy: mode must be one of {MODES}, got {mode!r}")
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
+                                      or memory_budget <= 0):
+        raise ValueError(f"linear_cross_entropy: memory_budget must be a positive int (bytes), got {memory_budget!r}")
     H = x.shape[-1]
+    rows = _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget)
+    if rows is not None:
+        need_x, need_w = x.requires_grad, weight.requires_grad
+        loss, _, _ = call("linear_cross_entropy_fast", x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
+                          reduction, float(label_smoothing), float(z_loss), rows, check, need_x, need_w)
+        return loss
     loss, _ = call("linear_cross_entropy", x.reshape(-1, H), weight, target.reshape(-1), ignore_index, reduction,
                    float(label_smoothing), float(z_loss), chunk_size, check)
     return loss.reshape(target.shape) if reduction == "none" else loss

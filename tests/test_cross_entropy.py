@@ -396,3 +396,93 @@ def test_compile_fullgraph():
     a, b = run(f, x, w, t, up), run(compiled, x, w, t, up)
     for u, v in zip(a, b):
         torch.testing.assert_close(u, v, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ fast mode
+@pytest.mark.parametrize("M,V,H", CASES + [(40, 96, 16)])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("smooth,zl", [(0.0, 0.0), (0.1, 0.0), (0.0, 1e-2), (0.2, 1e-3)])
+@pytest.mark.parametrize("rows", [None, 8])
+def test_fast_mode_matches_torch_2x_rule(M, V, H, reduction, smooth, zl, rows):
+    """The fast mode (gradients formed in the forward, three GEMMs) vs float64: one chunk, or chunks of 8 rows
+    (dW accumulated over the chunks); V % 8 != 0 (tail columns), M % 8 != 0 (dW on torch.matmul)."""
+    if smooth > 0 and V % 8:
+        assert ce_op._fast_rows(torch.ones(2, H, requires_grad=True), torch.ones(V, H), reduction, smooth,
+                                "fast", None) is None  # the lean mode runs: tested above
+        return
+    x, w, t = _problem(M, V, H)
+    kw = dict(reduction=reduction, label_smoothing=smooth, z_loss=zl)
+    budget = None if rows is None else rows * (V // 8 * 8 or 8) * 2
+    up = torch.tensor(1.5, dtype=torch.float64)
+    ours = run(lce, x, w, t, up, mode="fast", memory_budget=budget, **kw)
+    want = run(torch_loss, x.double(), w.double(), t, up, **kw)
+    theirs = run(torch_loss, x, w, t, up, **kw)
+    for name, a, b, c in zip(("loss", "dx", "dw"), ours, want, theirs):
+        assert a.shape == b.shape, name
+        assert rel(a, b) <= 2 * rel(c, b) + 1e-4, (name, rel(a, b), rel(c, b))
+
+
+def test_fast_mode_is_taken_and_counts_three_gemms(monkeypatch):
+    """auto: the fast op with gradients (three GEMMs: logits, dX, dW), the lean op otherwise (no gradient,
+    reduction='none', a budget below MIN_ROWS rows, CODA_CE_MODE=lean)."""
+    calls = []
+    real = ce_op.call
+
+    def spy(name, *a, **k):
+        calls.append(name)
+        return real(name, *a, **k)
+    monkeypatch.setattr(ce_op, "call", spy)
+    x, w, t = _problem(64, 200, 16)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lce(xs, ws, t).backward()
+    assert calls == ["linear_cross_entropy_fast"]
+    for kw, ctx in ((dict(reduction="none"), None), (dict(memory_budget=8 * 200 * 2), None), ({}, "lean"),
+                    (dict(mode="lean"), None)):
+        calls.clear()
+        if ctx:
+            monkeypatch.setenv("CODA_CE_MODE", ctx)
+        out = lce(xs, ws, t, **kw)
+        (out.sum() if out.dim() else out).backward()
+        monkeypatch.delenv("CODA_CE_MODE", raising=False)
+        assert calls[0] == "linear_cross_entropy", kw
+    calls.clear()
+    with torch.no_grad():
+        lce(xs, ws, t)
+    assert calls == ["linear_cross_entropy"]
+    calls.clear()
+    lce(x, ws, t, memory_budget=8 * 200 * 2, mode="fast").backward()  # "fast" forces chunks below MIN_ROWS
+    assert calls == ["linear_cross_entropy_fast"] and x.grad is None and ws.grad is not None
+
+
+def test_fast_mode_plan_rows():
+    assert ce_op.plan_rows(8192, 128256, 2, 10 ** 9) == 2816      # 3 balanced chunks of whole 128-row tiles
+    assert ce_op.plan_rows(8192, 128256, 2, 1 << 30) == 4096
+    assert ce_op.plan_rows(100, 1000, 2, 10 ** 9) == 100            # everything fits: one chunk
+    assert ce_op.plan_rows(8192, 128256, 2, 10 ** 6) is None        # fewer than MIN_ROWS rows fit: lean
+    assert ce_op.plan_rows(8192, 128256, 2, 10 ** 6, force=True) == 8
+    for M, V, b in ((8192, 128256, 10 ** 9), (5000, 32000, 50 << 20), (777, 1003, 64 * 1000 * 2)):
+        r = ce_op.plan_rows(M, V, 2, b, force=True)
+        assert r * (V // 8 * 8) * 2 <= b and r % 8 == 0 or r == M
+
+
+def test_fast_mode_bad_arguments():
+    x, w, t = _problem(16, 64, 16)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        lce(x, w, t, mode="quick")
+    with pytest.raises(ValueError, match="memory_budget"):
+        lce(x, w, t, memory_budget=0)
+    with pytest.raises(ValueError, match="memory_budget"):
+        lce(x, w, t, memory_budget=1.5)
+
+
+def test_fast_mode_single_gradient():
+    """Only dX or only dW needed: the other GEMM is skipped and its gradient is None."""
+    x, w, t = _problem(24, 96, 16)
+    for need_x in (True, False):
+        xs, ws = x.clone().requires_grad_(need_x), w.clone().requires_grad_(not need_x)
+        lce(xs, ws, t, mode="fast").backward()
+        ref_x, ref_w = x.double().requires_grad_(need_x), w.double().requires_grad_(not need_x)
+        torch_loss(ref_x, ref_w, t).backward()
+        got, want = (xs.grad, ref_x.grad) if need_x else (ws.grad, ref_w.grad)
+        assert (ws.grad if need_x else xs.grad) is None
+        assert rel(got, want) < 2e-2

@@ -1,5 +1,6 @@
 """coda.ops.linear_cross_entropy on the H100 (fused kernels) vs torch float64 (the 2x rule), chunked backward,
 peak memory (no M x V tensor), and non-finite / huge logits."""
+import functools
 import gc
 import math
 import subprocess
@@ -30,13 +31,21 @@ def _problem(M, V, H, seed=0, scale=3.0):
                                          (512, 8195, 512, 256)])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("smooth,zl", [(0.0, 0.0), (0.1, 1e-3)])
-def test_matches_torch_2x_rule(M, V, H, chunk, reduction, smooth, zl):
-    """Ragged M (dW falls back to torch.matmul for M % 8 != 0) and V (padded tail), several chunks."""
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+def test_matches_torch_2x_rule(M, V, H, chunk, reduction, smooth, zl, mode):
+    """Ragged M (dW falls back to torch.matmul for M % 8 != 0) and V (padded tail), several chunks; the fast mode
+    with a budget of ~M/3 rows of logits (several row chunks, dW accumulated)."""
+    if mode == "fast" and reduction == "none":
+        pytest.skip("reduction='none' always runs the lean mode")
     x, w, t = _problem(M, V, H)
-    kw = dict(reduction=reduction, label_smoothing=smooth, z_loss=zl)
+    kw = dict(reduction=reduction, label_smoothing=smooth, z_loss=zl, mode=mode)
+    if mode == "fast":
+        kw["memory_budget"] = max(1, M // 3) * V * 2
     up = (torch.randn(M, device=DEV, dtype=torch.float64) if reduction == "none"
           else torch.tensor(1.0, device=DEV, dtype=torch.float64))
     ours = run(lce, x, w, t, up, chunk_size=chunk, **kw)
+    want = run(torch_loss, x.double(), w.double(), t, up, **kw)
+    kw.pop("mode"), kw.pop("memory_budget", None)
     want = run(torch_loss, x.double(), w.double(), t, up, **kw)
     theirs = run(torch_loss, x, w, t, up, **kw)
     for name, a, b, c in zip(("loss", "dx", "dw"), ours, want, theirs):
@@ -56,13 +65,14 @@ def test_chunk_sizes_agree():
 
 @pytest.mark.parametrize("M,V,H", [(4096, 32768, 1024), (8192, 128256, 4096)])
 def test_peak_memory_no_logits(M, V, H):
-    """fwd + bwd allocates, besides dx and dW themselves, the forward's per-tile partials, small vectors and, in
+    """The lean mode: fwd + bwd allocates, besides dx and dW themselves, the forward's per-tile partials, small vectors and, in
     the backward, one chunk buffer: the fp32 dX accumulator lives in dW's last 2M rows, and at M = 8192,
     H = 4096 (Llama-3-8B's LM head) the dz chunks live in dx's storage, and only phase 2's buffer (16 MiB) is
     allocated (ops/cross_entropy.py). The logits (M x V bf16) never exist."""
     x, w, t = _problem(M, V, H)
     x.requires_grad_()
     w.requires_grad_()
+    lce = functools.partial(coda.ops.linear_cross_entropy, mode="lean")
     lce(x, w, t).backward()  # compile the kernels, warm the allocator
     x.grad = w.grad = None
     gc.collect()
@@ -99,6 +109,40 @@ def test_peak_memory_no_logits(M, V, H):
     print(f"M={M} V={V} H={H}: forward extra {fwd_extra / 2 ** 20:.1f} MiB, backward extra "
           f"{bwd_extra / 2 ** 20:.1f} MiB; fwd + bwd peak above dx and dW {whole / 2 ** 20:.1f} MiB "
           f"({whole / (M * V * 2):.2%} of M x V x 2 bytes)")
+
+
+@pytest.mark.parametrize("M,V,H,budget", [(8192, 128256, 2048, None), (8192, 128256, 4096, None),
+                                          (4096, 32768, 1024, 64 << 20)])
+def test_fast_mode_memory_and_accuracy(M, V, H, budget):
+    """The fast mode (the default with gradients): fwd + bwd peak above the returned dx and dW is the logits chunk
+    buffer (<= the budget), dx and dW held from the forward to the backward, and small vectors; the gradients
+    match the lean mode's (both vs float64 on a row slice: tests above)."""
+    x, w, t = _problem(M, V, H)
+    x.requires_grad_()
+    w.requires_grad_()
+    b = ce_op.MEMORY_BUDGET if budget is None else budget
+    fast = functools.partial(lce, mode="fast", memory_budget=b)
+    fast(x, w, t).backward()  # compile, warm the allocator
+    x.grad = w.grad = None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = fast(x, w, t)
+    loss.backward()
+    torch.cuda.synchronize()
+    grads = (x.numel() + w.numel()) * 2
+    extra = torch.cuda.max_memory_allocated() - base - grads
+    rows = ce_op.plan_rows(M, V, 2, b)
+    # the chunk buffer, the saved dx / dW beside the scaled ones returned by the backward, partials, vectors
+    assert extra <= rows * V * 2 + grads + 2 * M * -(-V // 128) * 4 + (64 << 20), extra / 2 ** 20
+    assert rows * V * 2 <= b
+    dx, dw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    lce(x, w, t, mode="lean").backward()
+    assert rel(dx, x.grad.double()) < 1e-2 and rel(dw, w.grad.double()) < 1e-2
+    print(f"M={M} V={V} H={H}: fast mode, {rows} rows per chunk, peak above dx and dW {extra / 1e9:.2f} GB")
 
 
 def test_huge_logits():

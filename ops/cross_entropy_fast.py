@@ -1,0 +1,139 @@
+"""``linear_cross_entropy``'s fast mode: the gradients formed while the forward runs, at the cost of three GEMMs.
+
+The loss is the last op of a training step and, for ``reduction`` "mean" or "sum", its upstream gradient is one
+scalar g. So the forward forms d loss / d x and d loss / d W for g = 1 and the backward only scales them by g. Per
+chunk of ``rows`` rows [m0, m1) (phases):
+
+1. logits: z = x_c W^T (GEMM 1) stored in x's dtype into one reused chunk buffer (rows x V); its epilogue also
+   emits the per-row logsumexp and target-logit partials (``ce_forward_logits``), finished by ``coda.gemm``;
+2. softmax gradient in place: z <- (p (1 + 2 zl lse) - (1 - eps) [v == t] - eps / V) * s_r with s_r = 1 / n_valid
+   ("mean") or 1 ("sum"), 0 on ignored rows (``coda.kernels.ce_grad``: one memory-bound pass over the chunk);
+3. dX_c = dz W (GEMM 2, written straight into dx's rows);
+4. dW (+)= dz^T x_c (GEMM 3; the first chunk writes dW, later ones add to it through the ``accumulate``
+   epilogue: dW is rounded to its dtype once per chunk).
+
+Cost: the three GEMMs of torch's LM head + one read and write of the logits in x's dtype (torch.compile's CE makes
+the same pass, plus the logits' float32 upcast), against the lean mode's four GEMMs. Memory: the chunk buffer
+(``rows x V x 2`` bytes, at most the budget: 1 GB by default, see ``cross_entropy.MEMORY_BUDGET``), and dx, dW from
+the forward on (they are the gradients: the backward scales them by g in place in eager mode, out of place under
+torch.compile).
+Not taken (the lean mode runs instead): ``reduction="none"`` (the upstream gradient is a vector: dW = dz^T diag(g) x
+needs g before GEMM 3), no gradient needed, or a budget too small for ``MIN_ROWS`` rows.
+The last V % 8 vocabulary columns (V not a multiple of 8) come from an fp32 GEMM against zero-padded weight rows, as
+in the lean mode, with their gradient formed by torch ops.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from coda.epilogues.cross_entropy import accumulate, ce_forward_logits
+from coda.kernels.ce_grad import softmax_grad_, softmax_grad_reference_
+
+from ._common import gemm_for, kernel_aligned
+
+ALIGN = 8
+MIN_ROWS = 1024  # fewer rows per chunk than this: the dW accumulation traffic outweighs the saved GEMM
+
+
+def plan_rows(M: int, V: int, esize: int, budget: int, force: bool = False) -> Optional[int]:
+    """Rows per chunk so that the chunk buffer (rows x V8 x esize bytes) fits ``budget``: all M rows when they fit,
+    else balanced chunks of whole 128-row tiles; None when fewer than min(M, MIN_ROWS) rows fit (unless ``force``:
+    then at least 8)."""
+    v8 = max(V // ALIGN * ALIGN, ALIGN)
+    max_rows = budget // (v8 * esize)
+    if max_rows >= M:
+        return max(M, 1)
+    if max_rows < min(M, MIN_ROWS) and not force:
+        return None
+    max_rows = max(ALIGN, max_rows // ALIGN * ALIGN)
+    n = math.ceil(M / max_rows)
+    rows = math.ceil(M / n / 128) * 128
+    return rows if rows <= max_rows else max_rows
+
+
+def _grad_(z: Tensor, lse: Tensor, target: Tensor, scale: Tensor, eps: float, zl: float) -> None:
+    fn = softmax_grad_ if z.is_cuda else softmax_grad_reference_
+    fn(z, lse, target, scale, label_smoothing=eps, z_loss=zl)
+
+
+def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, tcol: Tensor, ignore_index: int,
+                       reduction: str, eps: float, zl: float, rows: int, need_x: bool, need_w: bool, entry: str,
+                       tail_logits):
+    """(lse, stats, dx, dw) for g = 1; see the module docstring. ``tail_logits(x_c, weight, v8)`` gives the fp32
+    logits of the last V % 8 columns."""
+    M, H = x.shape
+    V = weight.shape[0]
+    v8 = V // ALIGN * ALIGN
+    gemm = gemm_for(x.device, entry)
+    n_valid = valid.sum()
+    scale = valid.to(torch.float32)
+    if reduction == "mean":
+        scale = scale / n_valid.clamp_min(1).to(torch.float32)
+    dx = x.new_empty((M, H)) if need_x else None
+    dw = torch.empty((V, H), dtype=weight.dtype, device=weight.device) if need_w else None
+    lse = torch.empty((M,), dtype=torch.float32, device=x.device)
+    stats = {"zt": torch.empty_like(lse)}
+    if eps > 0:
+        stats["zsum"] = torch.empty_like(lse)
+    epi = ce_forward_logits(x.dtype, eps > 0)
+    buf = x.new_empty((rows * v8,))
+    w8 = weight[:v8]
+    for m0 in range(0, M, rows):
+        m1 = min(M, m0 + rows)
+        xc, z = x[m0:m1], buf[:(m1 - m0) * v8].view(m1 - m0, v8)
+        res = gemm(xc, w8, epilogue=epi, out=z, t=tcol[m0:m1])          # phase 1
+        lse_c = res["lse"]
+        for k in stats:
+            stats[k][m0:m1] = res[k]
+        tl = None
+        if v8 < V:
+            tl = tail_logits(xc, weight, v8)
+            lse_c = torch.logaddexp(lse_c, torch.logsumexp(tl, -1))
+            cols = torch.arange(v8, V, device=x.device, dtype=torch.float32)
+            stats["zt"][m0:m1] += torch.where(cols == tcol[m0:m1, None], tl, 0.0).sum(-1)
+            if eps > 0:
+                stats["zsum"][m0:m1] += tl.sum(-1)
+        lse[m0:m1] = lse_c
+        tgt = torch.where(valid[m0:m1], target[m0:m1], -1)
+        _grad_(z, lse_c.contiguous(), tgt, scale[m0:m1].contiguous(), eps, zl)  # phase 2
+        dz_tail = None
+        if tl is not None:
+            p = torch.exp(tl - lse_c[:, None])
+            onehot = (torch.arange(v8, V, device=x.device)[None] == tgt[:, None]).float()
+            dz_tail = scale[m0:m1, None] * (p * (1 + 2 * zl * lse_c[:, None]) - (1 - eps) * onehot - eps / V)
+        if need_x:                                                         # phase 3
+            if dz_tail is None:
+                gemm(z, w8.t(), out=dx[m0:m1])
+            else:
+                acc = gemm(z, w8.t(), out_dtype=torch.float32) if v8 else dz_tail.new_zeros((m1 - m0, H))
+                acc.addmm_(dz_tail, weight[v8:].float())
+                dx[m0:m1] = acc
+        if need_w:                                                         # phase 4
+            first = m0 == 0
+            if v8 and kernel_aligned(z.t(), xc.t()):
+                if first:
+                    gemm(z.t(), xc.t(), out=dw[:v8])
+                else:
+                    gemm(z.t(), xc.t(), epilogue=accumulate, out=dw[:v8], prev=dw[:v8])
+            elif v8:
+                with torch.autocast(x.device.type, enabled=False):
+                    if first:
+                        torch.matmul(z.t(), xc, out=dw[:v8])
+                    else:
+                        dw[:v8].addmm_(z.t(), xc)
+            if dz_tail is not None:
+                part = dz_tail.t() @ xc.float()
+                dw[v8:] = part if first else dw[v8:].float() + part
+    if M == 0:
+        if need_x:
+            dx.zero_()
+        if need_w:
+            dw.zero_()
+    return lse, stats, dx, dw
+
+
+__all__ = ["plan_rows", "forward_with_grads", "MIN_ROWS"]
