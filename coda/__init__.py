@@ -5,7 +5,9 @@ resolved on first use:
 
 - :func:`coda.gemm` -- ``a @ b.T`` (``F.linear`` semantics) on a Hopper GPU, with an optional fused epilogue;
 - :class:`coda.GemmConfig` -- the kernel's compile-time knobs;
-- :mod:`coda.reference` -- the torch reference (any device), with the same argument checks as :func:`coda.gemm`.
+- :mod:`coda.reference` -- the torch reference (any device), with the same argument checks as :func:`coda.gemm`;
+- :mod:`coda.ops`, :mod:`coda.nn`, :mod:`coda.autotune`, :func:`coda.fuse` -- the subpackages, imported on first
+  attribute access (``import coda; coda.ops.linear(...)`` works).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ _LAZY = {
     "GemmConfig": ("coda.config", "GemmConfig"),
     "reference": ("coda.reference", None),
     "nn": ("coda.nn", None),
+    "ops": ("coda.ops", None),
+    "autotune": ("coda.autotune", None),
     "fuse": ("coda.fuse", "fuse"),
     "unfuse": ("coda.fuse", "unfuse"),
 }

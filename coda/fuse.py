@@ -15,9 +15,15 @@ What is swapped (duck-typed on class names, so it works on Hugging Face ``LlamaF
   forward (``lm_head`` applies the deferred norm, so the logits are the stock ones).
 
 Weights are converted once: gate/up are interleaved into a new Parameter and the stock gate/up Parameters are
-released (create the optimizer after ``fuse``). All other Parameters are the same objects. ``state_dict()`` keeps
+released (create the optimizer after ``fuse``: an optimizer that still holds a replaced Parameter raises a
+RuntimeError naming it at its next ``step()``, through a global optimizer step pre-hook, instead of silently
+leaving the MLP untrained). All other Parameters are the same objects. ``state_dict()`` keeps
 the stock keys, order and values (``coda.nn``'s state-dict hooks), and ``load_state_dict`` accepts stock
 checkpoints. Note: after fusing, the backbone's last hidden state is the one before the final norm.
+
+Models it does not recognise (Qwen2, Qwen3, Mistral, Gemma, GPT-2, ...: any decoder layer that is not a
+``LlamaDecoderLayer`` with a ``LlamaRMSNorm`` + ``LlamaMLP``, any final norm that is not a ``LlamaRMSNorm``) are
+left stock with a warning naming what was not fused; a model in which nothing was fused is not marked fused.
 
 ``coda.unfuse(model)`` puts the stock modules back (gate/up de-interleaved into fresh Parameters).
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import types
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -57,47 +64,70 @@ def _aligned(*sizes: int) -> bool:
     return all(s % 8 == 0 for s in sizes)
 
 
+def _names(names: list) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def fuse(model: nn.Module, *, mlp: bool = True, lm_head: bool = True) -> nn.Module:
     """Swap the RMSNorm + MLP of every decoder layer and the final norm + LM head + loss (see the module docstring).
-    In place; returns ``model``. Layers that do not match (other activation, biases, sizes not multiples of 8)
-    are left stock with a warning. Fusing twice is a no-op."""
+    In place; returns ``model``. Layers that do not match (other classes, activation, biases, sizes not multiples
+    of 8) are left stock with a warning naming them; when nothing matched, the model is not marked fused. Fusing
+    twice is a no-op."""
     if getattr(model, "_coda_fused", False):
         return model
+    fused_any, unknown = False, {}  # unknown: class name -> names of decoder layers fuse does not recognise
     if mlp:
         for name, layer in model.named_modules():
-            if _cls(layer) not in LAYER_CLASSES:
-                continue
             norm, m = getattr(layer, "post_attention_layernorm", None), getattr(layer, "mlp", None)
-            if _cls(norm) not in NORM_CLASSES or _cls(m) not in MLP_CLASSES:
+            if _cls(layer) not in LAYER_CLASSES or _cls(norm) not in NORM_CLASSES or _cls(m) not in MLP_CLASSES:
+                if isinstance(m, nn.Module) and not isinstance(m, SwiGLUMLP):  # a decoder layer of another kind
+                    unknown.setdefault(f"{_cls(layer)} ({_cls(m)})", []).append(f"{name}.mlp")
                 continue
             if not _silu_mlp(m) or not _aligned(*m.gate_proj.weight.shape):
                 warnings.warn(f"coda.fuse: {name}.mlp left stock (needs SiLU, no biases, sizes multiples of 8)")
                 continue
             deferred = DeferredRMSNorm.from_norm(norm)
             fused = SwiGLUMLP.from_stock(m, norm=deferred, add_residual=False)
+            _replaced(m.gate_proj.weight, f"{name}.mlp.gate_proj.weight")
+            _replaced(m.up_proj.weight, f"{name}.mlp.up_proj.weight")
             m.gate_proj.weight = None  # released: the interleaved copy is the Parameter now (unfuse restores)
             m.up_proj.weight = None
             fused._coda_stock = (m, norm)
             layer.post_attention_layernorm, layer.mlp = deferred, fused
+            fused_any = True
+    for what, names in unknown.items():
+        warnings.warn(f"coda.fuse: {len(names)} MLP(s) left stock: {_names(names)} (in {what} layers; coda.fuse "
+                      "fuses the MLP of a Llama-style LlamaDecoderLayer: LlamaRMSNorm + LlamaMLP)")
     if lm_head:
-        _fuse_head(model)
+        fused_any |= _fuse_head(model)
+    if not fused_any:
+        warnings.warn(f"coda.fuse: nothing fused in {_cls(model)}; the model is left stock and not marked fused "
+                      "(coda.fuse knows Llama-style models: Hugging Face LlamaForCausalLM, examples/llama_model.py)")
+        return model
     model._coda_fused = True
     return model
 
 
-def _fuse_head(model: nn.Module) -> None:
+def _fuse_head(model: nn.Module) -> bool:
+    """Fuse the final norm + LM head + loss; whether it did (a warning says why not where there is an LM head)."""
     head, backbone = getattr(model, "lm_head", None), getattr(model, "model", None)
     norm = getattr(backbone, "norm", None)
+    if head is None or isinstance(head, LMHeadCrossEntropy):
+        return False
     if not isinstance(head, nn.Linear) or _cls(norm) not in NORM_CLASSES:
-        return
+        warnings.warn(f"coda.fuse: lm_head left stock: {_cls(model)} has lm_head {_cls(head)} and final norm "
+                      f"model.norm {_cls(norm) if norm is not None else 'missing'}; coda.fuse needs an nn.Linear "
+                      "lm_head after a LlamaRMSNorm model.norm")
+        return False
     if head.bias is not None or not _aligned(head.weight.shape[1]):
         warnings.warn("coda.fuse: lm_head left stock (needs no bias, hidden size a multiple of 8)")
-        return
+        return False
     deferred = DeferredRMSNorm.from_norm(norm)
     fused = LMHeadCrossEntropy.from_linear(head, norm=deferred)
     fused._coda_stock = (head, norm)
     backbone.norm, model.lm_head = deferred, fused
     model.forward = types.MethodType(_causal_lm_forward, model)
+    return True
 
 
 def _causal_lm_forward(self, *args, labels=None, **kwargs):
@@ -129,10 +159,11 @@ def unfuse(model: nn.Module) -> nn.Module:
     """Undo :func:`fuse` in place (current weights kept: gate/up de-interleaved into new Parameters)."""
     if not getattr(model, "_coda_fused", False):
         return model
-    for layer in model.modules():
+    for name, layer in model.named_modules():
         fused = getattr(layer, "mlp", None)
         if isinstance(fused, SwiGLUMLP) and hasattr(fused, "_coda_stock"):
             m, norm = fused._coda_stock
+            _replaced(fused.weight_gu, f"{name}.mlp.weight_gu")
             w_gate, w_up = fused.gate_up()
             rg = fused.weight_gu.requires_grad
             m.gate_proj.weight = nn.Parameter(w_gate.detach().clone(), requires_grad=rg)
@@ -147,6 +178,48 @@ def unfuse(model: nn.Module) -> nn.Module:
         model.__dict__.pop("forward", None)
     model._coda_fused = False
     return model
+
+
+# ------------------------------------------------------------------------------------------------ stale optimizers
+# Parameters that fuse / unfuse replaced: id -> (weak reference, name). An optimizer created before fuse keeps the
+# stock gate/up Parameters alive and would step them while the model trains others; the global step pre-hook below
+# makes its next step() a RuntimeError naming them. Entries go when the Parameter does (nothing else holds it).
+_REPLACED: dict = {}
+_generation = 0  # bumped at every replacement: an optimizer already checked is checked again only then
+_hook_handle = None
+
+
+def _replaced(param: nn.Parameter, name: str) -> None:
+    global _generation, _hook_handle
+    key = id(param)
+    _REPLACED[key] = (weakref.ref(param, lambda _, key=key: _REPLACED.pop(key, None)), name)
+    _generation += 1
+    if _hook_handle is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _hook_handle = register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def _check_optimizer(optimizer, args, kwargs) -> None:
+    """Global ``Optimizer.step`` pre-hook: a RuntimeError if ``optimizer`` holds a Parameter that coda.fuse (or
+    unfuse) replaced. Cheap: an optimizer is scanned again only after a new replacement or a new parameter group."""
+    if not _REPLACED:
+        return
+    stamp = (_generation, len(optimizer.param_groups))
+    if getattr(optimizer, "_coda_fuse_checked", None) == stamp:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = _REPLACED.get(id(p))
+            if entry is not None and entry[0]() is p:
+                raise RuntimeError(
+                    f"coda.fuse: this {type(optimizer).__name__} holds {entry[1]}, a Parameter that coda.fuse (or "
+                    "coda.unfuse) replaced: the model no longer uses it, so stepping would silently stop training "
+                    "that MLP. Create the optimizer after coda.fuse(model) / coda.unfuse(model) (e.g. "
+                    f"{type(optimizer).__name__}(model.parameters(), ...)).")
+    try:
+        optimizer._coda_fuse_checked = stamp
+    except AttributeError:
+        pass
 
 
 class _CallableModule(types.ModuleType):

@@ -1,8 +1,9 @@
 """What every op in ``coda.ops`` shares: which GEMM runs the work on a given device.
 
 - a Hopper (sm_90) GPU: ``coda.gemm`` (the fused CuTeDSL kernels);
-- CPU tensors: ``coda.reference.gemm`` (the same epilogue programs as torch ops, fp32 math) -- the documented
-  reference path, so models built with CODA run and test anywhere;
+- CPU tensors: ``coda.reference.gemm_wide`` (the same epilogue programs as torch ops, fp32 math; float32 / float64
+  inputs are taken too and computed in their own precision, so ``torch.autograd.gradcheck`` works; autocast off) --
+  the documented reference path, so models built with CODA run and test anywhere;
 - any other GPU: a clear error (``coda.reference.gemm`` can be called explicitly; it is never substituted silently).
 """
 from __future__ import annotations
@@ -18,11 +19,34 @@ from coda import _device
 def gemm_for(device: torch.device, entry: str = "coda.ops"):
     """The GEMM function for tensors on ``device`` (see the module docstring)."""
     if device.type == "cpu":
-        from coda.reference import gemm
-        return gemm
+        from coda.reference import gemm_wide
+        return gemm_wide
     _device.require_hopper(device, entry)
     from coda.gemm import gemm
     return gemm
+
+
+IN_DTYPES = (torch.bfloat16, torch.float16)  # what the kernels read; float32 / float64 only on the CPU path
+
+
+def check_inputs(entry: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """dtypes and devices of an op's ``x`` and ``weight``, named as the user passed them: both bfloat16 or both
+    float16; on CPU tensors (the reference path) both float32 or both float64 too (``TypeError``); one device
+    (``ValueError``)."""
+    cpu = x.device.type == "cpu"
+    allowed = IN_DTYPES + ((torch.float32, torch.float64) if cpu else ())
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype not in allowed:
+            names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+            raise TypeError(f"{entry}: {name}: expected dtype {names}"
+                            f"{'' if cpu else ' (float32 / float64 only on CPU tensors, the reference path)'}; "
+                            f"got {str(t.dtype).replace('torch.', '')}")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"{entry}: x and weight must have the same dtype; got x {x.dtype} and weight "
+                        f"{weight.dtype}".replace("torch.", ""))
+    if x.device != weight.device:
+        raise ValueError(f"{entry}: x and weight must be on the same device; got x on {x.device} and weight on "
+                         f"{weight.device}")
 
 
 def kernel_aligned(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -48,8 +72,10 @@ def backward_gemm(a: torch.Tensor, b: torch.Tensor, entry: str = "coda.ops") -> 
     16-byte row alignment; when they do not (e.g. a forward output width N that is not a multiple of 8 makes dX's
     contraction rows unaligned), on ``torch.matmul`` -- the documented fallback for unaligned shapes, tested in
     tests/test_ops_linear.py."""
-    if not kernel_aligned(a, b):
-        return torch.matmul(a, b.transpose(-1, -2))
+    if a.dtype not in IN_DTYPES or not kernel_aligned(a, b):  # float32 / float64: the CPU reference path
+        from coda.reference import no_autocast
+        with no_autocast(a.device):
+            return torch.matmul(a, b.transpose(-1, -2))
     return gemm_for(a.device, entry)(a, b)
 
 

@@ -29,8 +29,9 @@ autograd), so ``torch.compile(fullgraph=True)`` traces a call as one op; the epi
 Python-number scalars.
 
 Device: on a Hopper GPU the fused kernels run; on CPU tensors the same programs run through ``coda.reference.gemm``
-(torch ops, fp32 math) -- the documented reference path, useful for tests and debugging; other GPUs raise
-(``ops/_common.py``).
+(torch ops, fp32 math; float32 / float64 inputs too, in their own precision, so ``torch.autograd.gradcheck`` can
+check a custom epilogue; autocast does not change it) -- the documented reference path, useful for tests and
+debugging; other GPUs raise (``ops/_common.py``).
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ from coda.autodiff import (DGRAD, backward_epilogue, grad_name, on_preact, pair_
                            with_preact)
 from coda.dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, by_op_name, operand_symbol
 
-from ._common import call, custom_op, epilogue_pass, gemm_for, linear_grads, register_autograd
+from ._common import (IN_DTYPES, call, check_inputs, custom_op, epilogue_pass, gemm_for, linear_grads,
+                      register_autograd)
 
 __all__ = ["linear"]
 ENTRY = "coda.ops.linear"
@@ -85,25 +87,30 @@ def _backward_of(epi: DslEpilogue, grads: tuple, needs: tuple, tiles: bool = Fal
 # comma-separated.
 @custom_op("linear")
 def _linear_op(x2: Tensor, weight: Tensor, epilogue: str, save_preact: bool, names: str,
-               tensors: List[Tensor], scalar_names: str, scalar_values: List[float]) -> List[Tensor]:
+               tensors: List[Tensor], scalar_names: str, scalar_values: List[float],
+               out_dtype: Optional[torch.dtype] = None) -> List[Tensor]:
     """The epilogue's results (``result_keys`` order), then, with ``save_preact``, the pre-activation parts."""
     epi = by_op_name(epilogue)
     ops = dict(zip(_split(names), tensors), **dict(zip(_split(scalar_names), scalar_values)))
-    res = gemm_for(x2.device, ENTRY)(x2, weight, epilogue=with_preact(epi) if save_preact else epi, **ops)
+    res = gemm_for(x2.device, ENTRY)(x2, weight, epilogue=with_preact(epi) if save_preact else epi,
+                                     out_dtype=out_dtype, **ops)
     res = res if isinstance(res, dict) else {"out": res}
     return [res[k] for k in (*epi.result_keys, *(preact_keys(epi) if save_preact else ()))]
 
 
 @_linear_op.register_fake
-def _(x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values):
+def _(x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values, out_dtype=None):
     epi = by_op_name(epilogue)
     M, N = x2.shape[0], weight.shape[0]
     cols = epi.out_cols(N)  # N/2 for a half-mode pairs epilogue
     axes = {r.name: r.axis for r in epi.reductions}
-    outs = [x2.new_empty(M, cols)] * epi.stores_out + [x2.new_empty(M, cols) for _ in epi.outputs]
-    outs += [x2.new_empty(M if axes[k] == "n" else cols, dtype=torch.float32) for k in axes]
+    dt = out_dtype or x2.dtype
+    red = torch.promote_types(x2.dtype, torch.float32) if x2.dtype == torch.float64 else torch.float32
+    outs = [x2.new_empty(M, cols, dtype=dt) for _ in range(epi.stores_out)]
+    outs += [x2.new_empty(M, cols, dtype=dt) for _ in epi.outputs]
+    outs += [x2.new_empty(M if axes[k] == "n" else cols, dtype=red) for k in axes]
     pre = (N // 2 if epi.pair_mode else N)
-    return outs + [x2.new_empty(M, pre) for _ in (preact_keys(epi) if save_preact else ())]
+    return outs + [x2.new_empty(M, pre, dtype=dt) for _ in (preact_keys(epi) if save_preact else ())]
 
 
 def _backward_impl(grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values, saved,
@@ -146,7 +153,8 @@ def _backward_impl(grads, x2, weight, epilogue, save_preact, names, tensors, sca
             # max / logsumexp results of the rounded pre-activation, so that ties still match
             parts = list(preact.values())  # pairs: even / odd columns interleaved back into M x N
             full = parts[0] if len(parts) == 1 else torch.stack(parts, -1).flatten(-2)
-            fwd = epi.reference(full.float(), **dict(zip(names, tensors), **scalars))
+            fwd = epi.reference(full.to(torch.promote_types(full.dtype, torch.float32)),
+                                **dict(zip(names, tensors), **scalars))
             ops.update({value_name(k): fwd[k] for k in vals if value_name(k) in ops})
         if need_x or need_w or main_needs:
             res = _evaluate(epi, (present, main_needs, False), x2, weight, ops, preact, x2.dtype)
@@ -201,7 +209,7 @@ def _split(names: str) -> list:
 
 
 def _setup_context(ctx, inputs, output):
-    x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values = inputs
+    x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values = inputs[:8]
     epi = by_op_name(epilogue)
     keys = epi.result_keys
     res = dict(zip(keys, output))
@@ -224,13 +232,16 @@ def _backward(ctx, grads):
     # the return mirrors the inputs' structure as torch.library flattens it: a list of numbers is one leaf, an
     # empty list a list
     no_scalars = None if scalar_values else []
-    nothing = (None, None, None, None, None, [None] * ctx.n_tensors, None, no_scalars)
+    # one entry per argument as passed: torch.library's structure leaves out a defaulted out_dtype (its
+    # needs_input_grad has the passed arguments' structure); the eager Function always passes all nine
+    n_inputs = 9 if getattr(ctx, "coda_eager", False) else len(ctx.needs_input_grad)
+    nothing = (None, None, None, None, None, [None] * ctx.n_tensors, None, no_scalars, None)[:n_inputs]
     if all(g is None for g in grads) or not any(ctx.needs):
         return nothing
     d = call("linear_backward", grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names,
              scalar_values, list(saved[2 + ctx.n_tensors:]), ctx.needs, ctx=ctx)
     pick = [t if need else None for t, need in zip(d, ctx.needs)]
-    return (pick[0], pick[1], None, None, None, pick[2:], None, no_scalars)
+    return (pick[0], pick[1], None, None, None, pick[2:], None, no_scalars, None)[:n_inputs]
 
 
 register_autograd("linear", _backward, _setup_context)
@@ -267,7 +278,8 @@ def _evaluate(epi: DslEpilogue, which: tuple, x2, weight, ops: dict, preact, out
         tiles = {operand_symbol(o.name): o.name for o in bwd.operands if o.kind == "tile"}
         if set(bwd.exprs) == {"out"} and bwd.exprs["out"] in tiles:
             return {"out": ops[tiles[bwd.exprs["out"]]].to(out_dtype)}
-        acc0 = torch.zeros((), dtype=torch.float32, device=x2.device).expand(x2.shape[0], weight.shape[0])
+        acc_dtype = torch.promote_types(x2.dtype, torch.float32)  # float64 on the CPU reference path: gradcheck
+        acc0 = torch.zeros((), dtype=acc_dtype, device=x2.device).expand(x2.shape[0], weight.shape[0])
         res = bwd.reference(acc0, **ops)
     elif preact is None:
         res = gemm_for(x2.device, "coda.ops.linear")(x2, weight, epilogue=bwd, out_dtype=out_dtype, **ops)
@@ -279,7 +291,8 @@ def _evaluate(epi: DslEpilogue, which: tuple, x2, weight, ops: dict, preact, out
     return res
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact: bool = False, **operands):
+def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact: bool = False,
+           out_dtype: Optional[torch.dtype] = None, **operands):
     """``epilogue(x @ weight.T)`` with autograd; ``x`` (..., K), ``weight`` (N, K) like ``F.linear``.
 
     Operands follow the epilogue's declared kinds, with x's leading dims: VecM (...,), TileMN (..., N), VecN (N,),
@@ -292,7 +305,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
     accumulator with a GEMM (M x N saved bytes, in the output dtype, for an M x N x K GEMM). A half-mode pairs
     epilogue saves it as two extra M x N/2 outputs, the pairs' even and odd accumulator values (interleaved back for
     the backward). A 2 -> 2 pairs epilogue cannot carry extra outputs in the kernel: ``save_preact=True`` is a
-    ValueError there."""
+    ValueError there.
+
+    ``out_dtype``: the dtype of the main and extra outputs (and of the saved pre-activation): bfloat16, float16 or
+    float32, default x's dtype; reductions are float32. dtypes: x and weight both bfloat16 or both float16; on CPU
+    tensors (the reference path, ``coda.reference``) both float32 or both float64 too, computed in their own
+    precision (float64 math for float64, any floating ``out_dtype``; epilogue operands may be float64), so that
+    ``torch.autograd.gradcheck`` can check a custom epilogue's derived backward. Errors name the arguments as
+    passed here (``x``, ``weight``, ``out_dtype``, the operands)."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"linear: x and weight must be torch tensors, got {type(x).__name__} and "
                         f"{type(weight).__name__}")
@@ -301,6 +321,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
                          f"{tuple(weight.shape)}")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: x has K={x.shape[-1]} but weight has K={weight.shape[1]} (weight is (N, K))")
+    if not isinstance(save_preact, bool):
+        raise TypeError(f"linear: save_preact must be True or False, got {save_preact!r}")
+    check_inputs("linear", x, weight)
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"linear: out_dtype must be a torch.dtype or None, got {out_dtype!r}")
     if epilogue is None:
         epilogue = _identity()
     if not isinstance(epilogue, DslEpilogue):
@@ -331,11 +356,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
     # the same checks as coda.gemm, before anything runs (names, shapes, dtypes, devices); under torch.compile the
     # op's own coda.gemm call makes them when it runs (they read data pointers, which a trace does not have)
     if not torch.compiler.is_compiling():
-        epilogue.check_operands(flat, None, M, N, x.device)
+        _check_gemm(x2, weight, out_dtype, epilogue)
+        epilogue.check_operands(_checkable(flat), None, M, N, x.device)
     names = tuple(n for n, v in flat.items() if isinstance(v, torch.Tensor))
     scalars = {n: v for n, v in flat.items() if not isinstance(v, torch.Tensor)}
     outs = call("linear", x2, weight, epilogue.op_name, save_preact, ",".join(names), [flat[n] for n in names],
-                ",".join(scalars), [float(v) for v in scalars.values()])
+                ",".join(scalars), [float(v) for v in scalars.values()], out_dtype)
     keys = epilogue.result_keys
     axes = {r.name: r.axis for r in epilogue.reductions}
     res = {}
@@ -345,6 +371,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, epilogue=None, save_preact:
         else:
             res[k] = t.reshape(*lead, epilogue.out_cols(N))  # N/2 columns for a pairs epilogue
     return res["out"] if keys == ["out"] else res  # (an epilogue of reductions only: a dict of them)
+
+
+_RENAME = (("a/b: ", "x/weight: "), ("a: ", "x: "), ("b: ", "weight: "), ("b.shape[-2]", "weight.shape[0]"))
+
+
+def _check_gemm(x2: Tensor, weight: Tensor, out_dtype, epilogue: DslEpilogue) -> None:
+    """``coda.gemm``'s checks of the forward call (alignment, layout, ``out_dtype``), their messages naming
+    ``linear``'s arguments (``x``, ``weight``) instead of ``coda.gemm``'s (``a``, ``b``). Float32 / float64 inputs
+    (the CPU reference path) have no layout rules; their ``out_dtype`` is any floating dtype."""
+    from coda._validate import check_gemm_args
+    from coda.kernels.epilogue import half_out
+    if x2.dtype not in IN_DTYPES:
+        if out_dtype is not None and not out_dtype.is_floating_point:
+            raise TypeError(f"linear: out_dtype: expected a floating dtype, got {out_dtype}")
+        return
+    try:
+        check_gemm_args(x2, weight, out_dtype=out_dtype, half_out=half_out(epilogue))
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        for old, new in _RENAME[:3]:
+            if msg.startswith(old):
+                msg = new + msg[len(old):]
+                break
+        raise type(e)("linear: " + msg.replace(*_RENAME[3])) from None
+
+
+def _checkable(flat: dict) -> dict:
+    """The operands as ``check_operands`` reads them: float64 ones (the CPU reference path) as float32 copies."""
+    return {n: v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.float64 else v for n, v in flat.items()}
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,6 +32,7 @@ Device: on a Hopper GPU the fused kernels run; on CPU the same epilogue programs
 from __future__ import annotations
 
 import math
+from typing import Union
 
 import torch
 from torch import Tensor
@@ -55,8 +56,8 @@ _MAX_POS = 2 ** 24  # integers below this are exact in fp32
 
 # ------------------------------------------------------------------------------------------------ checks
 def _check(x, weight, positions, freqs) -> None:
-    """Every argument rule, before anything is computed; each message names the argument. Values are not read
-    (no device sync): positions must be integers in [0, 2^24) -- exact in fp32 -- by contract."""
+    """Every argument rule but the positions' values (:func:`_check_positions`), before anything is computed;
+    each message names the argument."""
     check_tensors("linear_rope", (("x", x), ("weight", weight), ("positions", positions), ("freqs", freqs)))
     if x.dtype not in _IN_DTYPES:
         raise TypeError(f"linear_rope: x must be bfloat16 or float16, got {x.dtype}")
@@ -102,6 +103,35 @@ def _check(x, weight, positions, freqs) -> None:
             raise ValueError(f"linear_rope: {name} requires grad, but linear_rope computes no gradient for it; pass "
                              f"{name}.detach()")
     check_last_dim_contiguous("linear_rope", (("x", x), ("weight", weight), ("freqs", freqs)))
+
+
+_CHECKS = {True: "sync", "async": "async", False: "off"}
+
+
+def _check_positions(positions: Tensor, check) -> None:
+    """``positions`` must hold integers in [0, 2^24) (exact in fp32; the angle reduction relies on it):
+    ``check_positions`` True reads the values (a device sync on a GPU) and raises a ValueError naming the argument;
+    "async" asserts on the device instead (no sync; a bad value fails the CUDA context at the next synchronizing
+    call; on CPU tensors it is the True check, which costs no sync there; under torch.compile both are the device
+    assert, a RuntimeError on CPU);
+    False skips it."""
+    if not (isinstance(check, bool) or check == "async"):
+        raise TypeError(f"linear_rope: check_positions must be True, False or \"async\", got {check!r}")
+    mode = _CHECKS[check]
+    if mode == "off" or not positions.numel():
+        return
+    p = positions
+    bad = (p < 0) | (p >= _MAX_POS)
+    if p.is_floating_point():
+        bad = bad | (p != torch.floor(p))  # NaN too (NaN != NaN)
+    msg = (f"linear_rope: positions must be integers in [0, 2^24) = [0, {_MAX_POS}) (exact in float32), got a "
+           "value outside")
+    if (mode == "async" and p.device.type != "cpu") or torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), msg)
+        return
+    if bool(bad.any()):
+        first = p.reshape(-1)[bad.reshape(-1)][0].item()
+        raise ValueError(f"{msg}: {first!r}" + (" (not an integer)" if math.isfinite(first) and first % 1 else ""))
 
 
 # ------------------------------------------------------------------------------------------------ custom ops (2-D)
@@ -155,7 +185,8 @@ register_autograd("linear_rope", _autograd_backward, _setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public entry
-def linear_rope(x: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
+def linear_rope(x: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor, *,
+                check_positions: Union[bool, str] = True) -> Tensor:
     """``x @ weight.T`` with each column pair (2j, 2j+1) of row m rotated by ``positions[m] * freqs[j]``, in one
     fused GEMM, autograd included (see the module docstring).
 
@@ -163,8 +194,13 @@ def linear_rope(x: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor) -> 
     order: ``permute_half_split`` converts Hugging Face weights once); ``positions``: x.shape[:-1] (or broadcastable
     to it, e.g. (S,) for x (B, S, K)), int64 / int32 / float32 integer positions below 2^24 (converted to fp32,
     exact); ``freqs``: (N/2,) float32, one frequency per pair (``rope_freqs``; 0 = not rotated). N and K multiples
-    of 8. Returns (..., N) in x's dtype. Positions and frequencies get no gradient."""
+    of 8. Returns (..., N) in x's dtype. Positions and frequencies get no gradient.
+
+    ``check_positions``: True (default: the values are read -- one device sync on a GPU -- and a non-integer,
+    negative or >= 2^24 position is a ValueError naming ``positions``), "async" (a device-side assert, no sync) or
+    False (no check; such a position then gives a wrong angle)."""
     _check(x, weight, positions, freqs)
+    _check_positions(positions, check_positions)
     lead, K = x.shape[:-1], x.shape[-1]
     M = math.prod(lead)
     pos = torch.broadcast_to(positions, lead).reshape(M).to(torch.float32).contiguous()

@@ -355,6 +355,7 @@ def test_generated_gradients_match_autograd(spec):
         torch.testing.assert_close(d, w.reshape(d.shape), rtol=1e-7, atol=1e-9, msg=lambda m: f"d_{name}: {m}")
 
 
+@pytest.mark.slow
 @settings(max_examples=int(os.environ.get("CODA_DSL_COMPILE_EXAMPLES", 200)), **SETTINGS)
 @given(spec=specs())
 def test_generated_epilogue_compiles_for_sm90(spec):
@@ -628,6 +629,7 @@ def test_generated_pair_tile_gradients_match_autograd(spec):
                                    msg=lambda m: f"d_{n}: {m}")
 
 
+@pytest.mark.slow
 @settings(max_examples=int(os.environ.get("CODA_DSL_COMPILE_EXAMPLES", 200)) // 8,
           **{**SETTINGS, "suppress_health_check": SETTINGS["suppress_health_check"] + [HealthCheck.filter_too_much]})
 @given(spec=_pair_tile_specs())

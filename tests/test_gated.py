@@ -249,7 +249,7 @@ def test_unaligned_width_through_ops_linear():
     """What the library itself says for 2I % 16 != 0 (coda.ops.linear with the epilogue, bypassing the op's
     check): the GEMM's alignment error names N/2; the op says it in terms of I before anything runs."""
     x, w = torch.randn(4, 32, dtype=torch.bfloat16), torch.randn(40, 32, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"N/2=20 \(pairs: half of b.shape\[-2\]\)"):
+    with pytest.raises(ValueError, match=r"weight: N/2=20 \(pairs: half of weight.shape\[0\]\)"):
         coda.ops.linear(x, w, epilogue=swiglu)
     with pytest.raises(ValueError, match="linear_swiglu: weight_gu has 40 rows"):
         coda.ops.linear_swiglu(x, w)

@@ -50,7 +50,8 @@ def test_subpackages_import():
 def test_lazy_public_names():
     import coda
 
-    assert {"gemm", "GemmConfig", "reference", "__version__"} <= set(dir(coda))
+    assert {"gemm", "GemmConfig", "reference", "__version__", "ops", "nn", "autotune", "fuse"} <= set(dir(coda))
+    assert coda.ops is importlib.import_module("coda.ops") and coda.autotune is importlib.import_module("coda.autotune")
     assert coda.reference is importlib.import_module("coda.reference")
     assert coda.GemmConfig is importlib.import_module("coda.config").GemmConfig
     with pytest.raises(AttributeError):
