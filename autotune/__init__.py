@@ -1,20 +1,25 @@
 """Autotuning of GemmConfig for CODA's GEMM (installed as ``coda.autotune``).
 
-``coda.gemm(..., config=None)`` asks :func:`select_config`:
+``coda.gemm(..., config=None)`` (and every op) asks :func:`select_config`, which never tunes unless asked to:
 
-1. ``CODA_AUTOTUNE=0``: ``coda.config.default_config`` (the heuristic), no timing, nothing read or written;
-2. the in-memory result of this process, then the on-disk result cache (``$CODA_CACHE_DIR``, default
-   ``~/.cache/coda``; JSON keyed by GPU name + SM count, cutlass-dsl and CODA versions, dtypes, shape bucket and
-   the epilogue's semantic key; see :mod:`coda.autotune.keys` and :mod:`coda.autotune.store`);
-3. on a miss, tune (:mod:`coda.autotune.tuner`: every config of the pruned space that is worth timing,
-   L2-cold inputs, ``triton.testing.do_bench`` medians, results checked against the torch reference) and store the
-   winner (kept in memory, with one warning, if the cache dir cannot be written) -- unless the problem is too
-   small to be worth it (< ``MIN_TUNE_FLOP``) or the stream is being captured into a CUDA graph, where the
-   heuristic is used (remembered in memory only).
+- default (``CODA_AUTOTUNE`` unset or empty): this process's memory, then the user's tuning store (on-disk result
+  cache: ``$CODA_CACHE_DIR``, default ``~/.cache/coda``; JSON keyed by GPU name + SM count, cutlass-dsl and CODA
+  versions, dtypes, shape bucket and the epilogue's semantic key; see :mod:`coda.autotune.keys` and
+  :mod:`coda.autotune.store`), then a config shipped for this GPU model (:mod:`coda.autotune.ship`, nearest shape
+  bucket), else the heuristic ``coda.config.default_config``. A new shape costs a file read, never a tuning run;
+- ``CODA_AUTOTUNE=1``: memory, the store, then on a miss tune (:mod:`coda.autotune.tuner`: every config of the
+  pruned space that is worth timing, L2-cold inputs, ``triton.testing.do_bench`` medians, results checked against
+  the torch reference) and store the winner (kept in memory, with one warning, if the cache dir cannot be
+  written) -- unless the problem is too small to be worth it (< ``MIN_TUNE_FLOP``) or the stream is being captured
+  into a CUDA graph, where the default chain above is used (not remembered);
+- ``CODA_AUTOTUNE=0``: ``coda.config.default_config`` (the heuristic), no timing, nothing read or written.
 
-Also: :func:`clear` (results, compiled kernels, in-memory state), :func:`tune_shape` (what the CLI
-``python -m coda.autotune --gemm M,N,K`` runs), and the compile cache (:mod:`coda.autotune.compile_cache`).
-Importing this package imports neither torch nor cutlass.
+Explicit tuning: :func:`tune` (the caller's tensors), :func:`tune_shape` (random inputs; CLI ``--gemm``), and
+``python -m coda.autotune --model PRESET`` (every GEMM of a fused training step: :mod:`coda.autotune.model`).
+Visibility: :func:`summary` (how many distinct shapes used tuned, shipped or heuristic configs; printed once at
+exit with ``CODA_AUTOTUNE_SUMMARY=1``, or when a heuristic config was used on a GPU while tuning was not turned
+off), ``python -m coda.autotune --show``. Also :func:`clear` (results, compiled kernels, in-memory state) and the
+compile cache (:mod:`coda.autotune.compile_cache`). Importing this package imports neither torch nor cutlass.
 """
 from __future__ import annotations
 
@@ -27,18 +32,30 @@ from typing import Any, Optional
 from .keys import config_problem, result_entry_problem, tune_key
 from .store import ResultStore, cache_dir, path_exists
 
-__all__ = ["enabled", "select_config", "lookup", "tune_shape", "clear", "cache_dir", "store", "MIN_TUNE_FLOP"]
+__all__ = ["enabled", "mode", "select_config", "lookup", "tune", "tune_shape", "clear", "cache_dir", "store",
+           "summary", "counts", "MIN_TUNE_FLOP"]
 
 MIN_TUNE_FLOP = 2**34  # ~17 GFLOP (~25 us on an H100): below this, tuning is not worth a first-call delay
 
 store = ResultStore(validate=result_entry_problem)  # a bad entry on disk is ignored (one warning), then dropped
-_memory: dict = {}  # tune key -> GemmConfig
+_memory: dict = {}  # tune key -> GemmConfig (tuned in this process, or read from the store)
+_served: dict = {}  # tune key -> (GemmConfig, source) of the default chain (shipped / heuristic; not tuned)
 _tune_lock = threading.RLock()
+_TUNE_VALUES = ("1", "true", "yes", "on")
+
+
+def mode() -> str:
+    """``"off"`` (``CODA_AUTOTUNE=0``), ``"tune"`` (``CODA_AUTOTUNE=1``) or ``"default"`` (unset: store, shipped,
+    heuristic; never tunes). Read at every call."""
+    v = os.environ.get("CODA_AUTOTUNE", "").strip().lower()
+    if v in ("0", "false", "no", "off"):
+        return "off"
+    return "tune" if v in _TUNE_VALUES else "default"
 
 
 def enabled() -> bool:
-    """False when ``CODA_AUTOTUNE=0`` (read at every call)."""
-    return os.environ.get("CODA_AUTOTUNE", "1").strip() != "0"
+    """False when ``CODA_AUTOTUNE=0`` (read at every call): configs are then the heuristic's, no lookups."""
+    return mode() != "off"
 
 
 def _kernel_view(prob) -> tuple:
@@ -77,7 +94,7 @@ def key_for(prob, epi: Any) -> str:
 
 
 def lookup(prob, epi: Any) -> Optional[Any]:
-    """The remembered config for this problem (memory, then disk), or None. Never tunes."""
+    """The remembered config for this problem (memory, then the store), or None. Never tunes."""
     key = key_for(prob, epi)
     cfg = _memory.get(key)
     if cfg is None:
@@ -85,6 +102,45 @@ def lookup(prob, epi: Any) -> Optional[Any]:
         if cfg is not None:
             _memory[key] = cfg
     return cfg
+
+
+def shipped(prob, epi: Any, default: Any = None) -> Optional[Any]:
+    """The config shipped for this GPU model and problem (nearest shape bucket, :mod:`coda.autotune.ship`), or
+    None. An entry whose config is the heuristic default of its tuning run (the tuner found nothing better) is
+    used only while today's heuristic still picks that config. Never raises."""
+    from . import ship
+    from .keys import device_info
+    try:
+        M, L = _kernel_view(prob)
+        found = ship.lookup(device_info(prob.device), prob.in_dtype, prob.out_dtype, prob.a_major, prob.b_major,
+                            M, prob.N, prob.K, L, ship.epilogue_id(epi))
+    except Exception:  # a damaged package file must not break a GEMM call
+        return None
+    if found is None:
+        return None
+    entry = found[0]
+    cfg = _config_of(entry, epi, prob)
+    if cfg is None:
+        return None
+    default = default if default is not None else heuristic(prob)
+    if cfg.name == entry.get("default") and default.name != entry.get("default"):
+        return None  # the heuristic changed since: the entry said only "the heuristic of then was best"
+    return cfg
+
+
+def _default_chain(prob, epi: Any, key: str, default: Any) -> tuple:
+    """(config, source) without tuning: the store ("tuned"), a shipped config ("shipped"), the heuristic."""
+    hit = _served.get(key)
+    if hit is not None:
+        return hit
+    cfg = _config_of(store.get(key), epi, prob)
+    if cfg is not None:
+        _memory[key] = cfg
+        return cfg, "tuned"
+    cfg = shipped(prob, epi, default)
+    hit = (cfg, "shipped") if cfg is not None else (default, "heuristic")
+    _served[key] = hit
+    return hit
 
 
 def _capturing() -> bool:
@@ -98,11 +154,18 @@ def _capturing() -> bool:
 def select_config(prob, epi: Any, a: Any, b: Any, operands: dict) -> Any:
     """The config ``coda.gemm`` uses when called with ``config=None`` (see the module docstring)."""
     default = heuristic(prob)
-    if not enabled() or prob.empty_result or prob.zero_k:
+    m = mode()
+    if m == "off" or prob.empty_result or prob.zero_k:
+        _note(prob, epi, default, "heuristic", a, b, operands)
         return default
     key = key_for(prob, epi)
     cfg = _memory.get(key)
     if cfg is not None:
+        _note(prob, epi, cfg, "tuned", a, b, operands)
+        return cfg
+    if m != "tune" or _recorders:
+        cfg, source = _default_chain(prob, epi, key, default)
+        _note(prob, epi, cfg, source, a, b, operands)
         return cfg
     with _tune_lock:
         cfg = _memory.get(key)
@@ -111,7 +174,10 @@ def select_config(prob, epi: Any, a: Any, b: Any, operands: dict) -> Any:
         if cfg is None:
             M, L = _kernel_view(prob)
             if 2 * M * prob.N * prob.K * L < MIN_TUNE_FLOP or _capturing():
-                return default  # not remembered: a later, capturable call of a large problem still tunes
+                # not remembered as tuned: a later, capturable call of a large problem still tunes
+                cfg, source = _default_chain(prob, epi, key, default)
+                _note(prob, epi, cfg, source, a, b, operands)
+                return cfg
             from . import tuner
             try:
                 result = tuner.tune(a, b, epi, prob.out_dtype, operands)
@@ -120,12 +186,102 @@ def select_config(prob, epi: Any, a: Any, b: Any, operands: dict) -> Any:
                               f"{str(e).splitlines()[0][:200] if str(e) else ''}); using the default config "
                               f"{default.name} for this process", RuntimeWarning, stacklevel=3)
                 _memory[key] = default
+                _note(prob, epi, default, "heuristic", a, b, operands)
                 return default
             cfg = result.best
             if result.best_ms is not None:
-                store.put(key, result.entry(prob))
+                store.put(key, _entry(result, prob, epi))
         _memory[key] = cfg
+    _note(prob, epi, cfg, "tuned", a, b, operands)
     return cfg
+
+
+def _entry(result, prob, epi) -> dict:
+    try:
+        return result.entry(prob, epi)
+    except TypeError:  # a TuneResult stand-in without the epilogue argument
+        return result.entry(prob)
+
+
+# ------------------------------------------------------------------------------------- usage and the recorder
+_usage: dict = {}  # shape id -> source ("tuned", "shipped", "heuristic")
+_heuristic_on_gpu = [False]
+_recorders: list = []  # active coda.autotune.model.Recorder objects
+_usage_lock = threading.Lock()
+
+
+def _note(prob, epi, cfg, source: str, a, b, operands) -> None:
+    M, L = _kernel_view(prob)
+    sid = (M, prob.N, prob.K, L, str(prob.in_dtype), str(prob.out_dtype), prob.a_major, prob.b_major,
+           type(epi).__qualname__, getattr(epi, "name", ""))
+    with _usage_lock:
+        _usage[sid] = source
+        if source == "heuristic" and getattr(prob.device, "type", None) == "cuda" and mode() != "off":
+            _heuristic_on_gpu[0] = True
+        recs = list(_recorders)
+    for r in recs:
+        r.add(prob, epi, cfg, source, a, b, operands)
+
+
+def counts() -> dict:
+    """How many distinct problems (shape, dtypes, layouts, epilogue) this process ran with a tuned (the store or
+    tuned here), shipped or heuristic config."""
+    with _usage_lock:
+        vals = list(_usage.values())
+    return {k: vals.count(k) for k in ("tuned", "shipped", "heuristic")}
+
+
+def summary() -> str:
+    """One line: what was tuned and what was guessed in this process (see :func:`counts`)."""
+    c = counts()
+    n = sum(c.values())
+    line = (f"coda.autotune: {n} GEMM shape{'' if n == 1 else 's'}: {c['tuned']} tuned, {c['shipped']} shipped, "
+            f"{c['heuristic']} heuristic (CODA_AUTOTUNE={os.environ.get('CODA_AUTOTUNE', '') or 'unset'})")
+    if c["heuristic"] and mode() == "default":
+        line += "; tune them once per machine: python -m coda.autotune --model PRESET (or CODA_AUTOTUNE=1)"
+    return line
+
+
+def _at_exit() -> None:
+    flag = os.environ.get("CODA_AUTOTUNE_SUMMARY", "").strip()
+    if flag == "0" or not _usage:
+        return
+    if flag == "1" or _heuristic_on_gpu[0]:
+        try:
+            print(summary(), file=sys.stderr, flush=True)
+        except Exception:
+            pass
+
+
+import atexit  # noqa: E402
+
+atexit.register(_at_exit)
+
+
+def tune(a: Any, b: Any, *, epilogue: Any = None, out_dtype: Any = None, level: str = "quick", save: bool = True,
+         progress: bool = True, **operands):
+    """Tune ``epilogue(a @ b.T)`` on the caller's tensors now (every candidate config timed; minutes for a large
+    problem), store the winner in the tuning store (``save``) and remember it for this process; returns the
+    :class:`coda.autotune.tuner.TuneResult`. Later ``coda.gemm(..., config=None)`` calls of this problem use it."""
+    from coda._validate import check_gemm_args
+    from coda.kernels.epilogue import check_epilogue, half_out
+
+    from . import tuner
+    epi = check_epilogue(epilogue)
+    prob = check_gemm_args(a, b, out_dtype=out_dtype, half_out=half_out(epi))
+    result = tuner.tune(a, b, epi, prob.out_dtype, operands, level=level, progress=progress)
+    if save and result.best_ms is not None:
+        _remember(prob, epi, result)
+    return result
+
+
+def _remember(prob, epi, result) -> None:
+    key = key_for(prob, epi)
+    store.put(key, _entry(result, prob, epi))
+    with _tune_lock:
+        _memory[key] = result.best
+        _served.pop(key, None)
+    _drop_plans()
 
 
 def tune_shape(M: int, N: int, K: int, L: Optional[int] = None, dtype: Any = "bfloat16", out_dtype: Any = None,
@@ -135,7 +291,7 @@ def tune_shape(M: int, N: int, K: int, L: Optional[int] = None, dtype: Any = "bf
 
     from coda._device import require_hopper
     from coda._validate import check_gemm_args
-    from coda.kernels.epilogue import check_epilogue
+    from coda.kernels.epilogue import check_epilogue, half_out
 
     from . import tuner
     from .keys import dtype_name
@@ -149,12 +305,7 @@ def tune_shape(M: int, N: int, K: int, L: Optional[int] = None, dtype: Any = "bf
     operands = dict(operands) if operands is not None else tuner.random_operands(epi, L, M, N, od)
     result = tuner.tune(a, b, epi, od, operands, level=level)
     if save and result.best_ms is not None:
-        prob = check_gemm_args(a, b, out_dtype=od)
-        key = key_for(prob, epi)
-        store.put(key, result.entry(prob))
-        with _tune_lock:
-            _memory[key] = result.best
-        _drop_plans()
+        _remember(check_gemm_args(a, b, out_dtype=od, half_out=half_out(epi)), epi, result)
     return result
 
 
@@ -178,5 +329,6 @@ def clear(results: bool = True, kernels: bool = True) -> dict:
         removed["kernels"] = compile_cache.clear()
     with _tune_lock:
         _memory.clear()
+        _served.clear()
     _drop_plans()
     return removed

@@ -55,12 +55,21 @@ class TuneResult:
     flop: int
     level: str
 
-    def entry(self, prob) -> dict:
-        """What the result cache stores for this problem."""
-        return {"config": space.config_to_dict(self.best), "name": self.best.name, "ms": self.best_ms,
-                "default": self.default.name, "default_ms": self.default_ms, "tried": len(self.rows),
-                "shape": [prob.M, prob.N, prob.K, prob.L], "tuning_s": round(self.seconds, 2),
-                "level": self.level, "time": time.time()}
+    def entry(self, prob, epi: Any = None) -> dict:
+        """What the result cache stores for this problem. With ``epi``, also the problem as the kernel sees it
+        and the epilogue's identity (what ``python -m coda.autotune --ship-from`` needs to ship the result)."""
+        e = {"config": space.config_to_dict(self.best), "name": self.best.name, "ms": self.best_ms,
+             "default": self.default.name, "default_ms": self.default_ms, "tried": len(self.rows),
+             "shape": [prob.M, prob.N, prob.K, prob.L], "tuning_s": round(self.seconds, 2),
+             "level": self.level, "time": time.time()}
+        if epi is not None:
+            from . import _kernel_view, ship
+            M, L = _kernel_view(prob)
+            e["problem"] = {"M": M, "N": prob.N, "K": prob.K, "L": L, "in_dtype": dtype_name(prob.in_dtype),
+                            "out_dtype": dtype_name(prob.out_dtype), "a_major": prob.a_major,
+                            "b_major": prob.b_major}
+            e["epilogue"] = {"name": epi.name, "id": ship.epilogue_id(epi), "ref": ship.epilogue_ref(epi)}
+        return e
 
     def table(self) -> str:
         lines = [f"{'#':>3} {'config':34s} {'ms':>9s} {'TFLOP/s':>8s} {'vs default':>10s}  status"]
@@ -176,8 +185,8 @@ def random_operands(epi: Any, L: Optional[int], M: int, N: int, out_dtype: torch
 class Progress:
     """Silent for the first ``after_s`` seconds; then a tqdm bar if importable, else plain lines on stderr."""
 
-    def __init__(self, total: int, desc: str, after_s: float = 1.0, stream=None):
-        self.total, self.desc, self.after_s = total, desc, after_s
+    def __init__(self, total: int, desc: str, after_s: float = 1.0, stream=None, unit: str = "cfg"):
+        self.total, self.desc, self.after_s, self.unit = total, desc, after_s, unit
         self.t0 = time.perf_counter()
         self.bar = None
         self.plain = False
@@ -189,7 +198,7 @@ class Progress:
         if self.bar is None and not self.plain and time.perf_counter() - self.t0 > self.after_s:
             try:
                 from tqdm.auto import tqdm
-                self.bar = tqdm(total=self.total, initial=self.done - 1, desc=self.desc, unit="cfg",
+                self.bar = tqdm(total=self.total, initial=self.done - 1, desc=self.desc, unit=self.unit,
                                 file=self.stream, leave=False)
             except ImportError:
                 self.plain = True
@@ -197,7 +206,8 @@ class Progress:
             self.bar.update(1)
             self.bar.set_postfix_str(f"best {best}")
         elif self.plain:
-            print(f"{self.desc}: {self.done}/{self.total} configs, best so far {best}", file=self.stream, flush=True)
+            what = "configs, best so far" if self.unit == "cfg" else f"{self.unit}s;"
+            print(f"{self.desc}: {self.done}/{self.total} {what} {best}", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -1,0 +1,447 @@
+"""Shipped tuned configs: one JSON file per GPU model in ``coda/autotune/shipped/`` (package data).
+
+A file::
+
+    {"schema": 1, "gpu": {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132, "arch": "sm_90a"},
+     "cutlass_dsl": "4.8.1", "provenance": {...}, "entries": {key: entry}}
+
+An entry is one tuning result: ``problem`` (M, N, K, L as the kernel sees them -- a weight shared by every batch
+folds L into M, as in the tuning store --, dtypes, operand layouts ``a_major`` / ``b_major``), ``epilogue``
+(``name``, ``id`` = sha256 of ``repr(epilogue.key())`` -- the epilogue's declared structure and, for
+``@coda.epilogue`` functions, its traced math; not the code fingerprint of the store's keys, which depends on the
+Python version --, and ``ref``, an importable ``module:attribute`` when the library defines it), ``config``, the
+timings (``ms``, ``default``, ``default_ms``) and ``source``. The key is :func:`entry_key` of those fields.
+
+Which file: the one whose ``gpu.name`` and ``gpu.sm_count`` are this GPU's, made with this cutlass-dsl version;
+a file of another patch release of the same major.minor is used when no exact one exists (a config is a set of
+compile-time knobs; ``tests/test_first_use_tuning.py`` compiles every shipped entry with the installed DSL).
+
+Which entry (the nearest shape bucket): same dtypes, layouts, N, K, L bucket (power of two) and epilogue id; among
+those, the M nearest in log distance (``|log2 M - log2 M_entry|``; a tie goes to the larger M), and only within
+:data:`MAX_M_RATIO` of it (farther, a tile choice made for other wave counts is no better than the heuristic).
+
+Nothing here imports torch or cutlass, except :func:`epilogue_ref` / :func:`resolve_ref` (the library's epilogues).
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import hashlib
+import importlib
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+from typing import Any, Iterable, Optional
+
+from .keys import DeviceInfo, config_problem, cutlass_dsl_version, dtype_name, pow2_bucket
+
+SHIP_SCHEMA = 1
+SHIPPED_DIR = pathlib.Path(__file__).resolve().parent / "shipped"
+MAX_M_RATIO = 4  # an entry serves M within a factor of 4 of its own
+MARGIN = 0.01  # a tuned config ships only if it re-measured > 1 % faster than the default (tuner.RUNOFF_MARGIN)
+LAYOUTS = ("k", "mn")
+
+
+# ------------------------------------------------------------------------------------------------- identities
+def epilogue_id(epi: Any) -> str:
+    """Stable identity of an epilogue's structure and math: sha256 of ``repr(epi.key())`` (16 hex digits)."""
+    return hashlib.sha256(repr(epi.key()).encode()).hexdigest()[:16]
+
+
+def entry_key(in_dtype: Any, out_dtype: Any, a_major: str, b_major: str, M: int, N: int, K: int, L: int,
+              epi_id: str) -> str:
+    return (f"{dtype_name(in_dtype)}->{dtype_name(out_dtype)}|{a_major},{b_major}|M{int(M)}xN{int(N)}xK{int(K)}"
+            f"xL{int(L)}|epi {epi_id}")
+
+
+def _library_epilogues() -> Iterable[tuple]:
+    """(``module:attr``, epilogue or Epilogue subclass) for everything ``coda.epilogues``' modules define."""
+    import pkgutil
+
+    import coda.epilogues as lib
+    from coda.kernels.epilogue import Epilogue
+    for info in pkgutil.iter_modules(lib.__path__):
+        try:
+            mod = importlib.import_module(f"{lib.__name__}.{info.name}")
+        except Exception:  # an optional dependency missing: its epilogues cannot be shipped
+            continue
+        for attr, v in vars(mod).items():
+            if isinstance(v, Epilogue) or (isinstance(v, type) and issubclass(v, Epilogue) and v is not Epilogue
+                                           and v.__module__ == mod.__name__):
+                yield f"{mod.__name__}:{attr}", v
+
+
+def epilogue_ref(epi: Any) -> Optional[str]:
+    """``"identity"``, or the ``module:attribute`` of ``coda.epilogues`` that gives an epilogue of the same
+    :func:`epilogue_id` (an instance, or a class built without arguments); None if the library has none."""
+    if epi.is_identity:
+        return "identity"
+    want = epilogue_id(epi)
+    for ref, v in _library_epilogues():
+        try:
+            e = v() if isinstance(v, type) else v
+            if epilogue_id(e) == want:
+                return ref
+        except Exception:
+            continue
+    return None
+
+
+def resolve_ref(ref: str) -> Any:
+    """The epilogue a ``ref`` names (``"identity"`` or ``module:attribute``; a class is instantiated)."""
+    from coda.kernels.epilogue import IDENTITY, Epilogue
+    if ref == "identity":
+        return IDENTITY
+    mod, attr = ref.split(":", 1)
+    v = getattr(importlib.import_module(mod), attr)
+    return v() if isinstance(v, type) and issubclass(v, Epilogue) else v
+
+
+def resolve_name(name: str) -> Optional[str]:
+    """The ref of the library epilogue called ``name`` (attribute or ``.name``), or None."""
+    if name in ("identity", "none", ""):
+        return "identity"
+    for ref, v in _library_epilogues():
+        if ref.split(":", 1)[1] == name or getattr(v, "name", None) == name:
+            return ref
+    return None
+
+
+_NAME_RE = re.compile(r"^(\d+)x(\d+)_(pp|coop)_c(\d+)x(\d+)_r([mn])(\d+)(?:_s(\d+))?(_dyn)?$")
+
+
+def config_from_name(name: str, epi_n: Optional[int] = None) -> Any:
+    """The GemmConfig whose ``.name`` is ``name`` (the name leaves out ``epi_n``: the quick level's, 32, unless
+    given)."""
+    from coda.config import GemmConfig
+    m = _NAME_RE.match(name)
+    if not m:
+        raise ValueError(f"not a GemmConfig name: {name!r}")
+    tm, tn, sched, cm, cn, raster, sw, st, dyn = m.groups()
+    return GemmConfig(tile_m=int(tm), tile_n=int(tn), cluster_m=int(cm), cluster_n=int(cn), pingpong=sched == "pp",
+                      raster=raster, swizzle=int(sw), stages=int(st) if st else None,
+                      epi_n=epi_n if epi_n is not None else GemmConfig.epi_n, sched="dynamic" if dyn else "static")
+
+
+# ------------------------------------------------------------------------------------------------- the files
+def _minor(v: str) -> str:
+    return ".".join(str(v).split(".")[:2])
+
+
+def doc_problems(doc: Any) -> list:
+    """Why a shipped file's content is unusable (empty: usable). Checks the schema, the GPU and version fields, the
+    provenance, and every entry (fields, types, layouts, config, key = :func:`entry_key` of the fields)."""
+    if not isinstance(doc, dict):
+        return ["not an object"]
+    out = []
+    if doc.get("schema") != SHIP_SCHEMA:
+        out.append(f"schema {doc.get('schema')!r}, expected {SHIP_SCHEMA}")
+    gpu = doc.get("gpu")
+    if not (isinstance(gpu, dict) and isinstance(gpu.get("name"), str) and type(gpu.get("sm_count")) is int
+            and isinstance(gpu.get("arch"), str)):
+        out.append("gpu must be {name: str, sm_count: int, arch: str}")
+    if not isinstance(doc.get("cutlass_dsl"), str):
+        out.append("cutlass_dsl must be a version string")
+    prov = doc.get("provenance")
+    if not (isinstance(prov, dict) and isinstance(prov.get("sources"), list) and prov["sources"]
+            and all(isinstance(s, dict) and {"file", "date"} <= set(s) for s in prov["sources"])
+            and isinstance(prov.get("gpu"), str) and isinstance(prov.get("converted"), str)):
+        out.append("provenance must give gpu, converted and sources [{file, date, ...}]")
+    entries = doc.get("entries")
+    if not isinstance(entries, dict):
+        return out + ["entries must be an object"]
+    for k, e in entries.items():
+        why = entry_problem(k, e)
+        if why:
+            out.append(f"entry {k[:100]!r}: {why}")
+    return out
+
+
+def entry_problem(key: str, e: Any) -> Optional[str]:
+    if not isinstance(e, dict):
+        return "not an object"
+    p, ep = e.get("problem"), e.get("epilogue")
+    if not isinstance(p, dict) or not all(type(p.get(f)) is int and p[f] > 0 for f in "MNKL"):
+        return "problem must have positive ints M, N, K, L"
+    if p.get("a_major") not in LAYOUTS or p.get("b_major") not in LAYOUTS:
+        return f"problem layouts must be in {LAYOUTS}"
+    if not all(isinstance(p.get(f), str) for f in ("in_dtype", "out_dtype")):
+        return "problem dtypes must be strings"
+    if not (isinstance(ep, dict) and isinstance(ep.get("name"), str) and isinstance(ep.get("id"), str)
+            and (ep.get("ref") is None or isinstance(ep.get("ref"), str))):
+        return "epilogue must be {name, id, ref}"
+    why = config_problem(e.get("config"))
+    if why:
+        return why
+    if not isinstance(e.get("source"), str):
+        return "source must name where the result comes from"
+    want = entry_key(p["in_dtype"], p["out_dtype"], p["a_major"], p["b_major"], p["M"], p["N"], p["K"], p["L"],
+                     ep["id"])
+    return None if key == want else f"key does not match the fields (expected {want!r})"
+
+
+@functools.lru_cache(maxsize=32)
+def _load(path: str, mtime_ns: int) -> Optional[dict]:
+    try:
+        doc = json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if doc_problems(doc):
+        return None
+    index: dict = {}
+    for e in doc["entries"].values():
+        p = e["problem"]
+        group = (p["in_dtype"], p["out_dtype"], p["a_major"], p["b_major"], p["N"], p["K"], pow2_bucket(p["L"]),
+                 e["epilogue"]["id"])
+        index.setdefault(group, []).append(e)
+    return {"doc": doc, "index": index}
+
+
+def load(path: Any) -> Optional[dict]:
+    """The validated file (``{"doc", "index"}``), cached per modification time; None if missing or unusable."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _load(str(path), st.st_mtime_ns)
+
+
+def files_for(dev: DeviceInfo, version: Optional[str] = None, directory: Optional[pathlib.Path] = None) -> list:
+    """The usable shipped files (paths) for ``dev`` and the cutlass-dsl ``version``: exact version first."""
+    version = version or cutlass_dsl_version()
+    found = []
+    for path in sorted(pathlib.Path(directory or SHIPPED_DIR).glob("*.json")):
+        data = load(path)
+        if data is None:
+            continue
+        doc = data["doc"]
+        if doc["gpu"]["name"] != dev.name or doc["gpu"]["sm_count"] != dev.sm_count:
+            continue
+        if doc["cutlass_dsl"] == version:
+            found.insert(0, path)
+        elif _minor(doc["cutlass_dsl"]) == _minor(version):
+            found.append(path)
+    return found
+
+
+def nearest(entries: list, M: int) -> Optional[dict]:
+    """The entry of M nearest in log distance (a tie: the larger M), within MAX_M_RATIO; None if none is."""
+    best, best_d = None, None
+    for e in entries:
+        me = e["problem"]["M"]
+        d = abs(math.log2(max(M, 1)) - math.log2(me))
+        if d > math.log2(MAX_M_RATIO) + 1e-9:
+            continue
+        if best is None or d < best_d - 1e-12 or (abs(d - best_d) <= 1e-12 and me > best["problem"]["M"]):
+            best, best_d = e, d
+    return best
+
+
+def lookup(dev: DeviceInfo, in_dtype: Any, out_dtype: Any, a_major: str, b_major: str, M: int, N: int, K: int,
+           L: int, epi_id: str, directory: Optional[pathlib.Path] = None) -> Optional[tuple]:
+    """(entry, path) of the shipped entry for this problem (nearest shape bucket), or None."""
+    group = (dtype_name(in_dtype), dtype_name(out_dtype), a_major, b_major, int(N), int(K), pow2_bucket(max(L, 1)),
+             epi_id)
+    for path in files_for(dev, directory=directory):
+        e = nearest(load(path)["index"].get(group, []), M)
+        if e is not None:
+            return e, path
+    return None
+
+
+def shipped_entries(dev: Optional[DeviceInfo] = None, directory: Optional[pathlib.Path] = None) -> list:
+    """(path, doc) of every usable shipped file (for ``dev`` only, if given)."""
+    out = []
+    for path in sorted(pathlib.Path(directory or SHIPPED_DIR).glob("*.json")):
+        data = load(path)
+        if data is None:
+            continue
+        if dev is None or path in files_for(dev, directory=directory):
+            out.append((path, data["doc"]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- building a file
+def _git_date(path: pathlib.Path) -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%cs %h", "--", path.name], cwd=path.parent,
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _file_source(path: pathlib.Path, rows: int, note: str = "") -> dict:
+    raw = path.read_bytes()
+    git = _git_date(path)
+    date = git.split()[0] if git else datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
+    src = {"file": _display(path), "sha256": hashlib.sha256(raw).hexdigest()[:16], "date": date, "rows": rows}
+    if git and len(git.split()) > 1:
+        src["commit"] = git.split()[1]
+    if note:
+        src["note"] = note
+    return src
+
+
+def _display(path: pathlib.Path) -> str:
+    path = path.resolve()
+    for parent in path.parents:
+        if (parent / ".git").exists():
+            return str(path.relative_to(parent))
+    return str(path)
+
+
+def make_entry(cfg: Any, M: int, N: int, K: int, L: int, in_dtype: str, out_dtype: str, a_major: str,
+               b_major: str, epi_name: str, epi_id: str, ref: Optional[str], source: str, **timing) -> tuple:
+    from .space import config_to_dict
+    e = {"problem": {"M": M, "N": N, "K": K, "L": L, "in_dtype": in_dtype, "out_dtype": out_dtype,
+                     "a_major": a_major, "b_major": b_major},
+         "epilogue": {"name": epi_name, "id": epi_id, "ref": ref}, "config": config_to_dict(cfg), "name": cfg.name,
+         "source": source, **{k: v for k, v in timing.items() if v is not None}}
+    return entry_key(in_dtype, out_dtype, a_major, b_major, M, N, K, L, epi_id), e
+
+
+def from_table_rows(rows: list, source: str, in_dtype: str = "bfloat16", out_dtype: Optional[str] = None) -> tuple:
+    """Entries from the rows of ``docs/tune_h100/tuned_table.py`` (``epilogue``, ``shape`` [M, N, K], ``default``,
+    ``tuned``, ``default_ms``, ``tuned_ms``: the tuner's pick and the heuristic default, re-timed interleaved).
+    The shipped config is the tuner's pick if it re-measured more than :data:`MARGIN` faster than the default,
+    else the default of then (an entry equal to its own default is used only while today's heuristic still picks
+    it: see ``coda.autotune.select_config``). Returns (entries, skipped rows with the reason)."""
+    out_dtype = out_dtype or in_dtype
+    entries, skipped = {}, []
+    for i, r in enumerate(rows):
+        name = r.get("epilogue", "identity")
+        ref = resolve_name(name)
+        if ref is None:
+            skipped.append({"row": i, "epilogue": name, "shape": r.get("shape"),
+                            "why": "epilogue not defined in the library (coda.epilogues): cannot be identified"})
+            continue
+        epi = resolve_ref(ref)
+        M, N, K = (int(x) for x in r["shape"][:3])
+        tuned, default = config_from_name(r["tuned"]), config_from_name(r["default"])
+        t_ms, d_ms = r.get("tuned_ms"), r.get("default_ms")
+        better = tuned != default and t_ms is not None and d_ms is not None and t_ms < d_ms * (1 - MARGIN)
+        cfg = tuned if better else default
+        k, e = make_entry(cfg, M, N, K, 1, dtype_name(in_dtype), dtype_name(out_dtype), "k", "k", epi.name,
+                          epilogue_id(epi), ref, f"{source} row {i}", ms=t_ms if better else d_ms,
+                          default=default.name, default_ms=d_ms, tuner_pick=tuned.name, tuner_pick_ms=t_ms,
+                          candidates=r.get("candidates"))
+        entries[k] = e
+    return entries, skipped
+
+
+_STORE_KEY = re.compile(r"^(?P<gpu>[^|]+)\|sm(?P<sms>\d+)\|(?P<arch>[^|]+)\|cutlass-dsl (?P<dsl>[^|]+)\|coda [^|]+"
+                        r"\|(?P<din>\w+)->(?P<dout>\w+)\|M(?P<M>\d+)xN(?P<N>\d+)xK(?P<K>\d+)xL(?P<L>\d+)\|epi \w+$")
+
+
+def parse_store_key(key: str) -> Optional[dict]:
+    m = _STORE_KEY.match(key)
+    return m.groupdict() if m else None
+
+
+def from_store(entries_in: dict, source: str) -> tuple:
+    """Entries from a tuning store (``autotune.json``: ``{"schema", "entries"}``). Only entries that record their
+    problem (``problem``) and epilogue (``epilogue``; written by this version's tuner) can be shipped. Returns
+    (entries by GPU (name, sm_count, arch, cutlass-dsl), skipped keys with the reason)."""
+    from .space import config_from_dict
+    by_gpu: dict = {}
+    skipped = []
+    for key, s in entries_in.items():
+        k = parse_store_key(key)
+        p, ep = (s.get("problem"), s.get("epilogue")) if isinstance(s, dict) else (None, None)
+        if k is None or not isinstance(p, dict) or not isinstance(ep, dict) or config_problem(s.get("config")):
+            skipped.append({"key": key[:160], "why": "not a tuning result that records its problem and epilogue"})
+            continue
+        if s.get("ms") is None:
+            skipped.append({"key": key[:160], "why": "no config was timed"})
+            continue
+        cfg = config_from_dict(s["config"])
+        ek, e = make_entry(cfg, p["M"], p["N"], p["K"], p["L"], p["in_dtype"], p["out_dtype"], p["a_major"],
+                           p["b_major"], ep["name"], ep["id"], ep.get("ref"), f"{source} {key[:24]}...",
+                           ms=s.get("ms"), default=s.get("default"), default_ms=s.get("default_ms"),
+                           tuning_s=s.get("tuning_s"), level=s.get("level"))
+        why = entry_problem(ek, e)
+        if why:
+            skipped.append({"key": key[:160], "why": why})
+            continue
+        gpu = (k["gpu"], int(k["sms"]), k["arch"], k["dsl"])
+        by_gpu.setdefault(gpu, {})[ek] = e
+    return by_gpu, skipped
+
+
+def build_doc(gpu: tuple, entries: dict, sources: list, skipped: list, note: str = "") -> dict:
+    name, sms, arch, dsl = gpu
+    prov = {"gpu": f"{name} ({sms} SMs, {arch})", "cutlass_dsl": dsl,
+            "converted": datetime.date.today().isoformat(),
+            "converter": "python -m coda.autotune --ship-from FILE [...] (coda/autotune/ship.py)",
+            "sources": sources, "skipped": skipped}
+    if note:
+        prov["note"] = note
+    return {"schema": SHIP_SCHEMA, "gpu": {"name": name, "sm_count": sms, "arch": arch}, "cutlass_dsl": dsl,
+            "provenance": prov, "entries": dict(sorted(entries.items()))}
+
+
+def file_name(gpu_name: str) -> str:
+    """``NVIDIA H100 80GB HBM3`` -> ``h100_sxm.json``; otherwise the name, lower case, as a file name."""
+    known = {"NVIDIA H100 80GB HBM3": "h100_sxm", "NVIDIA H200": "h200", "NVIDIA H100 PCIe": "h100_pcie",
+             "NVIDIA H100 NVL": "h100_nvl", "NVIDIA GH200 480GB": "gh200"}
+    stem = known.get(gpu_name) or re.sub(r"[^a-z0-9]+", "_", gpu_name.lower().replace("nvidia", "")).strip("_")
+    return f"{stem}.json"
+
+
+def ship_from(paths: list, gpu: Optional[tuple] = None, out_dir: Optional[pathlib.Path] = None,
+              in_dtype: str = "bfloat16", out_dtype: Optional[str] = None, note: str = "",
+              merge: bool = True) -> list:
+    """Convert tuning results into shipped files: tuner-table rows (a JSON list; ``gpu`` = (name, sm_count, arch,
+    cutlass-dsl version) must be given, the rows do not record it) and tuning stores (``{"schema", "entries"}``;
+    the GPU comes from each key). Merges into an existing file of the same GPU (``merge``). Returns the paths
+    written."""
+    out_dir = pathlib.Path(out_dir or SHIPPED_DIR)
+    groups: dict = {}  # gpu -> (entries, sources, skipped)
+    for p in map(pathlib.Path, paths):
+        data = json.loads(p.read_text())
+        if isinstance(data, list):
+            if gpu is None:
+                raise ValueError(f"{p}: tuner-table rows do not name the GPU; give --gpu NAME --sm-count N "
+                                 "--cutlass-dsl VERSION")
+            entries, skipped = from_table_rows(data, _display(p), in_dtype, out_dtype)
+            g = groups.setdefault(tuple(gpu), ({}, [], []))
+            g[0].update(entries)
+            g[1].append(_file_source(p, len(data), "tuned_table.py rows: coda.autotune.tuner.tune (quick level), "
+                                     "then the pick and the default re-timed interleaved"))
+            g[2].extend(skipped)
+        elif isinstance(data, dict) and isinstance(data.get("entries"), dict):
+            by_gpu, skipped = from_store(data["entries"], _display(p))
+            for key, entries in by_gpu.items():
+                g = groups.setdefault(key, ({}, [], []))
+                g[0].update(entries)
+                g[1].append(_file_source(p, len(entries), "a coda.autotune tuning store"))
+                g[2].extend(skipped)
+            if not by_gpu:
+                raise ValueError(f"{p}: no shippable entry ({len(skipped)} skipped; first: "
+                                 f"{skipped[0]['why'] if skipped else 'empty'})")
+        else:
+            raise ValueError(f"{p}: neither tuner-table rows (a list) nor a tuning store ({{'entries': ...}})")
+    written = []
+    for g, (entries, sources, skipped) in groups.items():
+        path = out_dir / file_name(g[0])
+        if merge and path.exists():
+            old = json.loads(path.read_text())
+            if not doc_problems(old) and old["cutlass_dsl"] == g[3] and old["gpu"]["name"] == g[0]:
+                entries = {**old["entries"], **entries}
+                sources = [s for s in old["provenance"]["sources"] if s["file"] not in {x["file"] for x in sources}] \
+                    + sources
+                kept = old["provenance"].get("skipped", []) + skipped
+                skipped = [json.loads(x) for x in dict.fromkeys(json.dumps(y, sort_keys=True) for y in kept)]
+        doc = build_doc(g, entries, sources, skipped, note)
+        problems = doc_problems(doc)
+        if problems:
+            raise ValueError(f"{path}: the converted file is not valid: {problems[:3]}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        written.append(path)
+    _load.cache_clear()
+    return written
