@@ -27,6 +27,7 @@ _LAZY = {
     "autotune": ("coda.autotune", None),
     "fuse": ("coda.fuse", "fuse"),
     "unfuse": ("coda.fuse", "unfuse"),
+    "stock_grads": ("coda.fuse", "stock_grads"),
 }
 # the epilogue DSL: @coda.epilogue, operand kinds, math on traced values (coda/dsl.py)
 _DSL = ["epilogue", "VecM", "VecN", "Scalar", "TileMN", "EpilogueError", "row", "col", "reduce_n", "reduce_m", "exp",

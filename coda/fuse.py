@@ -7,6 +7,10 @@ What is swapped (duck-typed on class names, so it works on Hugging Face ``LlamaF
   down, no biases, SiLU): the norm becomes a :class:`coda.nn.DeferredRMSNorm` (identity, keeps the same weight
   Parameter) and the MLP a :class:`coda.nn.SwiGLUMLP` (``add_residual=False``; norm + gate/up + SwiGLU in one GEMM,
   down projection shared with the stock module);
+- every ``LlamaDecoderLayer``'s ``input_layernorm`` + ``self_attn`` (``LlamaAttention``: no biases, no QK-norm, the
+  model's RoPE ``inv_freq`` buffer): the norm becomes a ``DeferredRMSNorm`` and the attention a
+  :class:`coda.nn_attention.FusedAttention` (norm + QKV + RoPE in one GEMM, SDPA with grouped-query heads as they
+  are, ``o_proj`` shared);
 - the final norm (``model.norm``) + ``lm_head`` + loss of the top module (it has ``lm_head`` and ``model.norm``): the
   norm becomes a ``DeferredRMSNorm``, ``lm_head`` a :class:`coda.nn.LMHeadCrossEntropy` (same weight Parameter, so
   tied embeddings stay tied), and the top module's ``forward`` is patched (an instance attribute): with ``labels``
@@ -38,12 +42,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from coda.nn import DeferredRMSNorm, LMHeadCrossEntropy, SwiGLUMLP
+from coda.nn_attention import FusedAttention, attention_fusable, find_inv_freq
 
-__all__ = ["fuse", "unfuse"]
+__all__ = ["fuse", "unfuse", "stock_grads"]
 
 LAYER_CLASSES = {"LlamaDecoderLayer"}
 MLP_CLASSES = {"LlamaMLP"}
 NORM_CLASSES = {"LlamaRMSNorm"}
+ATTENTION_CLASSES = {"LlamaAttention"}
 
 
 def _cls(m) -> str:
@@ -68,7 +74,7 @@ def _names(names: list) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def fuse(model: nn.Module, *, mlp: bool = True, lm_head: bool = True) -> nn.Module:
+def fuse(model: nn.Module, *, mlp: bool = True, attention: bool = True, lm_head: bool = True) -> nn.Module:
     """Swap the RMSNorm + MLP of every decoder layer and the final norm + LM head + loss (see the module docstring).
     In place; returns ``model``. Layers that do not match (other classes, activation, biases, sizes not multiples
     of 8) are left stock with a warning naming them; when nothing matched, the model is not marked fused. Fusing
@@ -98,6 +104,8 @@ def fuse(model: nn.Module, *, mlp: bool = True, lm_head: bool = True) -> nn.Modu
     for what, names in unknown.items():
         warnings.warn(f"coda.fuse: {len(names)} MLP(s) left stock: {_names(names)} (in {what} layers; coda.fuse "
                       "fuses the MLP of a Llama-style LlamaDecoderLayer: LlamaRMSNorm + LlamaMLP)")
+    if attention:
+        fused_any |= _fuse_attention(model)
     if lm_head:
         fused_any |= _fuse_head(model)
     if not fused_any:
@@ -106,6 +114,46 @@ def fuse(model: nn.Module, *, mlp: bool = True, lm_head: bool = True) -> nn.Modu
         return model
     model._coda_fused = True
     return model
+
+
+def stock_grads(model: nn.Module) -> dict:
+    """Every parameter's gradient by its stock name and in the stock layout (a fused module's parameters split back
+    as its state dict does: weight_gu into gate/up, weight_qkv into q/k/v); parameters without a gradient are left
+    out. For comparing a fused model's gradients with a stock model's."""
+    from coda.nn import _StockLayout
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for prefix, m in model.named_modules():
+        if isinstance(m, _StockLayout):
+            pre = prefix + "."
+            local = {k[len(pre):]: grads.pop(k) for k in list(grads) if k.startswith(pre)}
+            grads.update({pre + k: v for k, v in m._to_stock(local).items()})
+    return grads
+
+
+def _fuse_attention(model: nn.Module) -> bool:
+    """Fuse every decoder layer's input norm + attention (:class:`coda.nn_attention.FusedAttention`); whether any
+    was (a warning names the layers left stock and why)."""
+    inv, done, stock = find_inv_freq(model), False, []
+    for name, layer in model.named_modules():
+        attn, norm = getattr(layer, "self_attn", None), getattr(layer, "input_layernorm", None)
+        if _cls(layer) not in LAYER_CLASSES or _cls(attn) not in ATTENTION_CLASSES or _cls(norm) not in NORM_CLASSES:
+            continue
+        why = attention_fusable(attn) or (None if inv is not None else
+                                          "no single RoPE inv_freq buffer (or a RoPE that scales cos/sin)")
+        if why:
+            stock.append(f"{name}.self_attn ({why})")
+            continue
+        deferred = DeferredRMSNorm.from_norm(norm)
+        fused = FusedAttention.from_stock(attn, inv, deferred)
+        for p in ("q_proj", "k_proj", "v_proj"):  # released: weight_qkv is the Parameter now (unfuse restores)
+            _replaced(getattr(attn, p).weight, f"{name}.self_attn.{p}.weight")
+            getattr(attn, p).weight = None
+        fused._coda_stock = (attn, norm)
+        layer.self_attn, layer.input_layernorm = fused, deferred
+        done = True
+    if stock:
+        warnings.warn(f"coda.fuse: {len(stock)} attention block(s) left stock: {_names(stock)}")
+    return done
 
 
 def _fuse_head(model: nn.Module) -> bool:
@@ -170,6 +218,16 @@ def unfuse(model: nn.Module) -> nn.Module:
             m.up_proj.weight = nn.Parameter(w_up.detach().clone(), requires_grad=rg)
             m.down_proj = fused.down_proj
             layer.mlp, layer.post_attention_layernorm = m, norm
+    for name, layer in model.named_modules():
+        fused = getattr(layer, "self_attn", None)
+        if isinstance(fused, FusedAttention) and hasattr(fused, "_coda_stock"):
+            attn, norm = fused._coda_stock
+            _replaced(fused.weight_qkv, f"{name}.self_attn.weight_qkv")
+            rg = fused.weight_qkv.requires_grad
+            for p, w in zip(("q_proj", "k_proj", "v_proj"), fused.qkv_weights()):
+                getattr(attn, p).weight = nn.Parameter(w.detach().clone(), requires_grad=rg)
+            attn.o_proj = fused.o_proj
+            layer.self_attn, layer.input_layernorm = attn, norm
     head = getattr(model, "lm_head", None)
     if isinstance(head, LMHeadCrossEntropy) and hasattr(head, "_coda_stock"):
         lin, norm = head._coda_stock
@@ -214,7 +272,7 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
                 raise RuntimeError(
                     f"coda.fuse: this {type(optimizer).__name__} holds {entry[1]}, a Parameter that coda.fuse (or "
                     "coda.unfuse) replaced: the model no longer uses it, so stepping would silently stop training "
-                    "that MLP. Create the optimizer after coda.fuse(model) / coda.unfuse(model) (e.g. "
+                    "it. Create the optimizer after coda.fuse(model) / coda.unfuse(model) (e.g. "
                     f"{type(optimizer).__name__}(model.parameters(), ...)).")
     try:
         optimizer._coda_fuse_checked = stamp

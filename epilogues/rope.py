@@ -31,13 +31,24 @@ from typing import Optional
 
 import coda
 
-__all__ = ["rope", "rope_freqs", "permute_half_split", "unpermute_half_split"]
+__all__ = ["rope", "rope_rmsnorm", "rope_freqs", "permute_half_split", "unpermute_half_split"]
 
 
 @coda.epilogue
 def rope(acc, pos: coda.VecM, freq: coda.VecN):
     """Rotate each column pair (2j, 2j+1) of row m by theta = pos[m] * freq[j]."""
     x, y = coda.pairs(acc)
+    theta = pos * freq
+    c, s = coda.cos(theta), coda.sin(theta)
+    return x * c - y * s, x * s + y * c
+
+
+@coda.epilogue
+def rope_rmsnorm(acc, r: coda.VecM, pos: coda.VecM, freq: coda.VecN):
+    """:func:`rope` of the RMS-normed product: each pair scaled by the row's r = rsqrt(mean(h^2) + eps), then
+    rotated (the input norm + QKV + RoPE of attention in one epilogue; the rotation commutes with the scale)."""
+    x, y = coda.pairs(acc)
+    x, y = x * r, y * r
     theta = pos * freq
     c, s = coda.cos(theta), coda.sin(theta)
     return x * c - y * s, x * s + y * c

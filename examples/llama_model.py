@@ -108,8 +108,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids):
         x = self.embed_tokens(input_ids)
-        pos = torch.arange(input_ids.shape[-1], device=input_ids.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq.float())
+        dt = torch.promote_types(x.dtype, torch.float32)  # fp32 angles (Hugging Face's), fp64 in a float64 model
+        pos = torch.arange(input_ids.shape[-1], device=input_ids.device, dtype=dt)
+        freqs = torch.outer(pos, self.inv_freq.to(dt))
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.layers:

@@ -101,20 +101,6 @@ def train(mode: str, args, cfg: LlamaConfig) -> dict:
             "tok_s": timed_tokens / elapsed if timed_tokens else float("nan"), "peak_mib": peak}
 
 
-def _stock_grads(model) -> dict:
-    """Parameter gradients by stock name (the fused ``weight_gu`` split back into gate/up), float64 on the CPU."""
-    from coda import ops
-
-    out = {}
-    for n, p in model.named_parameters():
-        g = p.grad.detach().double().cpu()
-        if n.endswith("weight_gu"):
-            out[n[:-9] + "gate_proj.weight"], out[n[:-9] + "up_proj.weight"] = ops.deinterleave_gate_up(g)
-        else:
-            out[n] = g
-    return out
-
-
 def grad_check(args, cfg: LlamaConfig) -> dict:
     """One batch: loss and every gradient of stock / fused (--dtype) against the stock model in float64."""
     import coda
@@ -135,7 +121,8 @@ def grad_check(args, cfg: LlamaConfig) -> dict:
             coda.fuse(model)
         loss = (torch.compile(model) if comp else model)(ids, labels=ids)
         loss.backward()
-        losses[name], grads[name] = loss.item(), _stock_grads(model)
+        losses[name] = loss.item()
+        grads[name] = {k: g.detach().double().cpu() for k, g in coda.stock_grads(model).items()}
         del model, loss
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -126,7 +126,7 @@ def args(R=4, V=16, **kw):
 
 
 @pytest.mark.parametrize("bad, exc, name", [
-    (dict(z=torch.zeros(4, 16)), TypeError, "z"),
+    (dict(z=torch.zeros(4, 16, dtype=torch.int32)), TypeError, "z"),
     (dict(z=[[0.0]]), TypeError, "z"),
     (dict(z=torch.zeros(4, 16, 2, dtype=torch.bfloat16)), ValueError, "z"),
     (dict(lse=torch.zeros(4, dtype=torch.float64)), TypeError, "lse"),
@@ -140,6 +140,17 @@ def args(R=4, V=16, **kw):
 def test_argument_errors(bad, exc, name):
     with pytest.raises(exc, match=rf"^{name}:"):
         softmax_grad_(**args(**bad))
+
+
+def test_float32_only_on_the_reference_path():
+    """float32 / float64 logits run on the reference path (CPU; the library's fp32 / fp64 reference), never on the
+    kernel."""
+    a = args(z=torch.randn(4, 16))
+    want = softmax_grad_reference_(**{**a, "z": a["z"].double()}).float()
+    assert torch.allclose(softmax_grad_(**a), want, atol=1e-6)
+    from coda.kernels.ce_grad import check_args
+    with pytest.raises(TypeError, match="^z:"):
+        check_args(**args(z=torch.zeros(4, 16)), kernel=True)
 
 
 @pytest.mark.parametrize("opts, exc, name", [

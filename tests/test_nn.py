@@ -193,14 +193,8 @@ def _example(dtype=torch.bfloat16, tie=False, device="cpu", **sizes):
 
 
 def _stock_grads(model):
-    """Parameter gradients by stock name (weight_gu split back into gate/up)."""
-    out = {}
-    for n, p in model.named_parameters():
-        if n.endswith("weight_gu"):
-            out[n[:-9] + "gate_proj.weight"], out[n[:-9] + "up_proj.weight"] = ops.deinterleave_gate_up(p.grad)
-        else:
-            out[n] = p.grad
-    return out
+    """Parameter gradients by stock name (fused parameters split back into the stock ones)."""
+    return coda.stock_grads(model)
 
 
 @pytest.mark.parametrize("tie", [False, True])

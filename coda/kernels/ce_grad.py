@@ -81,8 +81,11 @@ def check_args(z, lse, target, row_scale, label_smoothing=0.0, z_loss=0.0, softc
     for name, t in (("z", z), ("lse", lse), ("target", target), ("row_scale", row_scale)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if z.dtype not in _DTYPES:
-        raise TypeError(f"z: expected dtype torch.bfloat16 or torch.float16, got {z.dtype}")
+    if kernel is None:
+        kernel = z.device.type == "cuda"
+    if z.dtype not in _DTYPES and (kernel or z.dtype not in (torch.float32, torch.float64)):
+        raise TypeError(f"z: expected dtype torch.bfloat16 or torch.float16 (float32 / float64 too on the reference "
+                        f"path), got {z.dtype}")
     if lse.dtype != torch.float32:
         raise TypeError(f"lse: expected dtype torch.float32, got {lse.dtype}")
     if target.dtype != torch.int64:

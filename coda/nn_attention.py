@@ -1,0 +1,162 @@
+"""``coda.nn.FusedAttention``: a Llama-style attention block whose input RMSNorm, QKV projection and RoPE are one GEMM.
+
+    y = RoPE(RMSNorm(x) [W_q; W_k; W_v]^T)          ``coda.ops.rmsnorm_linear_rope`` (one GEMM + epilogue)
+    o = scaled_dot_product_attention(q, k, v, causal, enable_gqa)   q, k, v: strided views of y (no copies)
+    out = o_proj(o)
+
+Drop-in for ``LlamaAttention`` (``examples/llama_model.py``: ``forward(x, cos, sin)``; Hugging Face:
+``forward(hidden_states, position_embeddings, attention_mask, ...)`` returning ``(out, None)``) inside a decoder
+layer whose ``input_layernorm`` became a :class:`coda.nn.DeferredRMSNorm` (identity; its weight is gamma here).
+RoPE uses the model's own ``inv_freq`` (fp32; angles formed in extended precision by the epilogue) and positions
+``position_ids`` when the caller passes them, else 0..T-1 (the stock models' cos/sin arguments are not read).
+W_q / W_k rows are kept in the adjacent-pairs order (``permute_half_split``: attention scores are unchanged); the
+state dict is the stock one (``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight``, ``o_proj.weight``).
+Grouped-query heads go to SDPA as they are (``enable_gqa``), never repeated.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from coda.epilogues.rope import permute_half_split, unpermute_half_split
+from coda.nn import _FUSED_DTYPES, DeferredRMSNorm, _compute_dtype, _NormConsumer, rms_norm
+
+__all__ = ["FusedAttention", "attention_fusable"]
+
+
+def attention_fusable(attn: nn.Module) -> Optional[str]:
+    """Why ``attn`` can't become a :class:`FusedAttention` (None: it can)."""
+    lins = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if not all(isinstance(lin, nn.Linear) for lin in lins):
+        return "needs nn.Linear q_proj, k_proj, v_proj, o_proj"
+    if any(lin.bias is not None for lin in lins):
+        return "q/k/v/o biases are not supported yet"
+    d = _head_dim(attn)
+    if d is None or d % 2:
+        return "needs an even head_dim"
+    if any(lin.weight.shape[0] % 8 or lin.weight.shape[1] % 8 for lin in lins):
+        return "sizes must be multiples of 8"
+    if getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:
+        return "QK-norm is not supported yet"
+    return None
+
+
+def _head_dim(attn) -> Optional[int]:
+    d = getattr(attn, "head_dim", None)
+    if d is None:
+        cfg = getattr(attn, "config", None)
+        if cfg is not None:
+            d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return d
+
+
+class FusedAttention(_NormConsumer):
+    """See the module docstring. Parameters: ``weight_qkv`` ((Hq + 2 Hkv) d, H), ``o_proj`` (the stock module,
+    shared), the norm (a shared :class:`DeferredRMSNorm`); buffer ``freqs`` (one frequency per column pair)."""
+
+    def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, inv_freq: Tensor,
+                 eps: float = 1e-6, *, norm=None, hf_signature: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.hidden_size, self.n_heads, self.n_kv, self.head_dim = hidden_size, n_heads, n_kv_heads, head_dim
+        self.hf_signature, self.layer_idx = hf_signature, None
+        n = (n_heads + 2 * n_kv_heads) * head_dim
+        self.weight_qkv = nn.Parameter(torch.empty(n, hidden_size, device=device, dtype=dtype))
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden_size, bias=False, device=device, dtype=dtype)
+        freqs = torch.zeros(n_heads + 2 * n_kv_heads, head_dim // 2, dtype=torch.float32)
+        freqs[:n_heads + n_kv_heads] = inv_freq.detach().float().cpu()
+        self.register_buffer("freqs", freqs.flatten().to(inv_freq.device), persistent=False)
+        self._set_norm(norm, hidden_size, eps, device, dtype)
+
+    @classmethod
+    def from_stock(cls, attn: nn.Module, inv_freq: Tensor, norm: DeferredRMSNorm) -> "FusedAttention":
+        why = attention_fusable(attn)
+        if why:
+            raise ValueError(f"FusedAttention.from_stock: {why}")
+        d = _head_dim(attn)
+        q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+        hf = "position_embeddings" in inspect.signature(attn.forward).parameters
+        out = cls(q.shape[1], q.shape[0] // d, k.shape[0] // d, d, inv_freq, norm.variance_epsilon, norm=norm,
+                  hf_signature=hf, device="meta", dtype=q.dtype)
+        with torch.no_grad():
+            w = torch.cat((permute_half_split(q, d), permute_half_split(k, d), v))
+        out.weight_qkv = nn.Parameter(w, requires_grad=q.requires_grad)
+        out.freqs = out.freqs.to(q.device)
+        out.o_proj = attn.o_proj
+        out.layer_idx = getattr(attn, "layer_idx", None)
+        return out
+
+    def qkv_weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(W_q, W_k, W_v) in the stock (half-split) row order."""
+        hq, hk, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
+        w = self.weight_qkv
+        return unpermute_half_split(w[:hq], d), unpermute_half_split(w[hq:hq + hk], d), w[hq + hk:]
+
+    def forward(self, *args, **kwargs):
+        from coda import ops
+        x = args[0] if args else kwargs["hidden_states"]
+        mask = kwargs.get("attention_mask")
+        B, T, _ = x.shape
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            pos = torch.arange(T, device=x.device)
+        dtype = _compute_dtype(x)
+        if dtype in _FUSED_DTYPES:
+            y = ops.rmsnorm_linear_rope(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype), pos, self.freqs,
+                                        self.eps)
+        else:  # float32 / float64: the stock math (fp32 norm statistics, angles in fp32 or the model's fp64)
+            z = F.linear(rms_norm(x, self.norm_weight, self.eps), self.weight_qkv)
+            dt = torch.promote_types(x.dtype, torch.float32)
+            ang = pos.to(dt).unsqueeze(-1) * self.freqs.to(dt)
+            c, s = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+            a, b = z[..., 0::2], z[..., 1::2]
+            y = torch.stack((a * c - b * s, a * s + b * c), -1).flatten(-2)
+        hq, hk, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
+        q = y[..., :hq].view(B, T, self.n_heads, d).transpose(1, 2)
+        k = y[..., hq:hq + hk].view(B, T, self.n_kv, d).transpose(1, 2)
+        v = y[..., hq + hk:].view(B, T, self.n_kv, d).transpose(1, 2)
+        cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
+        if cache is not None:  # Hugging Face generation: keys and values of earlier positions come from the cache
+            k, v = cache.update(k, v, self.layer_idx, {"cache_position": kwargs.get("cache_position")})
+        tq, tk = q.shape[2], k.shape[2]
+        if mask is None and 1 < tq < tk:  # a chunk after cached positions: causal, aligned bottom-right
+            mask = torch.ones(tq, tk, dtype=torch.bool, device=x.device).tril(tk - tq)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and tq == tk and tq > 1,
+                                           enable_gqa=self.n_kv != self.n_heads)
+        out = self.o_proj(o.transpose(1, 2).reshape(B, T, hq))
+        return (out, None) if self.hf_signature else out
+
+    def _to_stock(self, local):
+        w = local.pop("weight_qkv")
+        hq, hk, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
+        out = {"q_proj.weight": unpermute_half_split(w[:hq], d).contiguous(),
+               "k_proj.weight": unpermute_half_split(w[hq:hq + hk], d).contiguous(),
+               "v_proj.weight": w[hq + hk:].contiguous()}
+        return {**out, **local}
+
+    def _from_stock(self, local):
+        if all(f"{n}_proj.weight" in local for n in "qkv"):
+            d = self.head_dim
+            local["weight_qkv"] = torch.cat((permute_half_split(local.pop("q_proj.weight"), d),
+                                             permute_half_split(local.pop("k_proj.weight"), d),
+                                             local.pop("v_proj.weight")))
+        return local
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, heads={self.n_heads}, kv_heads={self.n_kv}, "
+                f"head_dim={self.head_dim}, q/k rows in adjacent-pairs order")
+
+
+def find_inv_freq(model: nn.Module) -> Optional[Tensor]:
+    """The model's RoPE ``inv_freq`` buffer (examples/llama_model.py: ``model.inv_freq``; Hugging Face:
+    ``model.rotary_emb.inv_freq``), None if it has none or more than one, or a RoPE variant that scales cos/sin."""
+    found = [(n, b) for n, b in model.named_buffers() if n.split(".")[-1] == "inv_freq"]
+    if len(found) != 1:
+        return None
+    owner = model.get_submodule(found[0][0].rsplit(".", 1)[0]) if "." in found[0][0] else model
+    if float(getattr(owner, "attention_scaling", 1.0)) != 1.0:
+        return None
+    return found[0][1]

@@ -1,0 +1,108 @@
+"""``coda.ops.rmsnorm_linear_rope``: attention's input RMSNorm + the fused QKV projection + RoPE as one GEMM.
+
+    h (M, K), r = rsqrt(mean(h^2, -1) + eps), W' = W * gamma (gamma folded into the weight, as ``rmsnorm_linear``)
+    y = RoPE(diag(r) (h W'^T))          each column pair (2j, 2j+1) of row m rotated by pos[m] * freq[j]
+
+W is [W_q; W_k; W_v] with the q and k rows in the adjacent-pairs order (``permute_half_split``), ``freq`` 0 on the
+v columns (``rope_freqs(d, Hq + 2 Hkv, rotary_heads=Hq + Hkv)``). The epilogue ``rope_rmsnorm`` scales and rotates
+the accumulator tile; the normed activation and the unrotated q, k are never written.
+
+Backward (dy, the gradient of y):
+1. dacc = R(-theta) (diag(r) dy) / r ... more simply: the rotation is orthogonal and commutes with the row scale,
+   so the gradient of the normed product n W'^T (before RoPE) is R(-theta) dy: one K = 0 launch of the kernel with
+   the backward of ``rope`` as its epilogue (as ``linear_rope``);
+2. ``rmsnorm_linear``'s backward on that gradient (its split form, which gets the row constant c from the dX GEMM
+   and needs no saved y): dh, dgamma and dW.
+Saved: h, gamma, W, r, positions and freqs (no M x N tensor).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from coda.autodiff import grad_name
+from coda.dsl import ODD_OUT
+from coda.epilogues.rope import rope, rope_rmsnorm
+
+from ._common import call, check_inputs, check_last_dim_contiguous, custom_op, epilogue_pass, gemm_for, \
+    register_autograd
+from .linear import _backward_of
+from .rmsnorm_linear import check_eps, check_norm_weight, normed_operands
+
+__all__ = ["rmsnorm_linear_rope"]
+
+ENTRY = "coda.ops.rmsnorm_linear_rope"
+
+
+@custom_op("rmsnorm_linear_rope")
+def _op(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor,
+        eps: float) -> tuple[Tensor, Tensor]:
+    """x (M, K), weight (N, K), positions (M,) fp32, freqs (N/2,) fp32 -> y (M, N), r (M,) fp32."""
+    gemm = gemm_for(x.device, ENTRY)
+    a, b, r = normed_operands(x, norm_weight, weight, eps, gemm)
+    y = gemm(a, b, epilogue=rope_rmsnorm, r=r, pos=positions, freq=freqs)
+    return y, r
+
+
+@_op.register_fake
+def _(x, norm_weight, weight, positions, freqs, eps):
+    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@custom_op("rope_unrotate")
+def _unrotate(dy: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
+    """R(-theta) dy per column pair: the gradient before RoPE (a K = 0 launch: the epilogue alone)."""
+    gemm = gemm_for(dy.device, ENTRY)
+    bwd = _backward_of(rope, ("out",), ())
+    grads = {grad_name("out"): dy[:, 0::2].contiguous(), grad_name(ODD_OUT): dy[:, 1::2].contiguous()}
+    return epilogue_pass(gemm, dy, dy.shape[0], dy.shape[1], epilogue=bwd, out_dtype=dy.dtype, pos=positions,
+                         freq=freqs, **grads)
+
+
+@_unrotate.register_fake
+def _(dy, positions, freqs):
+    return torch.empty_like(dy)
+
+
+def _setup_context(ctx, inputs, output):
+    x, norm_weight, weight, positions, freqs, _ = inputs
+    ctx.save_for_backward(x, norm_weight, weight, output[1], positions, freqs)
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, dy, _dr):
+    x, norm_weight, weight, r, positions, freqs = ctx.saved_tensors
+    need_x, need_gamma, need_w = ctx.needs_input_grad[:3]
+    if dy is None or x.shape[0] == 0:
+        return (torch.zeros_like(x) if need_x else None, torch.zeros_like(norm_weight) if need_gamma else None,
+                torch.zeros_like(weight) if need_w else None, None, None, None)
+    dacc = call("rope_unrotate", dy.to(x.dtype).contiguous(), positions, freqs, ctx=ctx)
+    dh, dgamma, dw = call("rmsnorm_linear_backward", dacc, None, x, norm_weight, weight, r, None, need_w, ctx=ctx)
+    return (dh if need_x else None, dgamma if need_gamma else None, dw if need_w else None, None, None, None)
+
+
+register_autograd("rmsnorm_linear_rope", _backward, _setup_context)
+
+
+def rmsnorm_linear_rope(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor,
+                        eps: float = 1e-6) -> Tensor:
+    """``RoPE(RMSNorm(x) @ weight.T)`` in one fused GEMM, autograd included (see the module docstring).
+
+    x (..., K) bfloat16/float16; norm_weight (K,); weight (N, K) of x's dtype with q/k rows in the adjacent-pairs
+    order; positions: x.shape[:-1] (or broadcastable), integer positions below 2^24 (not checked here: the module
+    that calls this builds them); freqs (N/2,) float32. N, K multiples of 8. Returns (..., N) in x's dtype."""
+    check_inputs(ENTRY, x, weight)
+    check_eps(ENTRY, eps)
+    K, N = x.shape[-1], weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != K:
+        raise ValueError(f"{ENTRY}: weight must be (N, {K}) for x (..., {K}), got {tuple(weight.shape)}")
+    if not (norm_weight.dtype == torch.float64 and x.device.type == "cpu"):  # float64: the CPU reference path
+        check_norm_weight(ENTRY, norm_weight, K)
+    if N % 2 or tuple(freqs.shape) != (N // 2,) or freqs.dtype != torch.float32:
+        raise ValueError(f"{ENTRY}: freqs must be float32 of shape ({N // 2},) (one per column pair), got "
+                         f"{freqs.dtype} {tuple(freqs.shape)}")
+    check_last_dim_contiguous(ENTRY, (("x", x), ("weight", weight)))
+    pos = torch.broadcast_to(positions, x.shape[:-1]).reshape(-1).to(torch.float32)
+    y, _ = call("rmsnorm_linear_rope", x.reshape(-1, K), norm_weight, weight, pos, freqs, float(eps))
+    return y.reshape(*x.shape[:-1], N)

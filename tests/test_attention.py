@@ -1,0 +1,98 @@
+"""CPU (CI): ``coda.ops.rmsnorm_linear_rope`` and ``coda.nn_attention.FusedAttention`` on the reference path."""
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+from coda.epilogues.rope import rope_freqs
+from coda.nn import DeferredRMSNorm
+from coda.nn_attention import FusedAttention, attention_fusable, find_inv_freq
+from coda.ops import rmsnorm_linear_rope
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from llama_model import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+
+def _ref(x, g, w, pos, fr, eps=1e-6):
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    z = (x * r * g) @ w.T
+    th = pos.double()[:, None] * fr.double()[None]
+    a, b = z[:, 0::2], z[:, 1::2]
+    out = torch.empty_like(z)
+    out[:, 0::2], out[:, 1::2] = a * th.cos() - b * th.sin(), a * th.sin() + b * th.cos()
+    return out
+
+
+@pytest.mark.parametrize("M,K,d,nh,nkv", [(40, 64, 16, 4, 2), (13, 32, 8, 2, 1)])
+def test_op_matches_float64(M, K, d, nh, nkv):
+    """Forward and every gradient (x, gamma, W) against float64 autograd of the unfused formula (float32 run)."""
+    g = torch.Generator().manual_seed(M)
+    N = (nh + 2 * nkv) * d
+    x, gam = torch.randn(M, K, generator=g, dtype=torch.float64), torch.randn(K, generator=g, dtype=torch.float64)
+    w = torch.randn(N, K, generator=g, dtype=torch.float64) / 8
+    pos, fr = torch.randint(0, 5000, (M,), generator=g), rope_freqs(d, nh + 2 * nkv, rotary_heads=nh + nkv)
+    up = torch.randn(M, N, generator=g, dtype=torch.float64)
+    xs, gs, ws = (t.clone().requires_grad_() for t in (x, gam, w))
+    want = _ref(xs, gs, ws, pos, fr)
+    (want * up).sum().backward()
+    xa, ga, wa = (t.float().requires_grad_() for t in (x, gam, w))
+    y = rmsnorm_linear_rope(xa, ga, wa, pos, fr)
+    (y * up.float()).sum().backward()
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(y, want) < 1e-5
+    for a, b in ((xa, xs), (ga, gs), (wa, ws)):
+        assert rel(a.grad, b.grad) < 1e-5
+
+
+def test_op_rejects_bad_arguments():
+    x, w = torch.randn(4, 16), torch.randn(24, 16)
+    fr = rope_freqs(8, 3)
+    with pytest.raises(ValueError, match="freqs"):
+        rmsnorm_linear_rope(x, torch.ones(16), w, torch.arange(4), fr[:-1])
+    with pytest.raises(ValueError, match="weight"):
+        rmsnorm_linear_rope(x, torch.ones(16), torch.randn(24, 8), torch.arange(4), fr)
+
+
+def _fused_copy(model):
+    m = copy.deepcopy(model)
+    inv = find_inv_freq(m)
+    for layer in m.model.layers:
+        d = DeferredRMSNorm.from_norm(layer.input_layernorm)
+        layer.self_attn, layer.input_layernorm = FusedAttention.from_stock(layer.self_attn, inv, d), d
+    return m
+
+
+def test_module_matches_stock_model_float64():
+    """The examples/ Llama with every attention block fused: loss, every gradient and the state dict (keys, order,
+    values) equal the stock model's in float64 (to the stock model's own fp32 RoPE angles, ~1e-7)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    stock = LlamaForCausalLM(cfg).double()
+    fused = _fused_copy(stock)
+    ids = torch.randint(0, 256, (2, 16))
+    a, b = stock(ids, labels=ids), fused(ids, labels=ids)
+    a.backward()
+    b.backward()
+    assert abs(a.item() - b.item()) < 1e-6
+    theirs = dict(stock.named_parameters())
+    for n, p in fused.named_parameters():
+        if n in theirs:
+            assert ((p.grad - theirs[n].grad).norm() / theirs[n].grad.norm()).item() < 1e-5, n
+    sa, sb = stock.state_dict(), fused.state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    fresh = _fused_copy(LlamaForCausalLM(cfg).double())
+    fresh.load_state_dict(sa)
+    assert fresh(ids, labels=ids).item() == pytest.approx(b.item(), abs=1e-12)
+
+
+def test_fusable_rules():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    attn = LlamaForCausalLM(cfg).model.layers[0].self_attn
+    assert attention_fusable(attn) is None
+    attn.q_proj = torch.nn.Linear(64, 64, bias=True)
+    assert "biases" in attention_fusable(attn)
