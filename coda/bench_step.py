@@ -2,7 +2,8 @@
 
 Trains the stock Llama-style model of ``examples/llama_model.py`` (Hugging Face's ``LlamaForCausalLM`` when that file
 is not there and transformers is installed) in several modes -- ``stock``, ``stock+compile``, ``fused``
-(``coda.fuse``), ``fused+compile`` and the ``-ro`` variants (torch.compile mode="reduce-overhead") -- each in its own
+(``coda.fuse``), ``fused+compile``, the ``-ro`` variants (torch.compile mode="reduce-overhead") and the ``-noattn``
+variants (``coda.fuse(model, attention=False)``: the attention half left stock) -- each in its own
 process (same seed, same init, same data), and reports per mode: tokens/s (median step over the timed steps),
 MFU (model FLOPs over the measured GEMM peak and over the datasheet peak), peak memory, the loss of the last step,
 the time from process start to the end of the first step, and the GPU time per step in four classes (GEMM,
@@ -33,7 +34,8 @@ PRESETS = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "llama-8b-4l": dict(hidden=4096, intermediate=14336, layers=4, heads=32, kv_heads=8, vocab=128256),
     "tiny": dict(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, vocab=256),  # CPU smoke tests
 }
-MODES = ("stock", "stock+compile", "fused", "fused+compile", "stock+compile-ro", "fused+compile-ro")
+MODES = ("stock", "stock+compile", "fused", "fused+compile", "stock+compile-ro", "fused+compile-ro",
+         "fused-noattn", "fused-noattn+compile")  # -noattn: coda.fuse(model, attention=False)
 DEFAULT_MODES = MODES[:4]
 RESULT = "CODA_STEP_RESULT "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,7 +96,7 @@ def run_mode(args) -> dict:
     mode = args.worker
     if mode.startswith("fused"):
         import coda
-        coda.fuse(model)
+        coda.fuse(model, attention="-noattn" not in mode)
     step_fn = model
     if "+compile" in mode:
         step_fn = torch.compile(model, mode="reduce-overhead" if mode.endswith("-ro") else "default")
