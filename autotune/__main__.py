@@ -1,7 +1,7 @@
 """``python -m coda.autotune --gemm M,N,K[,L] [--gemm ...] [--epilogue NAME] [--level quick|full] [--clear]``
 
 ``python -m coda.autotune --model llama-1b --batch 2 --seq 4096``: runs one fused training step of that model
-(``coda.bench_step.PRESETS``) on the GPU, recording every GEMM problem and epilogue it uses, then tunes each (one
+(``coda.bench.step.PRESETS``) on the GPU, recording every GEMM problem and epilogue it uses, then tunes each (one
 progress bar) and stores the winners: run it once per machine (and per batch shape) so that ``coda.gemm``'s
 default path finds tuned configs. ``--show``: a table of the tuning store's and the shipped entries for this GPU
 (all GPUs without one, or ``--gpu NAME``). ``--ship-from FILE`` (repeat): convert tuning results (a tuning store
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--clear", action="store_true", help="empty the result and compiled-kernel caches first")
     ap.add_argument("--space", action="store_true", help="print the pruned config space (no GPU needed)")
     ap.add_argument("--model", default=None, metavar="PRESET",
-                    help="tune every GEMM of one fused training step of this coda.bench_step preset")
+                    help="tune every GEMM of one fused training step of this coda.bench.step preset")
     ap.add_argument("--batch", type=int, default=2, help="--model: sequences per step (default 2)")
     ap.add_argument("--seq", type=int, default=4096, help="--model: tokens per sequence (default 4096)")
     ap.add_argument("--retune", action="store_true", help="--model: also tune problems the store already has")
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     if not (args.gemm or args.clear or args.space or args.model or args.show or args.ship_from):
         ap.error("nothing to do: give --model PRESET, --gemm M,N,K, --show, --ship-from, --clear or --space")
     if args.model is not None:
-        from coda.bench_step import PRESETS
+        from coda.bench.step import PRESETS
         if args.model not in PRESETS:
             ap.error(f"--model: unknown preset {args.model!r}; one of {', '.join(sorted(PRESETS))}")
         if args.batch <= 0 or args.seq <= 0:

@@ -1,7 +1,7 @@
 """Tuning every GEMM of a model's training step: ``python -m coda.autotune --model PRESET --batch B --seq T``.
 
 1. :func:`record_model_step`: one fused training step (forward with the loss, backward) of a preset of
-   ``coda.bench_step`` (``PRESETS``, ``build_model``) on the GPU, under a :class:`Recorder`: every problem
+   ``coda.bench.step`` (``PRESETS``, ``build_model``) on the GPU, under a :class:`Recorder`: every problem
    (shape, dtypes, layouts, epilogue and its operands' shapes) that ``coda.gemm(config=None)`` served is collected,
    without tuning (the default chain: store, shipped, heuristic), whatever ``CODA_AUTOTUNE`` says.
 2. :func:`tune_recorded`: each recorded problem is tuned on random inputs of the recorded shapes, strides and
@@ -86,7 +86,7 @@ def record_model_step(preset: str, batch: int, seq: int, dtype: str = "bfloat16"
     import torch
 
     import coda
-    from coda.bench_step import PRESETS, build_model, make_batches
+    from coda.bench.step import PRESETS, build_model, make_batches
     if preset not in PRESETS:
         raise ValueError(f"unknown model {preset!r}; one of {sorted(PRESETS)}")
     cfg = PRESETS[preset]

@@ -1,5 +1,5 @@
 """Row-scale + column-bias epilogues (hook classes), shared by the quickstart, ``coda.bench`` and
-``coda.bench_launch``: y = acc * scale[row] + bias[col], optionally with the per-row sum of y^2 (what an RMSNorm
+``coda.bench.launch``: y = acc * scale[row] + bias[col], optionally with the per-row sum of y^2 (what an RMSNorm
 consumer needs)."""
 from coda.kernels.epilogue import Epilogue, Operand, Reduction
 

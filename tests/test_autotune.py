@@ -505,7 +505,7 @@ def _operands_only(acc, bias: coda.VecN, rs: coda.VecM, res: coda.TileMN):
 
 @pytest.mark.parametrize("epi_name", ["identity", "many", "operands"])
 def test_gemm_repeated_call_takes_the_plan_and_writes_the_right_pointers(kernel_cache, monkeypatch, epi_name):
-    from coda.bench_launch import NullRun, cpu_plan
+    from coda.bench.launch import NullRun, cpu_plan
     epi = {"identity": None, "many": Everything(), "operands": _operands_only}[epi_name]
     L, M, N, K = 2, 200, 136, 64
     a, b, out = torch.randn(L, M, K, dtype=BF16), torch.randn(L, N, K, dtype=BF16), torch.empty(L, M, N, dtype=BF16)
@@ -551,7 +551,7 @@ def test_gemm_repeated_call_takes_the_plan_and_writes_the_right_pointers(kernel_
 def test_dynamic_schedule_repeated_call_takes_the_plan_with_the_tile_counter(kernel_cache, monkeypatch, epi_name):
     """The dynamic schedule's only per-call argument beyond the operands is the current stream's tile counter: a
     repeated call swaps pointers and appends the counter's, as the DSL marshals the full path's arguments."""
-    from coda.bench_launch import NullRun, cpu_plan
+    from coda.bench.launch import NullRun, cpu_plan
     epi = None if epi_name == "identity" else _operands_only
     cfg = GemmConfig(sched="dynamic")
     L, M, N, K = 2, 200, 136, 64
@@ -576,7 +576,7 @@ def test_dynamic_schedule_repeated_call_takes_the_plan_with_the_tile_counter(ker
 
 
 def test_plan_misses_fall_back_to_the_checked_path(kernel_cache, monkeypatch):
-    from coda.bench_launch import NullRun, cpu_plan
+    from coda.bench.launch import NullRun, cpu_plan
     M, N, K = 256, 128, 64
     a, b, out = torch.randn(M, K, dtype=BF16), torch.randn(N, K, dtype=BF16), torch.empty(M, N, dtype=BF16)
     pkey, plan, _, _, _ = cpu_plan(a, b, out, None, GemmConfig())
@@ -598,7 +598,7 @@ def test_plan_misses_fall_back_to_the_checked_path(kernel_cache, monkeypatch):
 
 
 def test_plan_keeps_no_tensor_alive_and_rejects_mismatched_descriptors(kernel_cache):
-    from coda.bench_launch import cpu_plan
+    from coda.bench.launch import cpu_plan
 
     def build():
         a, b, out = torch.randn(256, 64, dtype=BF16), torch.randn(128, 64, dtype=BF16), torch.empty(256, 128, dtype=BF16)
@@ -621,7 +621,7 @@ def test_plan_ignores_the_descriptor_padding(kernel_cache):
     whatever that memory held. A plan compares the fields the compiled function reads, so garbage there must not
     reject it (a byte comparison did, at random: the CPU micro-benchmark failed once with "the plan did not match");
     a field that differs still does."""
-    from coda.bench_launch import cpu_plan
+    from coda.bench.launch import cpu_plan
     a, b, out = torch.randn(256, 64, dtype=BF16), torch.randn(128, 64, dtype=BF16), torch.empty(256, 128, dtype=BF16)
     _, plan, args, views, _ = cpu_plan(a, b, out, None, GemmConfig())
     cls = type(plan.descs[0])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from coda import bench as B
-from coda import bench_report as R
+from coda.bench import report as R
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRANSFORMER_OPS = ("rmsnorm_linear", "linear_swiglu", "linear_geglu", "linear_cross_entropy", "mlp")
@@ -393,12 +393,12 @@ def test_commit_override(monkeypatch):
 
 
 def test_bench_epilogue_measures_what_it_names():
-    """The epilogues timed by ``python -m coda.bench_epilogue`` compute what their names say (reference path),
+    """The epilogues timed by ``python -m coda.bench.epilogue`` compute what their names say (reference path),
     and the table renders the ratios to our plain GEMM."""
     import torch.nn.functional as F
 
     import coda
-    from coda import bench_epilogue as be
+    from coda.bench import epilogue as be
     torch.manual_seed(0)
     M, N, K = 6, 8, 16
     a, b = torch.randn(M, K, dtype=torch.bfloat16), torch.randn(N, K, dtype=torch.bfloat16)

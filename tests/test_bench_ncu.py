@@ -1,8 +1,8 @@
-"""coda.bench_ncu on the CPU: parsing Nsight Compute's raw CSV, the table, argument errors (the profiling itself
+"""coda.bench.ncu on the CPU: parsing Nsight Compute's raw CSV, the table, argument errors (the profiling itself
 needs ncu and a Hopper GPU)."""
 import pytest
 
-from coda import bench_ncu
+from coda.bench import ncu as bench_ncu
 
 NVTX = "thread Domain:Push/Pop_Range:PL_Type:PL_Value:CLR_Type:Color:Msg_Type:Msg"
 COLS = ["ID", NVTX, "Kernel Name"] + list(bench_ncu.METRICS.values())

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from coda import bench_step as S
-from coda import bench_step_report as SR
+from coda.bench import step as S
+from coda.bench import step_report as SR
 
 KERNELS = {
     # ours (CuTeDSL) and cuBLAS

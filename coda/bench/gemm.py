@@ -1,4 +1,4 @@
-"""Time CODA's GEMM against cuBLAS (torch.mm) in the same process: ``python -m coda.bench_gemm [--quick]``.
+"""Time CODA's GEMM against cuBLAS (torch.mm) in the same process: ``python -m coda.bench.gemm [--quick]``.
 
 For each shape, every candidate config is timed (do_bench median, inputs rotated so that A/B come from HBM) and the
 best is reported next to cuBLAS, with TFLOP/s and the ratio ours / cuBLAS.
@@ -14,7 +14,7 @@ SHAPES = [(8192, 8192, 8192), (8192, 4096, 4096), (8192, 28672, 4096), (8192, 40
 
 
 def candidates():
-    from .config import GemmConfig
+    from ..config import GemmConfig
     out = []
     for tm, tn, pp in [(128, 256, False), (256, 128, False), (128, 128, True), (64, 256, True)]:
         for cm, cn in [(1, 1), (2, 1), (1, 2)]:
@@ -27,7 +27,7 @@ def candidates():
 
 def sweep():
     """Second-order knobs (swizzle group, epilogue sub-tile) around the best first-order configs."""
-    from .config import GemmConfig
+    from ..config import GemmConfig
     base = [dict(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, raster="n"),
             dict(tile_m=128, tile_n=256, cluster_m=1, cluster_n=2, raster="m"),
             dict(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2, raster="m")]

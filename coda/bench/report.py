@@ -427,7 +427,7 @@ def write_report(report: dict, out_dir: str, write_json: bool = True) -> dict:
     for name, fn in (("sol.png", plot_sol), ("roofline.png", plot_roofline)):
         p = os.path.join(out_dir, name)
         if not matplotlib_available():
-            missing.append((p, "matplotlib is not installed (pip install 'coda-kernels[bench]')"))
+            missing.append((p, "matplotlib is not installed (pip install 'coda-gemm[bench]')"))
             continue
         fn(report, p)
         written.append(p)

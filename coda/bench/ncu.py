@@ -1,6 +1,6 @@
 """Hardware counters of CODA's GEMM next to cuBLAS's, from Nsight Compute: where a wall-clock ratio comes from.
 
-``python -m coda.bench_ncu [--shapes MxNxK,...] [--epilogues scale_bias,ce_forward,...] [--config K=V,...] [--md FILE]``
+``python -m coda.bench.ncu [--shapes MxNxK,...] [--epilogues scale_bias,ce_forward,...] [--config K=V,...] [--md FILE]``
 
 Wall-clock ratios on an H100 move by several percent from run to run (clock and power state); counters do not.
 For each shape this runs cuBLAS (``torch.mm``), CODA's plain GEMM and the named fused epilogues once each, inside
@@ -122,7 +122,7 @@ def _child(shapes, epilogues, configs=()):
     import torch
 
     import coda
-    from coda.bench_epilogue import EPILOGUES, operands
+    from coda.bench.epilogue import EPILOGUES, operands
     from coda.epilogues.cross_entropy import ce_forward
     for M, N, K in shapes:
         a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -163,7 +163,7 @@ def run(shapes, epilogues, ncu: str = "ncu", configs=()) -> list[dict]:
         rep = os.path.join(d, "report")
         subprocess.run([ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", f"{RANGE}/",
                         "--kernel-name", KERNELS, "--metrics", ",".join(METRICS.values()), "-o", rep,
-                        sys.executable, "-m", "coda.bench_ncu", "--child", *args], check=True, env=env)
+                        sys.executable, "-m", "coda.bench.ncu", "--child", *args], check=True, env=env)
         raw = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "raw", "--csv"], check=True,
                              capture_output=True, text=True).stdout
     return parse_raw_csv(raw)
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
             raise ValueError
     except ValueError:
         ap.error(f"--shapes: expected MxNxK,... with positive integers, got {a.shapes!r}")
-    from coda.bench_epilogue import EPILOGUES
+    from coda.bench.epilogue import EPILOGUES
     epilogues = [e for e in a.epilogues.split(",") if e]
     unknown = sorted(set(epilogues) - set(EPILOGUES) - {"ce_forward"})
     if unknown:
@@ -200,11 +200,11 @@ def main(argv=None) -> int:
         return 0
     ncu = shutil.which("ncu")
     if ncu is None:
-        print("coda.bench_ncu: Nsight Compute (ncu) is not on PATH", file=sys.stderr)
+        print("coda.bench.ncu: Nsight Compute (ncu) is not on PATH", file=sys.stderr)
         return 2
     from coda._device import hopper_available
     if not hopper_available():
-        print("coda.bench_ncu: needs a Hopper (sm_90) GPU", file=sys.stderr)
+        print("coda.bench.ncu: needs a Hopper (sm_90) GPU", file=sys.stderr)
         return 2
     md = table(run(shapes, epilogues, ncu, a.config))
     print(md)

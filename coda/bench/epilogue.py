@@ -1,6 +1,6 @@
 """What an epilogue costs: fused GEMM + epilogue vs CODA's plain GEMM vs cuBLAS, one process, interleaved.
 
-``python -m coda.bench_epilogue [--shapes 8192x28672x4096,...] [--repeats 5] [--json FILE]``
+``python -m coda.bench.epilogue [--shapes 8192x28672x4096,...] [--repeats 5] [--json FILE]``
 
 Each repeat times every implementation once (triton ``do_bench`` median, L2 flushed before each run), in turn, so
 a clock drift hits all of them alike; the table gives the median over repeats and the ratios to our plain GEMM of

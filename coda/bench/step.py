@@ -9,7 +9,7 @@ MFU (model FLOPs over the measured GEMM peak and over the datasheet peak), peak 
 the time from process start to the end of the first step, and the GPU time per step in four classes (GEMM,
 attention, optimizer, other) from torch.profiler, with the step's speed of light (GEMM FLOPs / measured GEMM peak +
 attention + optimizer). Writes report.json, report.md and step.png into ``--out`` (rendering:
-:mod:`coda.bench_step_report`); ``--from report.json`` re-renders without a GPU.
+:mod:`coda.bench.step_report`); ``--from report.json`` re-renders without a GPU.
 
 Phases of a run: (1) a process measures the GEMM peak (cuBLAS bf16 8192^3, do_bench median); (2) one process per mode
 builds, trains (``--warmup`` untimed steps, then ``--steps`` timed ones, CUDA events per step, one sync at the
@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from . import bench_step_report as SR
+from . import step_report as SR
 
 PRESETS = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "small": dict(hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=8, vocab=32000),
@@ -38,7 +38,7 @@ MODES = ("stock", "stock+compile", "fused", "fused+compile", "stock+compile-ro",
          "fused-noattn", "fused-noattn+compile")  # -noattn: coda.fuse(model, attention=False)
 DEFAULT_MODES = MODES[:4]
 RESULT = "CODA_STEP_RESULT "
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _model_module():
@@ -182,7 +182,7 @@ def measure_peak() -> dict:
 # -- the parent ----------------------------------------------------------------------------------------------------
 def _spawn(worker_argv: list, timeout: float) -> dict:
     env = dict(os.environ, CODA_STEP_T0=repr(time.time()))
-    proc = subprocess.Popen([sys.executable, "-m", "coda.bench_step", *worker_argv], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "coda.bench.step", *worker_argv], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=os.getcwd())
     result, tail = None, []
     t0 = time.time()
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(str(e))
     os.environ.setdefault("CODA_AUTOTUNE", "0")
-    from .bench import _git, _version
+    from . import _git, _version
     commit, dirty = _git()
     common = ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
               "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--optimizer", args.optimizer,

@@ -1,4 +1,4 @@
-"""LM head + cross entropy, forward + backward, both modes side by side: ``python -m coda.bench_ce [--H 2048,4096]``.
+"""LM head + cross entropy, forward + backward, both modes side by side: ``python -m coda.bench.ce [--H 2048,4096]``.
 
 Per hidden size H (M tokens, V vocabulary, bf16): the median time (``triton.testing.do_bench``) of CODA's fast and
 lean modes, the three cuBLAS GEMMs of the same shapes (x W^T, dz W, dz^T x: the floor of any method that forms the
@@ -27,7 +27,7 @@ def _peak_extra(fn, base_bytes: int, x, w) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m coda.bench_ce", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m coda.bench.ce", description=__doc__.split("\n\n")[0])
     ap.add_argument("--M", type=int, default=8192)
     ap.add_argument("--V", type=int, default=128256)
     ap.add_argument("--H", default="2048,4096")

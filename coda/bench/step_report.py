@@ -155,7 +155,7 @@ def render_markdown(report: dict, image: Optional[str] = "step.png") -> str:
             f"{_f(m.get('loss'), '{:.3f}')} | {_f(m.get('first_step_s'), '{:.0f}')} | {cl['gemm']:.1f} | "
             f"{cl['attention']:.1f} | {cl['optimizer']:.1f} | {cl['other']:.1f} |")
     lines += ["", "GPU time per step from torch.profiler (kernel time, summed by class; the class rule is "
-                  "`coda.bench_step_report.RULES`). Largest kernels of the *other* class:"]
+                  "`coda.bench.step_report.RULES`). Largest kernels of the *other* class:"]
     for m in r["modes"]:
         if m.get("error") or not m["top_other"]:
             continue

@@ -1,4 +1,4 @@
-"""CPU micro-benchmark of ``coda.gemm``'s per-call host work, without a GPU: ``python -m coda.bench_launch``.
+"""CPU micro-benchmark of ``coda.gemm``'s per-call host work, without a GPU: ``python -m coda.bench.launch``.
 
 The kernel is compiled for sm_90a on the CPU (through the same compile cache ``coda.gemm`` uses) with CPU tensors
 standing in for the GPU ones, and a launch plan is built exactly as ``coda.gemm`` builds it, then registered in
@@ -17,12 +17,12 @@ import time
 
 import torch
 
-from . import _launch
-from ._validate import check_gemm_args
-from .config import GemmConfig
+from .. import _launch
+from .._validate import check_gemm_args
+from ..config import GemmConfig
 from coda.epilogues.scale_bias import ScaleBiasSumsq
 
-from .kernels.epilogue import IDENTITY
+from ..kernels.epilogue import IDENTITY
 
 gemm_mod = importlib.import_module("coda.gemm")  # the module (``coda.gemm`` the attribute is the function)
 FAKE_STREAM = 0x5EED
