@@ -1,5 +1,5 @@
 """Gated activations (SwiGLU, GeGLU) as pairs epilogues of the gate/up GEMM, used by ``coda.ops.linear_swiglu`` /
-``coda.ops.linear_geglu`` (issue 4; shared/design/rewrites.md).
+``coda.ops.linear_geglu`` (issue 4; docs/DESIGN.md).
 
 Layout: the gate/up weight has its rows interleaved, row 2j = gate_j, row 2j+1 = up_j
 (``coda.ops.interleave_gate_up``), so the accumulator columns (2j, 2j+1) are the pair (g_j, u_j), which one

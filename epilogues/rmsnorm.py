@@ -1,4 +1,4 @@
-"""RMSNorm -> Linear as GEMM epilogues (issue 4; the algebra is in shared/design/rewrites.md), used by
+"""RMSNorm -> Linear as GEMM epilogues (issue 4; the algebra is in docs/DESIGN.md), used by
 ``coda.ops.rmsnorm_linear``.
 
 Notation (one row m of M tokens; K the model width, N the linear's output width):
@@ -32,7 +32,7 @@ Backward, dX GEMM (:data:`rmsnorm_dgrad`, :data:`rmsnorm_dgrad_residual`)
     s = sum_k h acc gamma (c = r s / K); a K = 0 pass of :data:`rmsnorm_dgrad_finish` forms dh = r (acc gamma -
     h r c) (+ dres), normed and dgamma from it. The output y then need not be saved for the backward at all.
 
-    This is the formulation of rewrites.md (dgrad on the unfolded W, gamma a VecN of the dX GEMM). The alternative
+    This is the formulation of docs/DESIGN.md (dgrad on the unfolded W, gamma a VecN of the dX GEMM). The alternative
     with the folded W' (acc' = dy W' = dxhat; dW = (dy^T xhat) diag(gamma), dgamma_k = sum_n W_nk (dy^T xhat)_nk)
     gives the same values (tests/test_rmsnorm_linear.py checks both with sympy) but needs W' in the backward and
     W as an N x K TileMN operand of the dW GEMM, i.e. more memory traffic.

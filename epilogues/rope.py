@@ -1,5 +1,5 @@
 """RoPE (rotary position embedding) as a pairs epilogue of the QKV GEMM, used by ``coda.ops.linear_rope``
-(issues 4 and 7; shared/design/rewrites.md, "RoPE").
+(issues 4 and 7; docs/DESIGN.md, "RoPE").
 
 Layout: the accumulator columns (2j, 2j+1) are the pair (x_j, y_j) that RoPE rotates -- the interleaved (GPT-J /
 Meta Llama) convention; one thread holds both (``coda.pairs``). The Hugging Face half-split convention

@@ -8,7 +8,7 @@ The rewrite (issue 4; algebra and its sympy checks: ``coda.epilogues.rmsnorm``, 
 Forward
     1. h = x + residual (only with a residual; in x's dtype, like the unfused module).
     2. gamma goes to the cheaper GEMM operand (:func:`normed_operands`; in a full model the producer GEMM of h
-       emits the sum-of-squares partials instead, shared/design/rewrites.md, and this op stands alone):
+       emits the sum-of-squares partials instead, docs/DESIGN.md, and this op stands alone):
        - M <= N: one K = 0 launch of the epilogue ``scale_sumsq`` reads h once and writes h * gamma (M x K, rounded
          once to h's dtype) and the per-row sum of squares, so r = rsqrt(ss / K + eps) comes from the same pass;
        - M > N: W' = weight * norm_weight (:func:`fold`, the epilogue ``fold_gamma`` as a K = 0 launch: one read
