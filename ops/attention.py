@@ -7,13 +7,13 @@ W is [W_q; W_k; W_v] with the q and k rows in the adjacent-pairs order (``permut
 v columns (``rope_freqs(d, Hq + 2 Hkv, rotary_heads=Hq + Hkv)``). The epilogue ``rope_rmsnorm`` scales and rotates
 the accumulator tile; the normed activation and the unrotated q, k are never written.
 
-Backward (dy, the gradient of y):
-1. dacc = R(-theta) (diag(r) dy) / r ... more simply: the rotation is orthogonal and commutes with the row scale,
-   so the gradient of the normed product n W'^T (before RoPE) is R(-theta) dy: one K = 0 launch of the kernel with
-   the backward of ``rope`` as its epilogue (as ``linear_rope``);
-2. ``rmsnorm_linear``'s backward on that gradient (its split form, which gets the row constant c from the dX GEMM
-   and needs no saved y): dh, dgamma and dW.
-Saved: h, gamma, W, r, positions and freqs (no M x N tensor).
+Backward (dy, the gradient of y; ``rmsnorm_linear``'s algebra on the gradient before RoPE):
+1. dacc = R(-theta) dy: one K = 0 launch of the kernel with the backward of ``rope`` as its epilogue;
+2. c = (1/K) sum_n dy y per row from the rotated dy and the saved rotated y (the rotation keeps each pair's dot
+   product): the epilogue ``row_dot`` as a K = 0 launch;
+3. dX GEMM acc = dacc W with the epilogue ``rmsnorm_dgrad``: dh, the normed activation and dgamma partials;
+4. dW = dacc^T n.
+Saved: h, gamma, W, r, y (alive anyway: attention's q, k, v are views of it), positions and freqs.
 """
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ from coda.autodiff import grad_name
 from coda.dsl import ODD_OUT
 from coda.epilogues.rope import rope, rope_rmsnorm
 
-from ._common import call, check_inputs, check_last_dim_contiguous, custom_op, epilogue_pass, gemm_for, \
-    register_autograd
+from coda.epilogues.rmsnorm import rmsnorm_dgrad, row_dot
+
+from ._common import (backward_gemm, call, check_inputs, check_last_dim_contiguous, custom_op, epilogue_pass,
+                      gemm_for, register_autograd)
 from .linear import _backward_of
 from .rmsnorm_linear import check_eps, check_norm_weight, normed_operands
 
@@ -49,36 +51,50 @@ def _(x, norm_weight, weight, positions, freqs, eps):
     return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
-@custom_op("rope_unrotate")
-def _unrotate(dy: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
+def _unrotate(gemm, dy: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
     """R(-theta) dy per column pair: the gradient before RoPE (a K = 0 launch: the epilogue alone)."""
-    gemm = gemm_for(dy.device, ENTRY)
     bwd = _backward_of(rope, ("out",), ())
     grads = {grad_name("out"): dy[:, 0::2].contiguous(), grad_name(ODD_OUT): dy[:, 1::2].contiguous()}
     return epilogue_pass(gemm, dy, dy.shape[0], dy.shape[1], epilogue=bwd, out_dtype=dy.dtype, pos=positions,
                          freq=freqs, **grads)
 
 
-@_unrotate.register_fake
-def _(dy, positions, freqs):
-    return torch.empty_like(dy)
+@custom_op("rmsnorm_linear_rope_backward")
+def _backward_op(dy: Tensor, h: Tensor, norm_weight: Tensor, weight: Tensor, r: Tensor, y: Tensor,
+                 positions: Tensor, freqs: Tensor, need_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dh, dgamma, dW; empty unless need_weight). c = (1/K) sum_n dy y comes from the rotated dy and y (the
+    rotation preserves each pair's dot product), the dX GEMM from the unrotated gradient."""
+    gemm = gemm_for(dy.device, ENTRY)
+    K = h.shape[1]
+    dy = dy.contiguous()
+    dacc = _unrotate(gemm, dy, positions, freqs)
+    c = epilogue_pass(gemm, h, *dy.shape, epilogue=row_dot, dy=dy, y=y)["dot"] / K
+    res = gemm(dacc, weight.t(), epilogue=rmsnorm_dgrad, out_dtype=h.dtype, gamma=norm_weight, h=h, r=r, c=c)
+    dw = backward_gemm(dacc.t(), res["normed"].t(), ENTRY) if need_weight else weight.new_empty(0)
+    return res["out"], res["dgamma"].to(norm_weight.dtype), dw
+
+
+@_backward_op.register_fake
+def _(dy, h, norm_weight, weight, r, y, positions, freqs, need_weight):
+    dw = weight.new_empty(weight.shape) if need_weight else weight.new_empty(0)
+    return h.new_empty(h.shape), norm_weight.new_empty(norm_weight.shape), dw
 
 
 def _setup_context(ctx, inputs, output):
     x, norm_weight, weight, positions, freqs, _ = inputs
-    ctx.save_for_backward(x, norm_weight, weight, output[1], positions, freqs)
+    ctx.save_for_backward(x, norm_weight, weight, output[1], output[0], positions, freqs)
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, dy, _dr):
-    x, norm_weight, weight, r, positions, freqs = ctx.saved_tensors
+    x, norm_weight, weight, r, y, positions, freqs = ctx.saved_tensors
     need_x, need_gamma, need_w = ctx.needs_input_grad[:3]
     if dy is None or x.shape[0] == 0:
         return (torch.zeros_like(x) if need_x else None, torch.zeros_like(norm_weight) if need_gamma else None,
                 torch.zeros_like(weight) if need_w else None, None, None, None)
-    dacc = call("rope_unrotate", dy.to(x.dtype).contiguous(), positions, freqs, ctx=ctx)
-    dh, dgamma, dw = call("rmsnorm_linear_backward", dacc, None, x, norm_weight, weight, r, None, need_w, ctx=ctx)
+    dh, dgamma, dw = call("rmsnorm_linear_rope_backward", dy.to(x.dtype), x, norm_weight, weight, r, y, positions,
+                          freqs, need_w, ctx=ctx)
     return (dh if need_x else None, dgamma if need_gamma else None, dw if need_w else None, None, None, None)
 
 

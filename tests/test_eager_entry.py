@@ -80,7 +80,7 @@ def test_eager_calls_skip_the_dispatcher_and_equal_it(name, monkeypatch):
     y_op, grads_op, dispatched_op = _run(make, fn, seed)
     assert f"coda::{name}" in dispatched_op, dispatched_op
     if name != "linear_cross_entropy_fast":  # its backward only scales what the forward formed (torch ops)
-        assert any(n.endswith("_backward") or n == "coda::rope_unrotate" for n in dispatched_op), dispatched_op
+        assert any(n.endswith("_backward") for n in dispatched_op), dispatched_op
     assert torch.equal(y, y_op)
     assert len(grads) == len(grads_op) and all(g is not None for g in grads)
     for g, g_op in zip(grads, grads_op):
@@ -93,7 +93,7 @@ def test_every_custom_op_with_autograd_has_an_eager_entry():
     assert set(common._eager) == set(CASES)
     assert {n for n in common._impls if n not in common._eager} == {
         "linear_gated_backward", "linear_cross_entropy_backward", "mlp_backward", "linear_rope_backward",
-        "rmsnorm_linear_backward", "linear_backward", "rope_unrotate"}
+        "rmsnorm_linear_backward", "linear_backward", "rmsnorm_linear_rope_backward"}
 
 
 @pytest.mark.parametrize("name", ["mlp", "linear_rope", "linear"])
