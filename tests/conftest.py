@@ -23,3 +23,14 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a Hopper (sm_90) GPU")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty CODA cache directory (CODA_CACHE_DIR) and an empty in-memory tuning table, for this test only."""
+    import coda.autotune as at
+    d = tmp_path / "coda-cache"
+    monkeypatch.setenv("CODA_CACHE_DIR", str(d))
+    at._memory.clear()
+    yield d
+    at._memory.clear()

@@ -39,15 +39,6 @@ def _autotune_on(monkeypatch):
     monkeypatch.delenv("CODA_AUTOTUNE", raising=False)
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    d = tmp_path / "coda-cache"
-    monkeypatch.setenv("CODA_CACHE_DIR", str(d))
-    at._memory.clear()
-    yield d
-    at._memory.clear()
-
-
 @pytest.fixture(scope="module")
 def kernel_cache(tmp_path_factory):
     """One compile-cache dir for the tests that compile (each kernel is compiled once per test session)."""

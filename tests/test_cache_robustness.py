@@ -33,15 +33,6 @@ def _autotune_on(monkeypatch):
     monkeypatch.setattr(keys, "device_info", lambda device=None: FAKE_DEV)
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    d = tmp_path / "coda-cache"
-    monkeypatch.setenv("CODA_CACHE_DIR", str(d))
-    at._memory.clear()
-    yield d
-    at._memory.clear()
-
-
 class Recorder:
     def __init__(self):
         self._cm = warnings.catch_warnings(record=True)

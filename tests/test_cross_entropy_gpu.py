@@ -62,6 +62,21 @@ def test_chunk_sizes_agree():
         assert rel(u, v) < 5e-3
 
 
+def _warm_and_reset(fn, x, w, t) -> int:
+    """Run fn(x, w, t) fwd + bwd once (compile the kernels, warm the allocator), drop the gradients, reset the peak
+    counter; returns the bytes allocated before the measured call."""
+    x.requires_grad_()
+    w.requires_grad_()
+    fn(x, w, t).backward()
+    x.grad = w.grad = None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    return base
+
+
 @pytest.mark.parametrize("M,V,H", [(4096, 32768, 1024), (8192, 128256, 4096)])
 def test_peak_memory_no_logits(M, V, H):
     """The lean mode: fwd + bwd allocates, besides dx and dW themselves, the forward's per-tile partials, small vectors and, in
@@ -69,16 +84,8 @@ def test_peak_memory_no_logits(M, V, H):
     H = 4096 (Llama-3-8B's LM head) the dz chunks live in dx's storage, and only phase 2's buffer (16 MiB) is
     allocated (ops/cross_entropy.py). The logits (M x V bf16) never exist."""
     x, w, t = _problem(M, V, H)
-    x.requires_grad_()
-    w.requires_grad_()
     lce = functools.partial(coda.ops.linear_cross_entropy, mode="lean")
-    lce(x, w, t).backward()  # compile the kernels, warm the allocator
-    x.grad = w.grad = None
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    base = _warm_and_reset(lce, x, w, t)
     loss = lce(x, w, t)
     torch.cuda.synchronize()
     fwd_extra = torch.cuda.max_memory_allocated() - base
@@ -117,17 +124,9 @@ def test_fast_mode_memory_and_accuracy(M, V, H, budget):
     buffer (<= the budget), dx and dW held from the forward to the backward, and small vectors; the gradients
     match the lean mode's (both vs float64 on a row slice: tests above)."""
     x, w, t = _problem(M, V, H)
-    x.requires_grad_()
-    w.requires_grad_()
     b = ce_op.MEMORY_BUDGET if budget is None else budget
     fast = functools.partial(lce, mode="fast", memory_budget=b)
-    fast(x, w, t).backward()  # compile, warm the allocator
-    x.grad = w.grad = None
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    base = _warm_and_reset(fast, x, w, t)
     loss = fast(x, w, t)
     loss.backward()
     torch.cuda.synchronize()
