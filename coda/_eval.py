@@ -83,8 +83,12 @@ def _node(e, leaves, B, memo):
     if isinstance(e, sp.cos):
         return B.cos(ev(e.args[0]))
     if isinstance(e, ProductAngle):  # the reduced angle of sin / cos of a product (coda.dsl.with_product_angles)
-        coef = float(sp.Mul(*[a for a in e.args if a.is_number]))
-        return B.angle(coef, [ev(a) for a in e.args if not a.is_number])
+        # numbers merged into the coefficient (exactly: 1/3, 2*pi); a constant expression without a finite float in
+        # sympy (tanh(sigmoid(0.0)), built unevaluated; 1 / 0.0) is a factor evaluated as written, like a traced one
+        nums, factors = [], []
+        for a in e.args:
+            (nums if a.is_number and _finite_float(a) else factors).append(a)
+        return B.angle(float(sp.Mul(*nums)), [ev(a) for a in factors])
     if isinstance(e, sp.erf):
         return B.erf(ev(e.args[0]))
     if isinstance(e, Sigmoid):
@@ -127,6 +131,14 @@ def _node(e, leaves, B, memo):
     if isinstance(e, sp.Not):
         return B.not_(ev(e.args[0]))
     raise NotImplementedError(f"CODA cannot evaluate {type(e).__name__}: {e}")
+
+
+def _finite_float(e) -> bool:
+    """Whether sympy gives the constant expression ``e`` a finite float."""
+    try:
+        return math.isfinite(float(e))
+    except Exception:  # noqa: BLE001 - no float (TypeError), 1 / 0.0 (ZeroDivisionError), overflow, ...
+        return False
 
 
 def _fold(f, args, ev):

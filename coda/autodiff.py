@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import sympy as sp
 
-from .dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, Operand, operand_symbol, rebuild
+from .dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, Operand, Piecewise, operand_symbol, rebuild
 
 GRAD, VALUE, TIE, DGRAD = "grad_", "value_", "tie_", "d_"
 RESERVED_PREFIXES = (GRAD, VALUE, TIE)  # operand names of the backward programs (refused at decoration: coda.dsl)
@@ -88,8 +88,9 @@ def _prod(factors):
 
 
 def _select(c1, v1, c2, v2):
-    """v1 where c1, else v2 where c2, else 1."""
-    return sp.Piecewise((v1, c1), (v2, c2), (sp.S.One, sp.true), evaluate=False)
+    """v1 where c1, else v2 where c2, else 1 (coda.dsl.Piecewise: the conditions as given, also when they compare
+    a coda.where value, e.g. the derivative of minimum(acc, where(...)))."""
+    return Piecewise((v1, c1), (v2, c2), (sp.S.One, sp.true))
 
 
 def derivative(expr: sp.Expr, z: sp.Symbol) -> sp.Expr:
@@ -117,7 +118,7 @@ def derivative(expr: sp.Expr, z: sp.Symbol) -> sp.Expr:
         elif isinstance(e, sp.Piecewise):
             pieces = [(d(v), c) for v, c in e.args]
             r = (sp.S.Zero if all(dv is sp.S.Zero for dv, _ in pieces)
-                 else sp.Piecewise(*pieces, evaluate=False))
+                 else Piecewise(*pieces))
         else:
             dargs = [d(a) for a in e.args]
             if all(da is sp.S.Zero for da in dargs):

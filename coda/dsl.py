@@ -217,10 +217,40 @@ def rebuild(e, mapping: dict, memo: Optional[dict] = None):
 
 
 def _remake(func, args):
-    try:
-        return func(*args, evaluate=False)
-    except TypeError:  # (e.g. Piecewise's ExprCondPair takes no evaluate flag)
-        return func(*args)
+    func = _UNEVALUATED.get(func, func)
+    return func(*args) if func in (Piecewise, ExprCondPair) else func(*args, evaluate=False)
+
+
+class ExprCondPair(sp.functions.elementary.piecewise.ExprCondPair):
+    """A ``(value, condition)`` piece of :class:`Piecewise`, as given. sympy's, even unevaluated, folds a condition
+    that contains a Piecewise (``acc > where(...)``) into an ITE: that fails (``KeyError: 'pop from an empty set'``
+    for ``0 > acc**2``, no free symbol) or changes what is compared. Named as sympy's (semantic keys, sort order)."""
+
+    def __new__(cls, expr, cond):
+        cond = sp.true if cond is True else sp.false if cond is False else cond
+        if not isinstance(cond, sp.logic.boolalg.Boolean):
+            raise TypeError(f"a Piecewise condition must be a Boolean, not {type(cond).__name__}")
+        return sp.Tuple.__new__(cls, sp.sympify(expr), cond)
+
+
+class Piecewise(sp.Piecewise):
+    """sympy's ``Piecewise`` never evaluated (``coda.where``, derivatives), of :class:`ExprCondPair` pieces: only
+    pieces after a literally True condition or with a literally False one are dropped (neither changes a value).
+    ``isinstance(e, sympy.Piecewise)`` holds; named as sympy's (semantic keys, sort order)."""
+
+    def __new__(cls, *args, evaluate=None):  # (evaluate: accepted, ignored)
+        pairs = []
+        for pair in (ExprCondPair(*ec) for ec in args):
+            if pair.cond is not sp.false:
+                pairs.append(pair)
+            if pair.cond is sp.true:
+                break
+        if not pairs:
+            raise TypeError("a Piecewise needs a piece whose condition is not False")
+        return pairs[0].expr if len(pairs) == 1 and pairs[0].cond is sp.true else sp.Basic.__new__(cls, *pairs)
+
+
+_UNEVALUATED = {sp.Piecewise: Piecewise, sp.functions.elementary.piecewise.ExprCondPair: ExprCondPair}
 
 
 # ----------------------------------------------------------------------------------------------- tracing
@@ -477,7 +507,7 @@ def where(cond, a, b):
     c = _v(cond)
     if not _is_bool(c):
         raise _err("coda.where: the condition must be a comparison (e.g. acc > 0)")
-    return Value(sp.Piecewise((_v(a), c), (_v(b), sp.true), evaluate=False))
+    return Value(Piecewise((_v(a), c), (_v(b), sp.true)))
 
 
 def cast(x, dtype):

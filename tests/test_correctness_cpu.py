@@ -219,3 +219,79 @@ def test_backward_operand_names_refused_at_decoration(name):
     ns = {"coda": coda}
     with pytest.raises(EpilogueError, match="reserved for the derived backward"):
         exec(f"@coda.epilogue\ndef e(acc, {name}: coda.VecN):\n    return acc + {name}", ns)
+
+
+# ------------------------------------------------------------------------ comparisons with a coda.where value
+# Found by test_dsl.py::test_generated_gradients_match_autograd: a condition comparing with a where value (a
+# Piecewise) made sympy's ExprCondPair fold and rewrite it as an ITE even unevaluated ("KeyError: 'pop from an
+# empty set'"): in coda.where's trace (1) and in the backward of minimum (2). coda.dsl.Piecewise keeps them as given.
+WG = ("b", "where_gt", ("const", 0.0), ("u", "sq", ("leaf", "acc")))  # where(0 > acc^2, 0, acc^2 - 0)
+NESTED_WHERE = {
+    "where_of_where": ("b", "where_gt", ("leaf", "acc"), WG),
+    "minimum_of_where": ("b", "minimum", ("leaf", "acc"), WG),
+    "maximum_of_where": ("b", "maximum", WG, ("leaf", "acc")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NESTED_WHERE))
+def test_comparison_with_a_where_value_traces_and_differentiates(name):
+    from gen_epilogues import make_epilogue, torch_eval
+    spec = dict(kinds={}, main=NESTED_WHERE[name], extras={}, reds={}, pairs=None)
+    epi = make_epilogue(spec)
+    # ties of acc with acc^2 (0, 1: torch.minimum / maximum split the gradient), NaN, inf, and random values
+    acc = torch.cat([torch.tensor([0.0, -0.0, 1.0, -1.0, 0.5, 2.0, NAN, INF, -INF], dtype=torch.float64),
+                     torch.randn(27, generator=torch.Generator().manual_seed(3), dtype=torch.float64)]).reshape(4, 9)
+    up = torch.linspace(0.5, 1.5, acc.numel(), dtype=torch.float64).reshape(acc.shape)
+    x = acc.clone().requires_grad_()
+    y = torch_eval(spec, x, {})["out"]
+    same(epi.reference(acc)["out"], y.detach())
+    want = torch.autograd.grad(y, x, up)[0]
+    got = backward_epilogue(epi, ("out",), ()).reference(acc, **{grad_name("out"): up})["out"]
+    same(got, want)
+
+
+def test_sin_of_a_product_with_a_constant_expression_factor():
+    """Found by test_dsl.py::test_generated_reference_matches_torch: sin(2 tanh(g) tanh(sigmoid(0.0))); the constant
+    factor, built unevaluated, has no float in sympy (coda/_eval.py: ProductAngle evaluates it as a factor)."""
+    epi = coda.epilogue(lambda acc: coda.sin(2.0 * coda.tanh(acc) * coda.tanh(coda.sigmoid(0.0))), name="sin_c")
+    acc = torch.randn(3, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    want = torch.sin(2.0 * torch.tanh(acc) * torch.tanh(torch.sigmoid(torch.tensor(0.0, dtype=torch.float64))))
+    torch.testing.assert_close(epi.reference(acc)["out"], want, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------- the backward operands of max / logsumexp, as the GPU tests form them
+TIES = {  # small integer GEMMs: exact accumulators, many exact ties (minimum(acc, 1) ties wherever acc >= 1)
+    "plain": dict(kinds={}, main=("leaf", "acc"), extras={}, pairs=None,
+                  reds={"r0": ("n", "max", ("b", "minimum", ("leaf", "acc"), ("const", 1.0))),
+                        "r1": ("n", "logsumexp", ("b", "mul", ("leaf", "acc"), ("const", 0.25))),
+                        "r2": ("n", "max", ("u", "sq", ("leaf", "acc")))}),
+    "pairs": dict(kinds={}, main=("leaf", "g"), extras={}, pairs="half",
+                  reds={"r0": ("n", "max", ("b", "minimum", ("b", "maximum", ("leaf", "g"), ("u", "relu", ("leaf", "u"))),
+                                             ("const", 1.0)))}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TIES))
+def test_gpu_tests_backward_operands_on_the_reference(name):
+    """tests/test_dsl_gpu.py's reduction_operands (tie_<r> for max, value_<r> for logsumexp, from the accumulator)
+    on coda.reference.gemm, the derived backward vs float64 autograd with torch's amax (ties split exactly)."""
+    from gen_epilogues import make_epilogue, torch_eval
+    from test_dsl_gpu import reduction_operands
+    spec = TIES[name]
+    epi = make_epilogue(spec)
+    g = torch.Generator().manual_seed(4)
+    M, N, K = 6, 16, 8
+    a = torch.randint(-2, 3, (M, K), generator=g).to(torch.bfloat16)
+    b = torch.randint(-2, 3, (N, K), generator=g).to(torch.bfloat16)
+    acc64 = (a.double() @ b.double().T).requires_grad_()
+    outs = torch_eval(spec, acc64, {})
+    ups = {k: torch.randn(v.shape, generator=g, dtype=torch.float64) for k, v in outs.items()}
+    want = torch.autograd.grad(sum((outs[k] * ups[k]).sum() for k in outs), acc64)[0]
+    bwd = backward_epilogue(epi, tuple(outs), ())
+    bops = {grad_name(k): u for k, u in ups.items()}
+    bops.update(reduction_operands(epi, {})(acc64.detach()))
+    assert sorted(k for k in bops if k.startswith("tie_")) == sorted(
+        "tie_" + k for k, (_, op, _) in spec["reds"].items() if op == "max")
+    got = coda.reference.gemm(a, b, epilogue=bwd, out_dtype=torch.float32, **{k: v.float() for k, v in bops.items()})
+    got = got if isinstance(got, dict) else {"out": got}
+    torch.testing.assert_close(got["out"].double(), want, rtol=1e-5, atol=1e-5)

@@ -60,6 +60,28 @@ def _check_fused(epi, M, N, K, ops64, cfg=None, L=None, floor=1e-5):
         assert e_ours <= 2 * e_theirs + floor, (k, e_ours, e_theirs)
 
 
+def reduction_operands(epi, fwd_ops: dict):
+    """The operands that the backward of ``epi``'s max / logsumexp reductions reads, as a function of the float64
+    accumulator (``_check_fused``'s callable operands), formed as ``coda.ops.linear`` forms them (ops/linear.py):
+    ``value_<r>`` for logsumexp (the forward's result: exp(x - lse) <= 1 only with the real one; a random stand-in
+    overflows for large x), ``tie_<r>`` for max (``coda.autodiff.tie_shares`` of the values the row's max compared,
+    ``coda.autodiff.tie_epilogue``: M x N, or one value per pair, M x N/2, in a pairs epilogue)."""
+    from coda.autodiff import tie_epilogue, tie_name, tie_shares, value_name
+    lse = [r.name for r in epi.reductions if r.op == "logsumexp"]
+    maxes = tuple(r.name for r in epi.reductions if r.op == "max")
+
+    def make(acc64):
+        ops = {}
+        if lse:
+            vals = epi.reference(acc64, **fwd_ops)
+            ops.update({value_name(k): vals[k].reshape(-1) for k in lse})
+        if maxes:
+            res = tie_epilogue(epi, maxes).reference(acc64, **fwd_ops)
+            ops.update({tie_name(k): tie_shares(res["out" if i == 0 else k]) for i, k in enumerate(maxes)})
+        return ops
+    return make
+
+
 @coda.epilogue
 def lse_and_target(acc, t: coda.VecM):
     """No main output: the logits are reduced in the epilogue and never stored (the LM-head forward)."""
@@ -100,7 +122,7 @@ def test_generated_epilogues_fused(spec):
     _check_fused(epi, M, N, K, ops, floor=2e-3)
     # the sympy-derived backward epilogue of the same program, fused, vs float64: upstream gradients of every
     # output and reduction, operand gradients (not of TileMN operands of a pairs epilogue: unsupported)
-    from coda.autodiff import backward_epilogue, grad_name, value_name
+    from coda.autodiff import backward_epilogue, grad_name
     from coda.dsl import ODD_OUT
     pairs = spec.get("pairs")
     needs = tuple(k for k, kind in spec["kinds"].items() if not (pairs and kind == "tile"))
@@ -115,14 +137,8 @@ def test_generated_epilogues_fused(spec):
     for r in epi.reductions:
         n = M if r.axis == "n" else nc
         bops[grad_name(r.name)] = torch.randn(n, generator=g, dtype=torch.float64)
-    fwd_ops = {k: v for k, v in bops.items() if k in ops}
-
-    def with_values(acc64):
-        """max / logsumexp reductions: the backward reads the forward's value (exp(x - lse) <= 1 only with the
-        real one; a random stand-in overflows for large x)."""
-        vals = epi.reference(acc64, **fwd_ops)
-        return {**bops, **{value_name(r.name): vals[r.name].reshape(-1) for r in epi.reductions if r.op != "sum"}}
-    _check_fused(bwd, M, N, K, with_values, floor=2e-3)
+    reds = reduction_operands(epi, {k: v for k, v in bops.items() if k in ops})
+    _check_fused(bwd, M, N, K, lambda acc64: {**bops, **reds(acc64)}, floor=2e-3)
 
 
 @pytest.mark.parametrize("save_preact", [False, True])
@@ -341,7 +357,7 @@ def test_linear_pairs_save_preact(monkeypatch):
 def test_generated_pair_tile_gradients_fused(spec):
     """The TileMN-gradient epilogue (coda.autodiff.pair_tile_grad_epilogue: "half" pairs, one value per pair) of
     generated pairs epilogues, fused, vs float64: upstream gradients of every output and reduction."""
-    from coda.autodiff import grad_name, pair_tile_grad_epilogue, pair_tile_operands, value_name
+    from coda.autodiff import grad_name, pair_tile_grad_epilogue, pair_tile_operands
     from coda.dsl import ODD_OUT
     epi = make_epilogue(spec)
     M, N, K = 201, 144, 72  # N/2 = 72: bf16 rows of the per-pair tiles stay 16-byte aligned
@@ -355,9 +371,8 @@ def test_generated_pair_tile_gradients_fused(spec):
     for r in epi.reductions:
         n = M if r.axis == "n" else N // 2
         bops[grad_name(r.name)] = torch.randn(n, generator=g, dtype=torch.float64)
-        if r.op != "sum":
-            bops[value_name(r.name)] = torch.randn(n, generator=g, dtype=torch.float64) + 4
-    _check_fused(tepi, M, N, K, bops, floor=2e-3)
+    reds = reduction_operands(epi, dict(ops))  # value_<r> (logsumexp), tie_<r> (max) from the accumulator
+    _check_fused(tepi, M, N, K, lambda acc64: {**bops, **reds(acc64)}, floor=2e-3)
 
 
 @coda.epilogue
