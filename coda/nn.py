@@ -30,6 +30,8 @@ float64) run the same math in plain torch (``coda.ops`` are 16-bit only); shapes
 """
 from __future__ import annotations
 
+import os
+
 from typing import Optional, Sequence, Union
 
 import torch
@@ -44,6 +46,10 @@ __all__ = ["RMSNormLinear", "SwiGLUMLP", "LMHeadCrossEntropy", "DeferredRMSNorm"
            "rms_swiglu"]
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
+# Blocks whose norm / GEMM / activation are left to inductor while torch.compile traces (the stock math on the same
+# weights), where that measured faster than the fused kernels: FusedAttention.inductor_under_compile,
+# SwiGLUMLP.inductor_under_compile (class attributes; their defaults from CODA_INDUCTOR_UNDER_COMPILE, "attention").
+INDUCTOR_UNDER_COMPILE = os.environ.get("CODA_INDUCTOR_UNDER_COMPILE", "attention").split(",")
 _ALIGN = 8  # the kernel's 16-byte rows of 16-bit elements
 
 
@@ -248,6 +254,8 @@ class SwiGLUMLP(_NormConsumer):
     (2I, H) interleaved, ``down_proj`` (an ``nn.Linear``), the norm (see :class:`_NormConsumer`). Stock keys:
     ``norm.weight`` (own norm only), ``gate_proj.weight``, ``up_proj.weight``, ``down_proj.weight``."""
 
+    inductor_under_compile = "mlp" in INDUCTOR_UNDER_COMPILE
+
     def __init__(self, hidden_size: int, intermediate_size: int, eps: float = 1e-6, *, add_residual: bool = True,
                  norm=None, device=None, dtype=None):
         super().__init__()
@@ -283,7 +291,11 @@ class SwiGLUMLP(_NormConsumer):
 
     def forward(self, x: Tensor) -> Tensor:
         dtype, gamma = _compute_dtype(x), self.norm_weight
-        if dtype in _FUSED_DTYPES:
+        if dtype in _FUSED_DTYPES and torch.compiler.is_compiling() and self.inductor_under_compile:
+            n = x if gamma is None else rms_norm(x, gamma, self.eps)
+            y = F.linear(n.to(dtype), self.weight_gu.to(dtype))  # interleaved (gate, up) columns
+            a = F.silu(y[..., 0::2]) * y[..., 1::2]
+        elif dtype in _FUSED_DTYPES:
             n = x.to(dtype)
             if gamma is None:
                 a = ops.linear_swiglu(n, self.weight_gu.to(dtype))

@@ -96,3 +96,27 @@ def test_fusable_rules():
     assert attention_fusable(attn) is None
     attn.q_proj = torch.nn.Linear(64, 64, bias=True)
     assert "biases" in attention_fusable(attn)
+
+
+def test_under_compile_the_block_leaves_norm_qkv_rope_to_inductor(monkeypatch):
+    """Documented behaviour (FusedAttention.inductor_under_compile): while torch.compile traces, the block runs the
+    stock math on its own weights (same result), not the fused op; outside compile the fused op runs."""
+    import coda.ops
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = _fused_copy(LlamaForCausalLM(cfg).to(torch.bfloat16))
+    attn = model.model.layers[0].self_attn
+    calls = []
+    real = coda.ops.rmsnorm_linear_rope
+    monkeypatch.setattr(coda.ops, "rmsnorm_linear_rope", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    fused = attn(x, None, None)
+    assert calls == [1]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    stock_math = attn(x, None, None)
+    assert calls == [1]
+    assert ((fused.float() - stock_math.float()).norm() / fused.float().norm()).item() < 2e-2
+    monkeypatch.setattr(type(attn), "inductor_under_compile", False)
+    attn(x, None, None)
+    assert calls == [1, 1]

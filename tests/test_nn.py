@@ -376,3 +376,21 @@ def test_fuse_ops_path_trains_like_stock_float32(monkeypatch):
         assert abs(a - b) <= 1e-5, f"step {step}: stock {a!r} fused {b!r}"
     for k in sd_s:
         assert _err(sd_f[k], sd_s[k]) <= 1e-4, k
+
+
+def test_swiglu_under_compile_with_inductor_flag(monkeypatch):
+    """SwiGLUMLP.inductor_under_compile (off by default): while torch.compile traces, the stock math on the
+    interleaved weight (same result) instead of the fused op."""
+    torch.manual_seed(0)
+    mlp = SwiGLUMLP(64, 176, add_residual=False).to(torch.bfloat16)
+    with torch.no_grad():
+        mlp.norm.weight.add_(0.1 * torch.randn(64))
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    fused = mlp(x)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert torch.equal(mlp(x), fused) or not SwiGLUMLP.inductor_under_compile
+    monkeypatch.setattr(SwiGLUMLP, "inductor_under_compile", True)
+    import coda.nn
+    monkeypatch.setattr(coda.nn, "rmsnorm_swiglu", lambda *a, **k: pytest.fail("the fused op ran under compile"))
+    inductor = mlp(x)
+    assert ((inductor.float() - fused.float()).norm() / fused.float().norm()).item() < 2e-2
