@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from coda import ops
 from coda.epilogues.rope import permute_half_split, unpermute_half_split
 from coda.nn import _FUSED_DTYPES, INDUCTOR_UNDER_COMPILE, DeferredRMSNorm, _compute_dtype, _NormConsumer, rms_norm
 
@@ -58,10 +59,12 @@ class FusedAttention(_NormConsumer):
     """See the module docstring. Parameters: ``weight_qkv`` ((Hq + 2 Hkv) d, H), ``o_proj`` (the stock module,
     shared), the norm (a shared :class:`DeferredRMSNorm`); buffer ``freqs`` (one frequency per column pair).
 
-    ``inductor_under_compile`` (class attribute; default True, see ``coda.nn.INDUCTOR_UNDER_COMPILE``): under ``torch.compile`` the norm, QKV GEMM and
-    RoPE are left to inductor (the stock math on the same weights, SDPA still without GQA copies), because that
-    measured faster there: llama-1b on an H100, fused + compile 144.1 ms per step with this block's fused GEMM,
-    141.0 ms with the attention half stock (commit 4663425). Eager runs the fused GEMM (H200: 153.3 -> 141.3 ms)."""
+    ``inductor_under_compile`` (class attribute; default True, see ``coda.nn.INDUCTOR_UNDER_COMPILE``): under
+    ``torch.compile`` the norm, QKV GEMM and RoPE are left to inductor (the stock math on the same weights, GQA by
+    repeat as in the stock model), because that measured faster there: llama-1b on an H100, fused + compile
+    140.1 ms per step this way, 142.8 ms with this block's fused GEMM under compile (stock + compile 136.6 ms;
+    python -m coda.bench --model llama-1b, one machine). Eager runs the fused GEMM.
+    """
 
     inductor_under_compile = "attention" in INDUCTOR_UNDER_COMPILE
 
@@ -103,7 +106,6 @@ class FusedAttention(_NormConsumer):
         return unpermute_half_split(w[:hq], d), unpermute_half_split(w[hq:hq + hk], d), w[hq + hk:]
 
     def forward(self, *args, **kwargs):
-        from coda import ops
         x = args[0] if args else kwargs["hidden_states"]
         mask = kwargs.get("attention_mask")
         B, T, _ = x.shape
@@ -132,8 +134,12 @@ class FusedAttention(_NormConsumer):
         tq, tk = q.shape[2], k.shape[2]
         if mask is None and 1 < tq < tk:  # a chunk after cached positions: causal, aligned bottom-right
             mask = torch.ones(tq, tk, dtype=torch.bool, device=x.device).tril(tk - tq)
+        gqa = self.n_kv != self.n_heads
+        if gqa and torch.compiler.is_compiling():  # inductor fuses the repeat into the RoPE kernel, as for stock
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
+            gqa = False
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and tq == tk and tq > 1,
-                                           enable_gqa=self.n_kv != self.n_heads)
+                                           enable_gqa=gqa)
         out = self.o_proj(o.transpose(1, 2).reshape(B, T, hq))
         return (out, None) if self.hf_signature else out
 

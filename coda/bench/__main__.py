@@ -60,6 +60,9 @@ def main(argv=None) -> int:
                 report = json.load(f)
         except (OSError, ValueError) as e:
             ap.error(f"--from {args.from_}: {e}")
+        if isinstance(report, dict) and "modes" in report and "flops" in report:  # a saved training-step report
+            from . import step
+            return step.main(["--from", args.from_, "--out", args.out])
         same = os.path.abspath(os.path.join(args.out, "report.json")) == os.path.abspath(args.from_)
         return _finish(R.write_report(report, args.out, write_json=not same))
     try:
