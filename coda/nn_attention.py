@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import coda.nn as _nn
 from coda import ops
 from coda.epilogues.rope import permute_half_split, unpermute_half_split
 from coda.nn import _FUSED_DTYPES, INDUCTOR_UNDER_COMPILE, DeferredRMSNorm, _compute_dtype, _NormConsumer, rms_norm
@@ -113,7 +114,7 @@ class FusedAttention(_NormConsumer):
         if pos is None:
             pos = torch.arange(T, device=x.device)
         dtype = _compute_dtype(x)
-        if dtype in _FUSED_DTYPES and not (torch.compiler.is_compiling() and self.inductor_under_compile):
+        if dtype in _FUSED_DTYPES and not (_nn.compiling() and self.inductor_under_compile):
             y = ops.rmsnorm_linear_rope(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype), pos, self.freqs,
                                         self.eps)
         else:  # float32 / float64, or under torch.compile: the stock math (fp32 norm statistics, angles in fp32
@@ -135,7 +136,7 @@ class FusedAttention(_NormConsumer):
         if mask is None and 1 < tq < tk:  # a chunk after cached positions: causal, aligned bottom-right
             mask = torch.ones(tq, tk, dtype=torch.bool, device=x.device).tril(tk - tq)
         gqa = self.n_kv != self.n_heads
-        if gqa and torch.compiler.is_compiling():  # inductor fuses the repeat into the RoPE kernel, as for stock
+        if gqa and _nn.compiling():  # inductor fuses the repeat into the RoPE kernel, as for stock
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
             gqa = False
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and tq == tk and tq > 1,

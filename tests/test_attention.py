@@ -113,7 +113,7 @@ def test_under_compile_the_block_leaves_norm_qkv_rope_to_inductor(monkeypatch):
     x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
     fused = attn(x, None, None)
     assert calls == [1]
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(__import__("coda.nn").nn, "compiling", lambda: True)
     stock_math = attn(x, None, None)
     assert calls == [1]
     assert ((fused.float() - stock_math.float()).norm() / fused.float().norm()).item() < 2e-2
