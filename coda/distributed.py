@@ -233,14 +233,8 @@ def _full(t):
 def stock_grads(model: torch.nn.Module) -> dict:
     """:func:`coda.stock_grads` for a model whose parameters may be FSDP2 DTensors: every gradient gathered to its
     full value (on every rank), by stock name and in the stock layout. Every rank must call it."""
-    from coda.nn import _StockLayout
-    grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-    for prefix, m in model.named_modules():
-        if isinstance(m, _StockLayout):
-            pre = prefix + "."
-            local = {k[len(pre):]: grads.pop(k) for k in list(grads) if k.startswith(pre)}
-            grads.update({pre + k: v for k, v in m._to_stock(local).items()})
-    return grads
+    from coda.fuse import stock_grads as _stock_grads
+    return _stock_grads(model, full=_full)
 
 
 def _resharding(convert):

@@ -116,12 +116,14 @@ def fuse(model: nn.Module, *, mlp: bool = True, attention: bool = True, lm_head:
     return model
 
 
-def stock_grads(model: nn.Module) -> dict:
+def stock_grads(model: nn.Module, full=None) -> dict:
     """Every parameter's gradient by its stock name and in the stock layout (a fused module's parameters split back
     as its state dict does: weight_gu into gate/up, weight_qkv into q/k/v); parameters without a gradient are left
-    out. For comparing a fused model's gradients with a stock model's."""
+    out. For comparing a fused model's gradients with a stock model's. ``full``: applied to each gradient first
+    (``coda.distributed`` gathers FSDP2's sharded gradients with it)."""
     from coda.nn import _StockLayout
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: (p.grad if full is None else full(p.grad)) for n, p in model.named_parameters()
+             if p.grad is not None}
     for prefix, m in model.named_modules():
         if isinstance(m, _StockLayout):
             pre = prefix + "."

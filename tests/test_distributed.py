@@ -20,30 +20,18 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cross_entropy_ref import rel, run, torch_loss  # noqa: E402
+from dist_harness import WORLD, spawn  # noqa: E402
 
-WORLD = 2
 
 
 # ------------------------------------------------------------------------------------------------ harness
-def _entry(rank, init, fn, args):
-    torch.set_num_threads(1)  # two processes on a 2-core machine
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
-    try:
-        fn(rank, *args)
-    finally:
-        dist.destroy_process_group()
-
-
 def _spawn(fn, *args):
-    """Run fn(rank, *args) on 2 gloo ranks; an exception on any rank fails the test with its traceback."""
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(f"file://{os.path.join(d, 'init')}", fn, args), nprocs=WORLD, join=True)
+    spawn(fn, *args, backend="gloo")
 
 
 # ------------------------------------------------------------------------------------------------ vocab-parallel CE

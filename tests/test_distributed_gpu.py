@@ -28,26 +28,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cross_entropy_ref import rel, run, torch_loss  # noqa: E402
+from dist_harness import WORLD, spawn  # noqa: E402
 
-WORLD = 2
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs 2 CUDA devices")]
 
 
-def _entry(rank, init, fn, args):
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=WORLD,
-                            device_id=torch.device("cuda", rank))
-    try:
-        fn(rank, *args)
-    finally:
-        dist.destroy_process_group()
-
-
 def _spawn(fn, *args):
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(f"file://{os.path.join(d, 'init')}", fn, args), nprocs=WORLD, join=True)
+    spawn(fn, *args, backend="nccl")
 
 
 def _problem(M, V, H, seed=0):
