@@ -135,19 +135,29 @@ def with_product_angles(e, memo: dict):
     """``e`` with every ``sin(a*b*...)`` / ``cos(a*b*...)`` (a product argument that is not a number) written as
     ``sin(ProductAngle(a, b, ...))``. A memoised walk over the DAG (sympy's ``replace`` walks the tree, exponential
     for reused values); expressions without such a node come back as the same object."""
-    r = memo.get(e)
+    def node(e, args):
+        if isinstance(e, (sp.sin, sp.cos)) and isinstance(args[0], sp.Mul) and not args[0].is_number:
+            return e.func(ProductAngle(*_factors(args[0])), evaluate=False)
+        return None
+    return _walk(e, memo, node)
+
+
+def _walk(e, memo: dict, node, mapping: Optional[dict] = None):
+    """Rebuild ``e`` bottom-up over its DAG, each subexpression once (``memo``): ``mapping`` replaces a node
+    outright; ``node(e, new_args)`` may return a replacement; otherwise ``e`` stays the same object when its
+    arguments did, else it is remade unevaluated."""
+    r = mapping.get(e) if mapping else None
+    if r is None:
+        r = memo.get(e)
     if r is not None:
         return r
     if not e.args:
         r = e
     else:
-        args = tuple(with_product_angles(a, memo) for a in e.args)
-        if isinstance(e, (sp.sin, sp.cos)) and isinstance(args[0], sp.Mul) and not args[0].is_number:
-            r = e.func(ProductAngle(*_factors(args[0])), evaluate=False)
-        elif args == e.args:
-            r = e
-        else:
-            r = _remake(e.func, args)
+        args = tuple(_walk(a, memo, node, mapping) for a in e.args)
+        r = node(e, args) if node is not None else None
+        if r is None:
+            r = e if args == e.args else _remake(e.func, args)
     memo[e] = r
     return r
 
@@ -200,20 +210,7 @@ def _div(a, b): return sp.Mul(a, sp.Pow(b, sp.S.NegativeOne, evaluate=False), ev
 def rebuild(e, mapping: dict, memo: Optional[dict] = None):
     """``e`` with the subexpressions in ``mapping`` replaced, rebuilt without evaluation (``xreplace`` would
     re-evaluate, and with it apply the rewrites above); a memoised walk over the DAG."""
-    memo = {} if memo is None else memo
-    r = mapping.get(e)
-    if r is not None:
-        return r
-    r = memo.get(e)
-    if r is not None:
-        return r
-    if not e.args:
-        r = e
-    else:
-        args = tuple(rebuild(a, mapping, memo) for a in e.args)
-        r = e if args == e.args else _remake(e.func, args)
-    memo[e] = r
-    return r
+    return _walk(e, {} if memo is None else memo, None, mapping)
 
 
 def _remake(func, args):
