@@ -378,6 +378,8 @@ def _backward_fast(ctx, grad_loss, grad_dx, grad_dw):
     dx, dw = ctx.saved_tensors
     g = grad_loss.to(torch.float32)
     if getattr(ctx, "coda_eager", False):
+        # a second backward through this graph (retain_graph=True) then fails autograd's version check of the
+        # saved tensors (tests/test_cross_entropy.py): an error, never g1 * g2 * grad; mode="lean" allows it
         grads = [t.mul_(g) if need else None for t, need in zip((dx, dw), ctx.need)]
     else:
         grads = [(t * g).to(t.dtype) if need else None for t, need in zip((dx, dw), ctx.need)]

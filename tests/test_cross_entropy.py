@@ -486,3 +486,21 @@ def test_fast_mode_single_gradient():
         got, want = (xs.grad, ref_x.grad) if need_x else (ws.grad, ref_w.grad)
         assert (ws.grad if need_x else xs.grad) is None
         assert rel(got, want) < 2e-2
+
+
+def test_fast_mode_second_backward_is_refused():
+    """The eager fast mode scales its saved gradients in place: a second backward through the same graph
+    (retain_graph=True) fails autograd's version check instead of returning g1 * g2 * grad; the lean mode allows
+    it."""
+    x, w, t = _problem(24, 96, 16)
+    xs = x.clone().requires_grad_()
+    loss = lce(xs, w, t, mode="fast")
+    loss.backward(retain_graph=True)
+    first = xs.grad.clone()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    xl = x.clone().requires_grad_()
+    lean = lce(xl, w, t, mode="lean")
+    lean.backward(retain_graph=True)
+    lean.backward()
+    assert rel(xl.grad, 2 * first.double()) < 2e-2
