@@ -20,16 +20,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from coda.autodiff import grad_name
-from coda.dsl import ODD_OUT
-from coda.epilogues.rope import rope, rope_rmsnorm
+from coda.epilogues.rope import rope_rmsnorm
 
 from coda.epilogues.rmsnorm import rmsnorm_dgrad, row_dot
 
 from ._common import (backward_gemm, call, check_inputs, check_last_dim_contiguous, custom_op, epilogue_pass,
                       gemm_for, register_autograd)
-from .linear import _backward_of
 from .rmsnorm_linear import check_eps, check_norm_weight, normed_operands
+from .rope import unrotate
 
 __all__ = ["rmsnorm_linear_rope"]
 
@@ -51,14 +49,6 @@ def _(x, norm_weight, weight, positions, freqs, eps):
     return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
-def _unrotate(gemm, dy: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
-    """R(-theta) dy per column pair: the gradient before RoPE (a K = 0 launch: the epilogue alone)."""
-    bwd = _backward_of(rope, ("out",), ())
-    grads = {grad_name("out"): dy[:, 0::2].contiguous(), grad_name(ODD_OUT): dy[:, 1::2].contiguous()}
-    return epilogue_pass(gemm, dy, dy.shape[0], dy.shape[1], epilogue=bwd, out_dtype=dy.dtype, pos=positions,
-                         freq=freqs, **grads)
-
-
 @custom_op("rmsnorm_linear_rope_backward")
 def _backward_op(dy: Tensor, h: Tensor, norm_weight: Tensor, weight: Tensor, r: Tensor, y: Tensor,
                  positions: Tensor, freqs: Tensor, need_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -67,7 +57,7 @@ def _backward_op(dy: Tensor, h: Tensor, norm_weight: Tensor, weight: Tensor, r: 
     gemm = gemm_for(dy.device, ENTRY)
     K = h.shape[1]
     dy = dy.contiguous()
-    dacc = _unrotate(gemm, dy, positions, freqs)
+    dacc = unrotate(gemm, dy, positions, freqs)
     c = epilogue_pass(gemm, h, *dy.shape, epilogue=row_dot, dy=dy, y=y)["dot"] / K
     res = gemm(dacc, weight.t(), epilogue=rmsnorm_dgrad, out_dtype=h.dtype, gamma=norm_weight, h=h, r=r, c=c)
     dw = backward_gemm(dacc.t(), res["normed"].t(), ENTRY) if need_weight else weight.new_empty(0)

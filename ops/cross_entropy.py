@@ -353,8 +353,8 @@ def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduc
     V = weight.shape[0]
     _check_target_range(target, V, ignore_index, check)
     valid, tcol = _target_columns(target, ignore_index)
-    lse, stats, dx, dw = forward_with_grads(x, weight, target, valid, tcol, ignore_index, reduction,
-                                            label_smoothing, z_loss, rows, need_x, need_w, ENTRY, _tail_logits)
+    lse, stats, dx, dw = forward_with_grads(x, weight, target, valid, tcol, reduction, label_smoothing, z_loss,
+                                            rows, need_x, need_w, ENTRY, _tail_logits)
     loss = _finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss)
     return loss, (dx if need_x else x.new_empty((0,))), (dw if need_w else weight.new_empty((0,)))
 

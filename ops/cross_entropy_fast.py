@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from coda.epilogues.cross_entropy import accumulate, ce_forward_logits
+from coda.epilogues.cross_entropy import accumulate, ce_forward, ce_forward_logits
 from coda.kernels.ce_grad import softmax_grad_, softmax_grad_reference_
 
 from ._common import gemm_for, kernel_aligned
@@ -55,16 +55,11 @@ def plan_rows(M: int, V: int, esize: int, budget: int, force: bool = False) -> O
     return rows if rows <= max_rows else max_rows
 
 
-def _grad_(z: Tensor, lse: Tensor, target: Tensor, scale: Tensor, eps: float, zl: float) -> None:
-    fn = softmax_grad_ if z.is_cuda else softmax_grad_reference_
-    fn(z, lse, target, scale, label_smoothing=eps, z_loss=zl)
-
-
-def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, tcol: Tensor, ignore_index: int,
-                       reduction: str, eps: float, zl: float, rows: int, need_x: bool, need_w: bool, entry: str,
-                       tail_logits):
+def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, tcol: Tensor, reduction: str,
+                       eps: float, zl: float, rows: int, need_x: bool, need_w: bool, entry: str, tail_logits):
     """(lse, stats, dx, dw) for g = 1; see the module docstring. ``tail_logits(x_c, weight, v8)`` gives the fp32
-    logits of the last V % 8 columns."""
+    logits of the last V % 8 columns (label smoothing with such a tail takes the lean mode: the in-place pass
+    would divide eps by the chunk's width)."""
     M, H = x.shape
     V = weight.shape[0]
     v8 = V // ALIGN * ALIGN
@@ -90,21 +85,16 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
         for k in stats:
             stats[k][m0:m1] = res[k]
         tl = None
-        if v8 < V:
+        if v8 < V:  # the tail's statistics from the same epilogue program, evaluated by torch (as the lean mode)
             tl = tail_logits(xc, weight, v8)
-            lse_c = torch.logaddexp(lse_c, torch.logsumexp(tl, -1))
-            cols = torch.arange(v8, V, device=x.device, dtype=torch.float32)
-            stats["zt"][m0:m1] += torch.where(cols == tcol[m0:m1, None], tl, 0.0).sum(-1)
-            if eps > 0:
-                stats["zsum"][m0:m1] += tl.sum(-1)
+            tres = ce_forward.reference(tl, t=tcol[m0:m1] - v8)
+            lse_c = torch.logaddexp(lse_c, tres["lse"])
+            stats["zt"][m0:m1] += tres["zt"]
         lse[m0:m1] = lse_c
         tgt = torch.where(valid[m0:m1], target[m0:m1], -1)
-        _grad_(z, lse_c.contiguous(), tgt, scale[m0:m1].contiguous(), eps, zl)  # phase 2
-        dz_tail = None
-        if tl is not None:
-            p = torch.exp(tl - lse_c[:, None])
-            onehot = (torch.arange(v8, V, device=x.device)[None] == tgt[:, None]).float()
-            dz_tail = scale[m0:m1, None] * (p * (1 + 2 * zl * lse_c[:, None]) - (1 - eps) * onehot - eps / V)
+        softmax_grad_(z, lse_c.contiguous(), tgt, scale[m0:m1].contiguous(), label_smoothing=eps,
+                      z_loss=zl)                                           # phase 2 (the reference on CPU tensors)
+        dz_tail = None if tl is None else softmax_grad_reference_(tl, lse_c, tgt - v8, scale[m0:m1], z_loss=zl)
         if need_x:                                                         # phase 3
             if dz_tail is None:
                 gemm(z, w8.t(), out=dx[m0:m1])

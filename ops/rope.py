@@ -146,6 +146,16 @@ def _(x, weight, positions, freqs):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+def unrotate(gemm, dy: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
+    """R(-theta) dy per column pair (M, N), in dy's dtype: the gradient before RoPE. The backward of ``rope`` (a 2 -> 2
+    pairs epilogue without acc, reading dy as even / odd tiles) on a K = 0 GEMM: CODA's kernel running only the
+    epilogue."""
+    bwd = _backward_of(rope, ("out",), ())
+    grads = {grad_name("out"): dy[:, 0::2].contiguous(), grad_name(ODD_OUT): dy[:, 1::2].contiguous()}
+    return epilogue_pass(gemm, dy, dy.shape[0], dy.shape[1], epilogue=bwd, out_dtype=dy.dtype, pos=positions,
+                         freq=freqs, **grads)
+
+
 @custom_op("linear_rope_backward")
 def _backward_op(dy: Tensor, x: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor, need_x: bool,
                  need_w: bool) -> tuple[Tensor, Tensor]:
@@ -154,12 +164,7 @@ def _backward_op(dy: Tensor, x: Tensor, weight: Tensor, positions: Tensor, freqs
     dx, dw = x.new_empty(0), weight.new_empty(0)
     if x.shape[0] == 0:  # no rows: nothing to launch, the gradients are zero
         return (torch.zeros_like(x) if need_x else dx), (torch.zeros_like(weight) if need_w else dw)
-    bwd = _backward_of(rope, ("out",), ())  # the rotation by -theta, a 2 -> 2 pairs epilogue without acc
-    dy = dy.to(x.dtype)
-    grads = {grad_name("out"): dy[:, 0::2].contiguous(), grad_name(ODD_OUT): dy[:, 1::2].contiguous()}
-    # nothing to multiply: a K = 0 GEMM is CODA's kernel running only the epilogue (dacc = R(-theta) dy)
-    dacc = epilogue_pass(gemm, x, x.shape[0], weight.shape[0], epilogue=bwd, out_dtype=x.dtype, pos=positions,
-                         freq=freqs, **grads)
+    dacc = unrotate(gemm, dy.to(x.dtype), positions, freqs)
     gx, gw = linear_grads(dacc, x, weight, need_x, need_w, ENTRY)
     return (dx if gx is None else gx), (dw if gw is None else gw)
 
