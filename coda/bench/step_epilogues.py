@@ -1,0 +1,89 @@
+"""``python -m coda.bench.step_epilogues [--model llama-1b] [--batch 2] [--seq 4096]``: where a fused step's GEMM
+time goes. Records every problem one fused training step hands to ``coda.gemm`` (``coda.autotune.model.Recorder``:
+shape, layouts, epilogue, operands, number of calls), then times each on random inputs of the recorded shapes and
+strides (do_bench medians, same process, interleaved): the fused call, our plain GEMM of the same shape and layouts,
+and cuBLAS (``torch.matmul``); a K = 0 pass (an epilogue over a zero accumulator: norm backwards, RoPE
+un-rotation) has no GEMM to compare with and is reported with its bytes moved. Prints one row per problem, times
+per step (x calls) and the totals: what the epilogues add over our plain GEMMs and over cuBLAS.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _bytes(t) -> int:
+    return t.numel() * t.element_size() if hasattr(t, "numel") else 0
+
+
+def time_problem(rec, bench) -> dict:
+    """{fused, plain, cublas (ms; None where not applicable), moved (bytes of a K = 0 pass)} of one problem."""
+    import torch
+
+    import coda
+    from coda.autotune.model import inputs_for
+    a, b, ops = inputs_for(rec)
+    p = rec.prob
+    fused = lambda: coda.gemm(a, b, epilogue=rec.epi, out_dtype=p.out_dtype, **ops)  # noqa: E731
+    res = fused()
+    row = dict(fused=bench(fused), plain=None, cublas=None, moved=0)
+    if p.zero_k:
+        outs = res.values() if isinstance(res, dict) else [res]
+        row["moved"] = sum(_bytes(t) for t in ops.values()) + sum(_bytes(t) for t in outs)
+    else:
+        plain = lambda: coda.gemm(a, b, out_dtype=p.out_dtype)  # noqa: E731
+        cub = lambda: torch.matmul(a, b.transpose(-1, -2))  # noqa: E731
+        plain(), cub()
+        row["plain"], row["cublas"] = bench(plain), bench(cub)
+    del a, b, ops, res
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=3, help="do_bench runs per timing (median)")
+    args = ap.parse_args(argv)
+    import torch
+    from triton.testing import do_bench
+
+    from coda.autotune.model import record_model_step
+
+    def bench(fn):
+        return sorted(do_bench(fn, warmup=10, rep=40) for _ in range(args.reps))[args.reps // 2]
+
+    problems = record_model_step(args.model, args.batch, args.seq)
+    print(f"{torch.cuda.get_device_name()}  {args.model} batch {args.batch} x {args.seq}: {len(problems)} problems")
+    print(f"{'problem':58s} {'calls':>5s} {'fused':>8s} {'plain':>8s} {'cuBLAS':>8s} {'f/p':>6s} {'f/cb':>6s} "
+          f"{'+ms/step':>8s}  source")
+    tot = dict(fused=0.0, plain=0.0, cublas=0.0, passes=0.0, moved=0)
+    for rec in problems:
+        try:
+            r = time_problem(rec, bench)
+        except Exception as e:  # one problem failing must not lose the others
+            print(f"{rec.label[:58]:58s} failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+            continue
+        n = rec.calls
+        if r["plain"] is None:
+            tot["passes"] += r["fused"] * n
+            tot["moved"] += r["moved"] * n
+            gbs = r["moved"] / r["fused"] / 1e6
+            print(f"{rec.label[:58]:58s} {n:5d} {r['fused']:8.3f} {'K=0':>8s} {'':8s} {gbs:6.0f} {'GB/s':>6s} "
+                  f"{r['fused'] * n:8.3f}  {rec.source}")
+        else:
+            for k in ("fused", "plain", "cublas"):
+                tot[k] += r[k] * n
+            print(f"{rec.label[:58]:58s} {n:5d} {r['fused']:8.3f} {r['plain']:8.3f} {r['cublas']:8.3f} "
+                  f"{r['fused'] / r['plain']:6.3f} {r['fused'] / r['cublas']:6.3f} "
+                  f"{(r['fused'] - r['cublas']) * n:8.3f}  {rec.source}", flush=True)
+    print(f"per step: fused GEMMs {tot['fused']:.2f} ms, the same as plain GEMMs {tot['plain']:.2f} (ours) / "
+          f"{tot['cublas']:.2f} (cuBLAS): epilogues add {tot['fused'] - tot['plain']:.2f} / "
+          f"{tot['fused'] - tot['cublas']:.2f} ms; K = 0 passes {tot['passes']:.2f} ms "
+          f"({tot['moved'] / max(tot['passes'], 1e-9) / 1e6:.0f} GB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
