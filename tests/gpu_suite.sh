@@ -2,7 +2,7 @@
 # The GPU suite, each test file in its own pytest process, JOBS at a time (compiling kernels is CPU-bound; one
 # process per file uses the cores). Usage: tests/gpu_suite.sh [LOGDIR] [FILE ...]; default: every tests/*_gpu.py
 # plus the files whose GPU tests live beside CPU ones. Env: JOBS (default 8), PER_FILE_TIMEOUT (s, default 540),
-# PYTEST_ARGS (extra arguments). Prints one line per file (passed/failed counts) and exits non-zero if any failed.
+# PYTEST_ARGS (extra arguments). FILE may be a test id (file::test[param]): one process per id. Prints one line per file (passed/failed counts) and exits non-zero if any failed.
 set -u
 LOGDIR=${1:-gpu-suite-logs}; shift || true
 mkdir -p "$LOGDIR"
@@ -12,7 +12,7 @@ if [ $# -gt 0 ]; then FILES=("$@"); else
 fi
 JOBS=${JOBS:-8}
 run_one() {
-  local f=$1 name; name=$(basename "$f" .py)
+  local f=$1 name; name=$(basename "$f" .py | tr -c "A-Za-z0-9_.-\n" "_")
   local t0=$SECONDS
   timeout "${PER_FILE_TIMEOUT:-540}" python -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} "$f" \
     >"$LOGDIR/$name.log" 2>&1
@@ -20,5 +20,5 @@ run_one() {
   echo "$name rc=$rc $((SECONDS - t0))s $(tail -n 1 "$LOGDIR/$name.log")"
 }
 export -f run_one; export LOGDIR
-printf '%s\n' "${FILES[@]}" | sort -u | xargs -P "$JOBS" -I{} bash -c 'run_one {}' | tee "$LOGDIR/summary.txt"
+printf '%s\n' "${FILES[@]}" | sort -u | xargs -P "$JOBS" -d '\n' -I{} bash -c 'run_one "$1"' _ {} | tee "$LOGDIR/summary.txt"
 ! grep -qv " rc=0 \| rc=5 " "$LOGDIR/summary.txt"

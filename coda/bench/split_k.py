@@ -1,0 +1,63 @@
+"""``python -m coda.bench.split_k``: few-tile, long-K GEMMs (the LM head's dX chunks, issue 29's shapes) timed as
+coda.gemm's default, as fixed configs unsplit, as K-splits (one batched launch into fp32 partials, summed and cast,
+what ``coda.gemm._split_k`` runs) and as cuBLAS, in one process (do_bench medians of 3). Layout: the dX layout of the
+ops (a K-major, b = W^T an MN-major view); ``--layout fwd`` for both K-major."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+SHAPES = [(2816, 2048, 128256), (2560, 2048, 128256), (4096, 2048, 128256), (512, 512, 32768),
+          (1024, 2816, 8192), (6144, 768, 16384)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layout", default="dx", choices=("dx", "fwd"))
+    ap.add_argument("--splits", default="2,3,4,6,8")
+    args = ap.parse_args(argv)
+    import torch
+    from triton.testing import do_bench
+
+    import coda
+    from coda.config import GemmConfig, split_k
+    from coda.gemm import split_k_views
+
+    def bench(fn):
+        fn()
+        return sorted(do_bench(fn, warmup=10, rep=60) for _ in range(3))[1]
+
+    cfgs = {"128x256 2x1 dyn": GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, sched="dynamic"),
+            "128x256 1x1 dyn": GemmConfig(tile_m=128, tile_n=256, sched="dynamic"),
+            "128x128 pp 2x1": GemmConfig(tile_m=128, tile_n=128, cluster_m=2, cluster_n=1, pingpong=True),
+            "128x128 coop 1x1": GemmConfig(tile_m=128, tile_n=128)}
+    big = cfgs["128x256 2x1 dyn"]
+    print(torch.cuda.get_device_name(), "layout", args.layout)
+    for M, N, K in SHAPES:
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) if args.layout == "fwd"
+             else torch.randn(K, N, device="cuda", dtype=torch.bfloat16).t())
+        ref = torch.mm(a, b.t())
+        t_cub = bench(lambda: torch.mm(a, b.t()))
+        row = {"default": bench(lambda: coda.gemm(a, b))}
+        for name, c in cfgs.items():
+            if not c.problems():
+                row[name] = bench(lambda: coda.gemm(a, b, config=c))
+        for s in map(int, args.splits.split(",")):
+            if K % (s * 64):
+                continue
+            av, bv = split_k_views(a, s), split_k_views(b, s)
+
+            def run(av=av, bv=bv):
+                return torch.sum(coda.gemm(av, bv, out_dtype=torch.float32, config=big), 0).to(torch.bfloat16)
+            err = (run().float() - ref.float()).abs().max().item()
+            row[f"split{s}"] = bench(run)
+            row[f"split{s}"] = row[f"split{s}"] if err < 1.0 else float("nan")
+        best = min(row, key=lambda k: row[k])
+        print(f"{M}x{N}x{K}: cuBLAS {t_cub:.3f} ms; model split {split_k(M, N, K)}; "
+              + ", ".join(f"{k} {v / t_cub:.3f}" for k, v in row.items()) + f"; best {best}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
