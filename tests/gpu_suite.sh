@@ -12,7 +12,7 @@ if [ $# -gt 0 ]; then FILES=("$@"); else
 fi
 JOBS=${JOBS:-8}
 run_one() {
-  local f=$1 name; name=$(basename "$f" .py | tr -c "A-Za-z0-9_.-\n" "_")
+  local f=$1 name; name=$(basename "$f" .py | tr -c "A-Za-z0-9_.\n-" "_")
   local t0=$SECONDS
   timeout "${PER_FILE_TIMEOUT:-540}" python -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} "$f" \
     >"$LOGDIR/$name.log" 2>&1
