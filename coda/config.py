@@ -201,8 +201,10 @@ def default_config(M: int, N: int, K: int, batch: int = 1, sms: int = H100_SMS) 
 K_STEP_US = 0.7
 HBM_BYTES_PER_US = 3.0e6
 KERNEL_US = 3.0
-SPLIT_K_WORKSPACE = 64 << 20  # bytes of fp32 partials a split may allocate
-SPLIT_K_FACTORS = (2, 4, 8, 16, 32)
+# bytes of fp32 partials a split may allocate: 128 MiB lets the LM head's dX chunks (2816 x 2048 x 128256, split 3 or
+# 4) split; on the H100 that took them from 1.35-1.54x cuBLAS's time to 0.93-1.02x (coda.bench.split_k, session 19)
+SPLIT_K_WORKSPACE = 128 << 20
+SPLIT_K_FACTORS = (2, 3, 4, 6, 8, 16, 32)  # 3 and 6: K = 128256 (a Llama-3 vocabulary) is 64 x 2004 = 64 x 12 x 167
 SPLIT_K_MIN_K = 512  # K per slice
 # below this modelled time the split's extra host work (a batched launch, a sum and a cast instead of one launch;
 # ~40 us) is not hidden: measured on the H100, 200x136x16384 took 10.7x cuBLAS split, 2.9x unsplit
