@@ -23,6 +23,8 @@ compile cache (:mod:`coda.autotune.compile_cache`). Importing this package impor
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import sys
 import threading
@@ -69,7 +71,11 @@ def heuristic(prob) -> Any:
     from coda._device import sm_count
     from coda.config import default_config
     M, L = _kernel_view(prob)
-    return default_config(M, prob.N, prob.K, batch=L, sms=sm_count(prob.device))
+    cfg = default_config(M, prob.N, prob.K, batch=L, sms=sm_count(prob.device))
+    if getattr(prob, "wide_out", False):  # a 1 -> 2 epilogue stores 2 epi_n columns per sub-tile: keep that at
+        # epi_n (the SwiGLU backward in the da GEMM spills 72 bytes at epi_n 32 on 128x256, none at 16)
+        cfg = dataclasses.replace(cfg, epi_n=cfg.epi_n // 2)
+    return cfg
 
 
 def _config_of(entry: Optional[dict], epi: Any, prob) -> Optional[Any]:

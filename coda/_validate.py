@@ -43,6 +43,7 @@ class GemmProblem:
     b_broadcast: bool = False
     a_major: str = "k"  # "k": K contiguous (nn.Linear layout); "mn": M (of a) / N (of b) contiguous
     half_out: bool = False  # the epilogue writes one value per column pair: N/2 output columns
+    wide_out: bool = False  # a 1 -> 2 (expand) epilogue writes two values per element: 2N output columns
     b_major: str = "k"
     empty_result: bool = False
     zero_k: bool = False
@@ -50,7 +51,7 @@ class GemmProblem:
     @property
     def out_shape(self) -> Tuple[int, ...]:
         """Shape of the result: (M, N), or (L, M, N) when batched (N/2 columns for a pairs epilogue)."""
-        n = self.N // 2 if self.half_out else self.N
+        n = self.N // 2 if self.half_out else 2 * self.N if self.wide_out else self.N
         return (self.L, self.M, n) if self.batched else (self.M, n)
 
 
@@ -127,6 +128,7 @@ def check_gemm_args(
     out: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     half_out: bool = False,
+    wide_out: bool = False,
 ) -> GemmProblem:
     """Validate the operands of ``a @ b.T`` and return the problem they describe.
 
@@ -134,7 +136,8 @@ def check_gemm_args(
     one weight broadcast over L). Both bf16 or both fp16. ``out_dtype`` in {bf16, fp16, fp32}, default ``out.dtype``
     if ``out`` is given, else ``a.dtype``. ``out``, if given: shape (M, N) / (L, M, N), dtype ``out_dtype``, same
     device, no memory shared with ``a`` or ``b``. ``half_out``: the epilogue writes one value per column pair
-    (``coda.pairs``), so the output has N/2 columns (N must be even). Raises TypeError / ValueError (see the
+    (``coda.pairs``), so the output has N/2 columns (N must be even); ``wide_out``: two values per element (a 1 -> 2
+    epilogue), 2N columns. Raises TypeError / ValueError (see the
     module docstring).
     """
     # --- types and ranks
@@ -201,7 +204,7 @@ def check_gemm_args(
         )
     if half_out and N % 2:
         raise ValueError(f"b: N={N} (b.shape[-2]) must be even for an epilogue over column pairs (coda.pairs)")
-    out_n = N // 2 if half_out else N
+    out_n = N // 2 if half_out else 2 * N if wide_out else N
     out_esize = torch.empty((), dtype=out_dtype).element_size()
     if (out_n * out_esize) % ALIGN_BYTES:
         what = f"N/2={out_n} (pairs: half of b.shape[-2])" if half_out else f"N={N} (b.shape[-2])"
@@ -249,6 +252,7 @@ def check_gemm_args(
         a_major=a_major,
         b_major=b_major,
         half_out=half_out,
+        wide_out=wide_out,
         empty_result=empty,
         zero_k=(K == 0 and not empty),
     )

@@ -315,3 +315,21 @@ def on_preact(bwd: DslEpilogue, epi: DslEpilogue) -> DslEpilogue:
     reductions = {k: (axis, op, rebuild(e, sub, memo)) for k, (axis, op, e) in bwd.red_specs.items()}
     ops = tuple(bwd.operands) + tuple(Operand(k, "tile") for k in keys)
     return DslEpilogue(f"{bwd.name}_on_preact", ops, outputs, reductions, pair_mode=bwd.pair_mode)
+
+
+def on_acc(prog: DslEpilogue, name: str) -> DslEpilogue:
+    """A pairs backward program on the saved pre-activation (``on_preact``; it reads no accumulator) fused into the
+    GEMM that forms its TileMN operand ``name``: that operand becomes the accumulator, and the program runs as a
+    1 -> 2 (``expand``) epilogue: element j of the accumulator (one value per pair of the forward) gives the two
+    values of pair j, stored at columns 2j, 2j + 1. E.g. the SwiGLU backward inside da = dy W_down: da is never
+    written, dacc comes out of that GEMM (its other operands, the saved g and u, are read by the epilogue)."""
+    if prog.pair_mode != "full" or prog.symbols & {ACC, ACC_EVEN, ACC_ODD}:
+        raise ValueError(f"on_acc: {prog.name!r} is not a 2 -> 2 program that reads no accumulator")
+    if name not in {o.name for o in prog.operands if o.kind == "tile"}:
+        raise ValueError(f"on_acc: {prog.name!r} has no TileMN operand {name!r}")
+    sub = {operand_symbol(name): ACC}
+    memo: dict = {}
+    outputs = {k: rebuild(e, sub, memo) for k, e in prog.exprs.items()}
+    reductions = {k: (axis, op, rebuild(e, sub, memo)) for k, (axis, op, e) in prog.red_specs.items()}
+    ops = tuple(o for o in prog.operands if o.name != name)
+    return DslEpilogue(f"{prog.name}_on_acc", ops, outputs, reductions, expand=True)

@@ -559,7 +559,7 @@ class DslEpilogue(Epilogue):
     ``DslEpilogue(name, operands, outputs={"out": expr, ...}, reductions={name: (axis, op, expr)})``."""
 
     def __init__(self, name: str, operands: tuple, outputs: dict, reductions: dict, fn: Optional[Callable] = None,
-                 pair_mode: Optional[str] = None):
+                 pair_mode: Optional[str] = None, expand: bool = False):
         if not outputs and not reductions:
             raise EpilogueError(f"epilogue {name!r}: no outputs and no reductions")
         self.name = name
@@ -588,11 +588,15 @@ class DslEpilogue(Epilogue):
                 raise EpilogueError(f"{where}: uses both coda.pairs(acc) and acc itself; use the pair values")
             if self.pair_mode == "full" and (self.outputs or not self.stores_out):
                 raise EpilogueError(f"{where}: a 2 -> 2 pairs epilogue returns exactly two values")
-        elif ODD_OUT in outputs:
+        elif ODD_OUT in outputs and not expand:
             raise EpilogueError(f"epilogue {name!r}: a tuple of two outputs needs coda.pairs(acc)")
+        # 1 -> 2 (Epilogue.expand): "out" and ODD_OUT of one accumulator element, stored at columns 2j, 2j + 1
+        self.expand = bool(expand)
+        if self.expand and (self.pair_mode or self.outputs or set(self.exprs) != {"out", ODD_OUT}):
+            raise EpilogueError(f"epilogue {name!r}: a 1 -> 2 epilogue returns exactly two values of acc (no pairs)")
         self._key = ("coda.dsl", tuple((o.name, o.kind) for o in self.operands),
                      tuple(self.exprs), tuple((k, a, op) for k, (a, op, _) in self.red_specs.items()), dag,
-                     self.pair_mode)
+                     self.pair_mode) + (("expand",) if self.expand else ())
         # the name under which the torch custom op coda::linear finds this program (custom ops take strings, not
         # objects); set here, outside any torch.compile trace; programs with equal keys share one name
         self.op_name = _OP_NAMES.setdefault(self._key, f"{name}#{len(_OP_NAMES)}")
@@ -671,8 +675,8 @@ class DslEpilogue(Epilogue):
         out = {}
         for k in self.exprs:
             out[k] = torch.broadcast_to(vals[k], acc.shape)
-        if self.pair_mode == "full":  # the two values of pair j at columns 2j, 2j+1
-            out["out"] = torch.stack((out["out"], out.pop(ODD_OUT)), -1).reshape(full.shape)
+        if self.pair_mode == "full" or self.expand:  # the two values of pair / element j at columns 2j, 2j+1
+            out["out"] = torch.stack((out["out"], out.pop(ODD_OUT)), -1).flatten(-2)
         for k, (axis, op, _) in self.red_specs.items():
             v = torch.broadcast_to(vals[k], acc.shape)
             dim = -1 if axis == "n" else -2

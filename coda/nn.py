@@ -253,8 +253,9 @@ class RMSNormLinear(_NormConsumer):
 class SwiGLUMLP(_NormConsumer):
     """``[x +] down(silu(gate(n)) * up(n))`` with ``n = RMSNorm(x)``: Llama's post-attention norm + ``LlamaMLP``.
 
-    Fused: norm + gate/up + SwiGLU are one GEMM (:func:`rmsnorm_swiglu`); the down projection is ``F.linear`` and
-    the residual add torch. ``add_residual``: add x to the output (True) or return the MLP output only (False, the
+    Fused: norm + gate/up + SwiGLU are one GEMM and the down projection (+ x) a second (``coda.ops.mlp``; its
+    backward forms dacc in the GEMM of da = dy W_down); without a norm, or with a ``down_proj`` that has a bias or
+    is not a plain ``nn.Linear``: :func:`rmsnorm_swiglu` / ``linear_swiglu``, then ``down_proj`` and torch's add. ``add_residual``: add x to the output (True) or return the MLP output only (False, the
     drop-in for ``LlamaMLP`` inside a decoder layer that adds the residual itself). Parameters: ``weight_gu``
     (2I, H) interleaved, ``down_proj`` (an ``nn.Linear``), the norm (see :class:`_NormConsumer`). Stock keys:
     ``norm.weight`` (own norm only), ``gate_proj.weight``, ``up_proj.weight``, ``down_proj.weight``."""
@@ -300,6 +301,11 @@ class SwiGLUMLP(_NormConsumer):
             n = x if gamma is None else rms_norm(x, gamma, self.eps)
             y = F.linear(n.to(dtype), self.weight_gu.to(dtype))  # interleaved (gate, up) columns
             a = F.silu(y[..., 0::2]) * y[..., 1::2]
+        elif dtype in _FUSED_DTYPES and gamma is not None and type(self.down_proj) is nn.Linear \
+                and self.down_proj.bias is None:  # norm + gate/up + SwiGLU + down [+ x]: ops.mlp, 2 GEMMs, whose
+            # backward writes dacc from da's GEMM (the SwiGLU backward as its 1 -> 2 epilogue: da never stored)
+            return ops.mlp(x.to(dtype), gamma, self.weight_gu.to(dtype), self.down_proj.weight.to(dtype), self.eps,
+                           residual=self.add_residual)
         elif dtype in _FUSED_DTYPES:
             n = x.to(dtype)
             if gamma is None:

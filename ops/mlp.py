@@ -40,6 +40,7 @@ Device: on a Hopper GPU the fused kernels run; on CPU tensors the same epilogue 
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -47,13 +48,13 @@ import torch
 from torch import Tensor
 
 import coda
-from coda.autodiff import DGRAD, grad_name
+from coda.autodiff import DGRAD, grad_name, on_acc
 
-from ._common import (call, check_last_dim_contiguous, check_tensors, custom_op, gemm_for, kernel_aligned,
-                      linear_grads, register_autograd, save_preact_for)
+from ._common import (IN_DTYPES, call, check_last_dim_contiguous, check_tensors, custom_op, gemm_for,
+                      kernel_aligned, linear_grads, register_autograd, save_preact_for)
 from .gated import _check as _check_x_weight_gu
 from .gated import fake_preact, forward_preact
-from .linear import _evaluate, saved_preact
+from .linear import _backward_of, _evaluate, saved_preact
 from .rmsnorm_linear import check_eps, check_norm_weight, normed_operands
 
 __all__ = ["mlp", "rmsnorm_swiglu", "rms_swiglu", "residual_add"]
@@ -98,6 +99,14 @@ def fold_grads(acc, gamma: coda.VecN, w: coda.TileMN):
     return {"out": acc * gamma, "dgamma": coda.reduce_m(acc * w)}
 
 
+@functools.lru_cache(maxsize=None)
+def _dacc_on_da(which: tuple):
+    """rms_swiglu's backward ``which`` on the saved pre-activation, fused into the GEMM da = dy W_down: the 1 -> 2
+    epilogue (``coda.autodiff.on_acc``) whose accumulator is da; per element j it reads g_j, u_j and writes the
+    pair (dg_j, du_j) of dacc at columns 2j, 2j + 1, plus d_r's row partials."""
+    return on_acc(_backward_of(rms_swiglu, *which, preact=True), grad_name("out"))
+
+
 # ------------------------------------------------------------------------------------------------ checks
 def _check(entry: str, named, eps) -> None:
     """Every argument rule, before anything is computed; each message names the argument. ``named``: (name, value)
@@ -140,11 +149,12 @@ def _rmsnorm_swiglu_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, eps: f
 
 @custom_op("mlp")
 def _mlp_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float,
-            save_preact: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            save_preact: bool, residual: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x (M, H); returns y (M, H), the activation a (M, I), r (M,) fp32 and (save_preact) g, u (M, I)."""
     gemm = gemm_for(x.device, _ENTRY)
     a, g, u, r = _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm)
-    return gemm(a, w_down, epilogue=residual_add, res=x), a, r, g, u
+    y = gemm(a, w_down, epilogue=residual_add, res=x) if residual else gemm(a, w_down)
+    return y, a, r, g, u
 
 
 @_rmsnorm_swiglu_op.register_fake
@@ -154,7 +164,7 @@ def _(x, norm_weight, w_gate_up, eps, save_preact):
 
 
 @_mlp_op.register_fake
-def _(x, norm_weight, w_gate_up, w_down, eps, save_preact):
+def _(x, norm_weight, w_gate_up, w_down, eps, save_preact, residual):
     M = x.shape[0]
     return (x.new_empty(M, x.shape[1]), x.new_empty(M, w_gate_up.shape[0] // 2),
             x.new_empty(M, dtype=torch.float32), *fake_preact(x, w_gate_up, save_preact))
@@ -163,31 +173,40 @@ def _(x, norm_weight, w_gate_up, w_down, eps, save_preact):
 @custom_op("mlp_backward")
 def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Optional[Tensor],
                  a: Optional[Tensor], r: Tensor, g: Optional[Tensor], u: Optional[Tensor], need_x: bool,
-                 need_gamma: bool, need_gu: bool, need_down: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dnorm_weight, dw_gate_up, dw_down) of ``mlp`` (w_down, a given; dy (M, H) the gradient of y) or of
-    ``rmsnorm_swiglu`` (w_down = a = None; dy (M, I) the gradient of a); g, u: the saved pre-activation (None:
-    recomputed); a gradient not needed is an empty tensor."""
+                 need_gamma: bool, need_gu: bool, need_down: bool,
+                 residual: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dnorm_weight, dw_gate_up, dw_down) of ``mlp`` (w_down, a given; dy (M, H) the gradient of y;
+    ``residual``: y includes x) or of ``rmsnorm_swiglu`` (w_down = a = None; dy (M, I) the gradient of a); g, u: the
+    saved pre-activation (None: recomputed); a gradient not needed is an empty tensor."""
     gemm = gemm_for(x.device, _ENTRY)
-    residual = w_down is not None
+    down = w_down is not None
     dy = dy.contiguous()  # autograd may hand over expanded (stride-0) gradients
     grads = [x.new_empty(0), norm_weight.new_empty(0), w_gate_up.new_empty(0),
-             (w_down if residual else x).new_empty(0)]
+             (w_down if down else x).new_empty(0)]
     if x.numel() == 0 or w_gate_up.shape[0] == 0:  # nothing to launch: zeros, and dy through the residual
         full = (dy.clone() if residual else torch.zeros_like(x), torch.zeros_like(norm_weight),
-                torch.zeros_like(w_gate_up), torch.zeros_like(w_down) if residual else None)
+                torch.zeros_like(w_gate_up), torch.zeros_like(w_down) if down else None)
         return tuple(f if need else g_ for f, g_, need in zip(full, grads, (need_x, need_gamma, need_gu, need_down)))
     need_gate_up = need_x or need_gamma or need_gu
-    da, dw_down = linear_grads(dy, a, w_down, need_gate_up, need_down, _ENTRY) if residual else (dy, None)
+    preact = saved_preact(rms_swiglu, g, u)
+    which = (("out",), ("r",) if need_x else (), False)
+    fused = (down and need_gate_up and preact is not None
+             and (x.device.type == "cpu" or (x.dtype in IN_DTYPES and kernel_aligned(dy, w_down.t()))))
+    if fused:  # dacc and d_r straight out of da's GEMM (da = dy W_down is never written): the 1 -> 2 epilogue
+        res = gemm(dy, w_down.t(), epilogue=_dacc_on_da(which), out_dtype=x.dtype, r=r, **preact)
+        res = res if isinstance(res, dict) else {"out": res}
+        dw_down = linear_grads(dy, a, w_down, False, need_down, _ENTRY)[1]
+    else:
+        da, dw_down = linear_grads(dy, a, w_down, need_gate_up, need_down, _ENTRY) if down else (dy, None)
     if dw_down is not None:
         grads[3] = dw_down
     if not need_gate_up:
         return tuple(grads)
-    # dacc (M x 2I, interleaved) and d_r: rms_swiglu's sympy backward as coda.ops.linear(..., r=r) runs it, on the
-    # saved pre-activation (a K = 0 launch: one memory pass) or on a recomputed one (the forward's GEMM operands)
-    preact = saved_preact(rms_swiglu, g, u)
-    a_op, b_op = (x, w_gate_up) if preact else normed_operands(x, norm_weight, w_gate_up, None, gemm)[:2]
-    res = _evaluate(rms_swiglu, (("out",), ("r",) if need_x else (), False), a_op, b_op,
-                    dict(r=r, **{grad_name("out"): da}), preact, x.dtype)
+    if not fused:
+        # dacc (M x 2I, interleaved) and d_r: rms_swiglu's sympy backward as coda.ops.linear(..., r=r) runs it, on
+        # the saved pre-activation (a K = 0 launch: one memory pass) or on a recomputed one (the forward's operands)
+        a_op, b_op = (x, w_gate_up) if preact else normed_operands(x, norm_weight, w_gate_up, None, gemm)[:2]
+        res = _evaluate(rms_swiglu, which, a_op, b_op, dict(r=r, **{grad_name("out"): da}), preact, x.dtype)
     dacc = res["out"]
     if need_x:  # on the unfolded weight: gamma is a column scale of the epilogue
         ops = dict(gamma=norm_weight, r=r, dr=res[DGRAD + "r"], inv_h=1.0 / x.shape[1], h=x)
@@ -210,7 +229,7 @@ def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, 
 
 
 @_backward_op.register_fake
-def _(dy, x, norm_weight, w_gate_up, w_down, a, r, g, u, need_x, need_gamma, need_gu, need_down):
+def _(dy, x, norm_weight, w_gate_up, w_down, a, r, g, u, need_x, need_gamma, need_gu, need_down, residual):
     like = (x, norm_weight, w_gate_up, x if w_down is None else w_down)
     return tuple(t.new_empty(t.shape if need else (0,))
                  for t, need in zip(like, (need_x, need_gamma, need_gu, need_down and w_down is not None)))
@@ -218,21 +237,23 @@ def _(dy, x, norm_weight, w_gate_up, w_down, a, r, g, u, need_x, need_gamma, nee
 
 def _setup_context(ctx, inputs, output):
     x, norm_weight, w_gate_up, *rest = inputs
-    ctx.residual = len(rest) == 3  # mlp: (w_down, eps, save_preact); rmsnorm_swiglu: (eps, save_preact)
+    ctx.down = len(rest) == 4  # mlp: (w_down, eps, save_preact, residual); rmsnorm_swiglu: (eps, save_preact)
+    ctx.residual = ctx.down and rest[3]
     ctx.set_materialize_grads(False)  # a, r, g, u are not differentiable outputs: no zero M x I gradients
     ctx.mark_non_differentiable(*output[1:])
-    saved = (rest[0], output[1], output[2]) if ctx.residual else (None, None, output[1])
+    saved = (rest[0], output[1], output[2]) if ctx.down else (None, None, output[1])
     ctx.save_for_backward(x, norm_weight, w_gate_up, *saved, *output[-2:])
 
 
 def _autograd_backward(ctx, dy, *_):
     x, norm_weight, w_gate_up, w_down, a, r, g, u = ctx.saved_tensors
-    n = len(ctx.needs_input_grad) - 2  # the tensor inputs (eps, save_preact last): 4 for mlp, 3 for rmsnorm_swiglu
+    n = 4 if ctx.down else 3  # the tensor inputs: 4 for mlp, 3 for rmsnorm_swiglu (then eps, save_preact[, residual])
+    rest = len(ctx.needs_input_grad) - n
     needs = ctx.needs_input_grad[:n] + (False,) * (4 - n)
     if dy is None or not any(needs):
-        return (None,) * (n + 2)
-    grads = call("mlp_backward", dy, x, norm_weight, w_gate_up, w_down, a, r, g, u, *needs, ctx=ctx)
-    return tuple(g_ if need else None for g_, need in zip(grads[:n], needs)) + (None, None)
+        return (None,) * (n + rest)
+    grads = call("mlp_backward", dy, x, norm_weight, w_gate_up, w_down, a, r, g, u, *needs, ctx.residual, ctx=ctx)
+    return tuple(g_ if need else None for g_, need in zip(grads[:n], needs)) + (None,) * rest
 
 
 register_autograd("mlp", _autograd_backward, _setup_context)
@@ -254,8 +275,9 @@ def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, weight_gu: Tensor, eps: float
 
 
 def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float = 1e-6, *,
-        save_preact: bool = True) -> Tensor:
+        save_preact: bool = True, residual: bool = True) -> Tensor:
     """``x + down(silu(gate(n)) * up(n))`` with ``n = RMSNorm(x) * norm_weight``: two fused GEMMs, autograd included.
+    ``residual=False``: ``down(...)`` only (the drop-in for ``LlamaMLP`` in a layer that adds x itself).
 
     ``x`` (..., H) bfloat16 / float16; ``norm_weight`` (H,) float32 / bfloat16 / float16; ``w_gate_up`` (2I, H)
     with gate/up rows interleaved (``coda.ops.interleave_gate_up``); ``w_down`` (H, I); weights in x's dtype; H and
@@ -268,6 +290,7 @@ def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: 
     _check("mlp", (("x", x), ("norm_weight", norm_weight), ("w_gate_up", w_gate_up), ("w_down", w_down)), eps)
     lead, H = x.shape[:-1], x.shape[-1]
     save = save_preact_for("mlp", save_preact, x, norm_weight, w_gate_up, w_down)
-    y = call("mlp", x.reshape(math.prod(lead), H), norm_weight, w_gate_up, w_down, float(eps), save)[0]
+    y = call("mlp", x.reshape(math.prod(lead), H), norm_weight, w_gate_up, w_down, float(eps), save,
+             bool(residual))[0]
     return y.reshape(*lead, H)
 

@@ -15,9 +15,9 @@ mlp_mod = importlib.import_module("coda.ops.mlp")  # coda.ops.mlp is the functio
 
 
 # ------------------------------------------------------------------------------------------------ vs float64
-def unfused(x, gamma, w_gate_up, w_down, eps):
-    """``x + down(silu(gate(n)) * up(n))``, n = RMSNorm(x) * gamma (``w_down`` None: ``silu(gate(n)) * up(n)``), in
-    the leaves' dtype. Below float64 it is what a plain torch model does: statistics in fp32, n rounded to x's dtype."""
+def unfused(x, gamma, w_gate_up, w_down, eps, residual=True):
+    """``x + down(silu(gate(n)) * up(n))``, n = RMSNorm(x) * gamma (``w_down`` None: ``silu(gate(n)) * up(n)``;
+    ``residual=False``: no ``x +``), in the leaves' dtype. Below float64 it is what a plain torch model does: statistics in fp32, n rounded to x's dtype."""
     w_gate, w_up = w_gate_up[0::2], w_gate_up[1::2]
     if x.dtype == torch.float64:
         n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma
@@ -25,7 +25,7 @@ def unfused(x, gamma, w_gate_up, w_down, eps):
         xf = x.float()
         n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * gamma.to(x.dtype)
     a = F.silu(F.linear(n, w_gate)) * F.linear(n, w_up)
-    return a if w_down is None else x + F.linear(a, w_down)
+    return a if w_down is None else (x if residual else 0) + F.linear(a, w_down)
 
 
 def rel(a, ref):
@@ -34,7 +34,7 @@ def rel(a, ref):
 
 
 def check_against_fp64(lead, H, I, *, down=True, device="cpu", dtype=torch.bfloat16, gamma_dtype=torch.float32,
-                       eps=1e-6, floor=1e-4, seed=0, poison=None, save_preact=True):
+                       eps=1e-6, floor=1e-4, seed=0, poison=None, save_preact=True, residual=True):
     """Forward and the gradients of x, norm_weight, w_gate_up (and w_down) of ``coda.ops.mlp`` (``down=False``:
     ``coda.ops.rmsnorm_swiglu``) vs float64 autograd of :func:`unfused`: error(ours) <= 2 * error(plain torch in
     ``dtype``) + floor, each against float64; ``save_preact`` as the ops take it. ``poison``: called before our
@@ -56,15 +56,15 @@ def check_against_fp64(lead, H, I, *, down=True, device="cpu", dtype=torch.bfloa
                   for t in (x, gamma, wgu, wd) if t is not None]
         if poison is not None and fn is not unfused:
             poison()
-        y = fn(*leaves[:3], leaves[3] if down else None, eps)
+        y = fn(*leaves[:3], leaves[3] if down else None, eps, residual)
         if poison is not None and fn is not unfused:
             poison()
         grads = torch.autograd.grad(y, leaves, dy.to(y.dtype))
         return dict(zip(["y"] + ["d" + n for n in names], [y, *grads]))
 
-    def ours(x_, gamma_, wgu_, wd_, eps_):
+    def ours(x_, gamma_, wgu_, wd_, eps_, residual_):
         if down:
-            return coda.ops.mlp(x_, gamma_, wgu_, wd_, eps_, save_preact=save_preact)
+            return coda.ops.mlp(x_, gamma_, wgu_, wd_, eps_, save_preact=save_preact, residual=residual_)
         return coda.ops.rmsnorm_swiglu(x_, gamma_, wgu_, eps_, save_preact=save_preact)
 
     got, want, theirs = run(ours), run(unfused, fp64=True), run(unfused)
@@ -83,6 +83,12 @@ def check_against_fp64(lead, H, I, *, down=True, device="cpu", dtype=torch.bfloa
 @pytest.mark.parametrize("save_preact", [True, False])
 def test_mlp_matches_float64(lead, H, I, save_preact):
     check_against_fp64(lead, H, I, save_preact=save_preact)
+
+
+@pytest.mark.parametrize("lead", [(37,), (3, 127)])
+def test_mlp_without_residual_matches_float64(lead):
+    """``residual=False`` (``down(...)`` only: SwiGLUMLP inside a decoder layer that adds x itself)."""
+    check_against_fp64(lead, 200, 136, residual=False)
 
 
 @pytest.mark.parametrize("dtype,gamma_dtype", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.bfloat16)])
@@ -151,11 +157,13 @@ def test_backward_saves_only_what_it_needs(save_preact):
     y.float().sum().backward()
 
 
-@pytest.mark.parametrize("save_preact", [True, False])
-def test_backward_launches(monkeypatch, save_preact):
+@pytest.mark.parametrize("save_preact,residual", [(True, True), (False, True), (True, False)])
+def test_backward_launches(monkeypatch, save_preact, residual):
     """Forward: x * gamma and r's sum of squares (a K = 0 launch; M <= 2I), 2 GEMMs (rms_swiglu, with save_preact
-    its _preact variant; residual_add). Backward: da = dy W_down, dW_down = dy^T a, dacc and d_r (rms_swiglu's
-    backward: a K = 0 launch on the saved g, u, or x * gamma again and the recompute GEMM), the dX GEMM with the gamma + radial + residual epilogue on the unfolded weight, dW' = dacc^T x with the
+    its _preact variant; residual_add, or the plain down GEMM with residual=False). Backward with save_preact: the
+    GEMM dy W_down whose 1 -> 2 epilogue writes dacc and d_r from the saved g, u (da never written), dW_down =
+    dy^T a; without: da = dy W_down, dW_down, then x * gamma again and the recompute GEMM (rms_swiglu's backward).
+    Then the dX GEMM with the gamma + radial (+ residual) epilogue on the unfolded weight, dW' = dacc^T x with the
     fold_grads epilogue: no other launch."""
     log = []
     real = coda.reference.gemm
@@ -167,16 +175,17 @@ def test_backward_launches(monkeypatch, save_preact):
     monkeypatch.setattr(coda.reference, "gemm", gemm)
     M, H, I = 24, 64, 48
     leaves = _inputs(M, H, I)
-    y = coda.ops.mlp(*leaves, save_preact=save_preact)
+    y = coda.ops.mlp(*leaves, save_preact=save_preact, residual=residual)
     fwd = "rms_swiglu_preact" if save_preact else "rms_swiglu"
     scale = ("scale_sumsq", (M, 0), (H, 0))  # M <= 2I: x * gamma and sum x^2, a K = 0 launch
-    assert log == [scale, (fwd, (M, H), (2 * I, H)), ("residual_add", (M, I), (H, I))]
+    assert log == [scale, (fwd, (M, H), (2 * I, H)), ("residual_add" if residual else None, (M, I), (H, I))]
     log.clear()
     torch.autograd.grad(y.float().sum(), leaves)
-    dacc = ([("rms_swiglu_bwd_on_preact", (M, 0), (2 * I, 0))] if save_preact
-            else [scale, ("rms_swiglu_bwd", (M, H), (2 * I, H))])
-    assert log == [(None, (M, H), (I, H)), (None, (H, M), (I, M)), *dacc,
-                   ("rms_radial_residual", (M, 2 * I), (H, 2 * I)), ("fold_grads", (2 * I, M), (H, M))], log
+    dy_wd, dw_down = (M, H), (I, H)
+    head = ([("rms_swiglu_bwd_on_preact_on_acc", dy_wd, dw_down), (None, (H, M), (I, M))] if save_preact
+            else [(None, dy_wd, dw_down), (None, (H, M), (I, M)), scale, ("rms_swiglu_bwd", (M, H), (2 * I, H))])
+    radial = "rms_radial_residual" if residual else "rms_radial"
+    assert log == [*head, (radial, (M, 2 * I), (H, 2 * I)), ("fold_grads", (2 * I, M), (H, M))], log
 
 
 def test_no_preact_without_autograd(monkeypatch):
@@ -199,20 +208,21 @@ def test_no_preact_without_autograd(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ torch integration
-@pytest.mark.parametrize("save_preact", [True, False])
-def test_opcheck(save_preact):
+@pytest.mark.parametrize("save_preact,residual", [(True, True), (False, True), (True, False)])
+def test_opcheck(save_preact, residual):
     x, gamma, wgu, wd = (t.detach() for t in _inputs(M=16))
-    torch.library.opcheck(torch.ops.coda.mlp.default, (x, gamma, wgu, wd, 1e-5, save_preact))
+    torch.library.opcheck(torch.ops.coda.mlp.default, (x, gamma, wgu, wd, 1e-5, save_preact, residual))
     torch.library.opcheck(torch.ops.coda.rmsnorm_swiglu.default, (x, gamma.bfloat16(), wgu, 1e-5, save_preact))
-    y, a, r, g, u = torch.ops.coda.mlp(x, gamma, wgu, wd, 1e-5, save_preact)
+    y, a, r, g, u = torch.ops.coda.mlp(x, gamma, wgu, wd, 1e-5, save_preact, residual)
     assert g.shape == u.shape == ((16, 48) if save_preact else (0,))
     g, u = (g, u) if save_preact else (None, None)
     dy, da = torch.randn_like(y), torch.randn_like(a)
     for need in ((True, True, True, True), (True, False, False, False), (False, True, True, False),
                  (False, False, False, True)):
-        torch.library.opcheck(torch.ops.coda.mlp_backward.default, (dy, x, gamma, wgu, wd, a, r, g, u, *need))
+        torch.library.opcheck(torch.ops.coda.mlp_backward.default, (dy, x, gamma, wgu, wd, a, r, g, u, *need,
+                                                                    residual))
         torch.library.opcheck(torch.ops.coda.mlp_backward.default, (da, x, gamma, wgu, None, None, r, g, u,
-                                                                    *need[:3], False))
+                                                                    *need[:3], False, False))
 
 
 def test_torch_compile_fullgraph():

@@ -31,6 +31,35 @@ def test_ragged_fwd_bwd(lead, H, I, down, save_preact):
     check_against_fp64(lead, H, I, down=down, device=DEV, poison=_poison, save_preact=save_preact)
 
 
+@pytest.mark.parametrize("lead,H,I", [((3, 127), 200, 136), ((1000,), 520, 776), ((4096,), 2048, 8192)])
+def test_without_residual(lead, H, I):
+    """residual=False (what SwiGLUMLP runs in a fused Llama): the backward's dacc and d_r come out of the GEMM
+    dy W_down (the 1 -> 2 epilogue on the saved g, u); ragged shapes and Llama-3.2-1B's (M = 4096)."""
+    check_against_fp64(lead, H, I, device=DEV, poison=_poison, residual=False)
+
+
+@pytest.mark.parametrize("M,H,I", [(1000, 520, 776), (381, 200, 136), (2048, 2048, 8192)])
+def test_swiglu_backward_in_da_gemm(M, H, I):
+    """The 1 -> 2 epilogue alone (coda.gemm): dy W_down with rms_swiglu's backward on the saved g, u as its epilogue
+    equals the reference evaluation of the same program (fp32 math) on every element of dacc (M x 2I, interleaved)
+    and d_r; outputs allocated from NaN-poisoned memory, M, I not multiples of the tile."""
+    from coda.ops.mlp import _dacc_on_da
+    g = torch.Generator().manual_seed(1)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(DEV, torch.bfloat16)  # noqa: E731
+    dy, wd, gp, up = rnd(M, H), rnd(H, I) * H ** -0.5, rnd(M, I), rnd(M, I)
+    r = (0.5 + torch.rand(M, generator=g)).to(DEV)
+    prog = _dacc_on_da((("out",), ("r",), False))
+    ops = dict(r=r, _preact_even=gp, _preact_odd=up)
+    _poison()
+    got = coda.gemm(dy, wd.t(), epilogue=prog, **ops)
+    want = coda.reference.gemm(dy.cpu(), wd.t().cpu(), epilogue=prog, **{k: v.cpu() for k, v in ops.items()})
+    assert got["out"].shape == (M, 2 * I) and set(got) == set(want)
+    for k in want:
+        assert torch.isfinite(got[k]).all(), f"{k}: unwritten elements"
+        err = ((got[k].cpu().double() - want[k].double()).norm() / want[k].double().norm()).item()
+        assert err < 5e-3, (k, err)
+
+
 def test_fp16_bf16_gamma():
     check_against_fp64((3, 127), 200, 136, device=DEV, dtype=torch.float16, gamma_dtype=torch.bfloat16,
                        poison=_poison)

@@ -342,8 +342,8 @@ def test_fuse_trains_like_stock_float64(tie, weight_decay):
 
 
 def test_fuse_ops_path_trains_like_stock_float32(monkeypatch):
-    """The same through the coda.ops path (rmsnorm_swiglu: gamma folded per call, the radial-term autograd step;
-    linear_cross_entropy): the ops are 16-bit only, so their dtype gates are opened to float32 here and the CPU
+    """The same through the coda.ops path (mlp: gamma folded per call, the radial-term autograd step, the SwiGLU
+    backward in da's GEMM; linear_cross_entropy): the ops are 16-bit only, so their dtype gates are opened to float32 here and the CPU
     reference GEMM (fp32 math) runs them. Stock fp32 vs fused fp32 then agree to fp32 rounding (measured: step-0
     gradients 5e-7 relative, losses 5e-7 over 50 steps) -- a missing or extra gradient term would be O(1)."""
     import coda._validate
@@ -357,18 +357,18 @@ def test_fuse_ops_path_trains_like_stock_float32(monkeypatch):
     monkeypatch.setattr(coda.nn, "_FUSED_DTYPES", f32)
     check = ce._check
     monkeypatch.setattr(ce, "_check", lambda x, w, *a: check(x.to(torch.bfloat16), w.to(torch.bfloat16), *a))
-    calls = {"rmsnorm_swiglu": 0, "linear_cross_entropy": 0}
+    calls = {"mlp": 0, "linear_cross_entropy": 0}
 
     def counted(name, fn):
         def wrapper(*a, **kw):
             calls[name] += 1
             return fn(*a, **kw)
         return wrapper
-    monkeypatch.setattr(coda.nn, "rmsnorm_swiglu", counted("rmsnorm_swiglu", coda.nn.rmsnorm_swiglu))
+    monkeypatch.setattr(coda.ops, "mlp", counted("mlp", coda.ops.mlp))
     monkeypatch.setattr(coda.ops, "linear_cross_entropy", counted("linear_cross_entropy", ops.linear_cross_entropy))
     steps = 20
     (ls, lf), (gs, gf), sd_s, sd_f = _train_pair(torch.float32, steps)
-    assert calls == {"rmsnorm_swiglu": 2 * steps, "linear_cross_entropy": steps}  # the ops ran, not plain torch
+    assert calls == {"mlp": 2 * steps, "linear_cross_entropy": steps}  # the ops ran, not plain torch
     for k in gs:
         rel = ((gf[k].double() - gs[k].double()).norm() / gs[k].double().norm()).item()
         assert rel <= 1e-5, f"{k}: relative gradient difference {rel:.2e}"

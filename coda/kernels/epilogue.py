@@ -99,11 +99,15 @@ class Epilogue:
     # (outputs of N/2 columns); "full": it returns "out" and ODD_OUT, the values of columns 2j and 2j+1.
     # VecN / TileMN operands of a pairs epilogue hold one value per pair.
     pair_mode: Optional[str] = None
+    # 1 -> 2 ("expand"): visit gets one accumulator element (operands indexed as usual) and returns "out" and
+    # ODD_OUT, stored at output columns 2j and 2j+1 (outputs of 2N columns). E.g. the SwiGLU backward fused into
+    # the GEMM that forms da: each da_j gives the interleaved pair (dg_j, du_j).
+    expand: bool = False
 
     def key(self) -> tuple:
         """Identifies the generated code in compile caches: must change whenever ``visit`` emits other code."""
         return (type(self).__module__, type(self).__qualname__, self.name, self.operands, self.outputs,
-                self.reductions, self.stores_out, self.pair_mode)
+                self.reductions, self.stores_out, self.pair_mode) + (("expand",) if self.expand else ())
 
     # -- device (trace time) --------------------------------------------------------------------------------------
     def visit(self, acc, env: EpiEnv) -> dict:
@@ -117,7 +121,7 @@ class Epilogue:
 
     def out_cols(self, N: int) -> int:
         """Columns of the main / extra outputs for an accumulator of N columns."""
-        return N // 2 if self.pair_mode == "half" else N
+        return N // 2 if self.pair_mode == "half" else 2 * N if self.expand else N
 
     def operand_cols(self, N: int) -> int:
         """Length of a VecN operand / columns of a TileMN operand for an accumulator of N columns."""
@@ -242,8 +246,9 @@ def tile_tma_plan(epi: Epilogue, cfg, aligned, tile_bytes, out_bytes, in_bytes: 
 
 def out_col_bytes(epi: Epilogue, out_bytes) -> tuple:
     """Shared memory per accumulator column of each tile output's sub-tile buffer (``out_bytes``: element sizes):
-    the element size, half of it for a half-width output (element bits // 16, else // 8)."""
-    return tuple(b * 8 // (16 if epi.pair_mode == "half" else 8) for b in out_bytes)
+    the element size, half of it for a half-width output (element bits // 16, else // 8), twice it for a 1 -> 2
+    (expand) epilogue's double-width output."""
+    return tuple(b * 8 // (16 if epi.pair_mode == "half" else 4 if epi.expand else 8) for b in out_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,3 +359,8 @@ def empty_reductions(epi: Epilogue, prob) -> dict:
 def half_out(epilogue) -> bool:
     """Whether the epilogue writes one value per column pair (``coda.pairs``): outputs of N/2 columns."""
     return getattr(epilogue, "pair_mode", None) == "half"
+
+
+def wide_out(epilogue) -> bool:
+    """Whether the epilogue writes two values per accumulator element (``Epilogue.expand``): outputs of 2N columns."""
+    return bool(getattr(epilogue, "expand", False))

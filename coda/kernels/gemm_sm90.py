@@ -101,11 +101,13 @@ class GemmSm90:
         # mD always gives the problem shape (M, N, L)
         store_ts = ([mD] if self.epi.stores_out else []) + list(out_tensors)
         # pairs epilogues (coda.pairs): "half" stores one value per column pair, so D and the extra outputs have
-        # N/2 columns and each sub-tile stores tile_m x epi_n/2; "full" stores two values per pair (width N)
+        # N/2 columns and each sub-tile stores tile_m x epi_n/2; "full" stores two values per pair (width N); a
+        # 1 -> 2 epilogue (epi.expand) two values per accumulator element (width 2N, sub-tiles tile_m x 2 epi_n)
         self.pair_mode = self.epi.pair_mode
-        self.half = self.pair_mode == "half"
-        self.store_tile = (cfg.tile_m, cfg.epi_n // 2) if self.half else self.epi_tile
-        self.out_tile = (cfg.tile_m, cfg.tile_n // 2) if self.half else (cfg.tile_m, cfg.tile_n)
+        self.half, self.expand = self.pair_mode == "half", self.epi.expand
+        w = 0.5 if self.half else 2 if self.expand else 1
+        self.store_tile = (cfg.tile_m, int(cfg.epi_n * w))
+        self.out_tile = (cfg.tile_m, int(cfg.tile_n * w))
         self.store_names = (["out"] if self.epi.stores_out else []) + list(self.epi.outputs)
         out_dtypes = [t.element_type for t in store_ts]
         self.out_dtypes = out_dtypes
@@ -408,7 +410,7 @@ class GemmSm90:
         tiled_copy_c = cute.make_tiled_copy_C_atom(atom_c, tiled_mma)
         parts = []
         for s in sOuts:
-            if cutlass.const_expr(not self.half):  # half-width outputs are stored element by element instead
+            if cutlass.const_expr(not (self.half or self.expand)):  # those are stored element by element instead
                 r2s = sm90_utils.get_smem_store_op(d_layout, elem_ty_d=s.element_type,
                                                    elem_ty_acc=self.acc_dtype)
                 tiled = cute.make_tiled_copy_S(r2s, tiled_copy_c)
@@ -476,7 +478,7 @@ class GemmSm90:
                   red_tensors, cwg, stage):
         cfg = self.cfg
         pp = cfg.pingpong
-        M, N = mD.shape[0], mD.shape[1] * (2 if self.half else 1)  # N: the accumulator's columns
+        M, N = mD.shape[0], (mD.shape[1] * 2 if self.half else mD.shape[1] // 2 if self.expand else mD.shape[1])
         rD = cute.make_rmem_tensor(epi["rshape"], self.acc_dtype)
         n_v = cute.size(rD)
         n_epi = cfg.tile_n // cfg.epi_n
@@ -558,6 +560,11 @@ class GemmSm90:
                     for p in cutlass.range_constexpr(n_v // 2):
                         r, c = epi["cloc"][2 * p]
                         epi["souts"][i][(r, c // 2, buf)] = self.out_dtypes[i](vals[p])
+            if cutlass.const_expr(self.expand):  # two values per element, at (row, 2 column + 0 / 1)
+                for v in cutlass.range_constexpr(n_v):
+                    r, c = epi["cloc"][v]
+                    for h, key in ((0, "out"), (1, ODD_OUT)):
+                        epi["souts"][0][(r, 2 * c + h, buf)] = self.out_dtypes[0](results[key][v])
             # one barrier per sub-tile: before it, the store warp waits until at most epi_stages - 2 of its stores
             # still read shared memory, i.e. the store of sub-tile e - epi_stages + 1 is done with the buffer that
             # sub-tile e + 1 writes after the barrier (sub-tile e's buffer was freed the same way one barrier ago).
