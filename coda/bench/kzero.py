@@ -82,3 +82,52 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def fused_sweep(M=8192, H=2048, I=8192):
+    """``python -c 'from coda.bench.kzero import fused_sweep; fused_sweep()'``: the SwiGLU backward fused into da's
+    GEMM (``ops.mlp._dacc_on_da``) under tile / epi_n / stage variants (each with its TileMN ring depth and stages
+    from ``smem_plan``), against cuBLAS's da GEMM + the K = 0 pass it replaces."""
+    import itertools
+
+    import torch
+    from triton.testing import do_bench
+
+    import coda
+    from coda.config import GemmConfig
+    from coda.kernels.epilogue import smem_plan
+    from coda.ops._common import epilogue_pass
+    from coda.ops.linear import _backward_of
+    from coda.ops.mlp import _dacc_on_da, rms_swiglu
+
+    def bench(fn):
+        fn()
+        return sorted(do_bench(fn, warmup=10, rep=50) for _ in range(3))[1]
+
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    dy, wd, g, u = torch.randn(M, H, **bf), torch.randn(H, I, **bf), torch.randn(M, I, **bf), torch.randn(M, I, **bf)
+    r = torch.rand(M, device="cuda") + 0.5
+    which = (("out",), ("r",), False)
+    prog, k0 = _dacc_on_da(which), _backward_of(rms_swiglu, *which, preact=True)
+    ops = dict(r=r, _preact_even=g, _preact_odd=u)
+    t_mm = bench(lambda: torch.mm(dy, wd))
+    da = torch.mm(dy, wd)
+    t_k0 = bench(lambda: epilogue_pass(coda.gemm, g, M, 2 * I, epilogue=k0, grad_out=da, **ops))
+    print(f"{torch.cuda.get_device_name()} M={M} H={H} I={I}: cuBLAS da {t_mm:.3f} + K=0 pass {t_k0:.3f} = "
+          f"{t_mm + t_k0:.3f} ms", flush=True)
+    rows = [("default", None)]
+    for (tm, tn, pp, cm, sched), en, st in itertools.product(
+            [(128, 256, False, 2, "dynamic"), (128, 256, False, 1, "static"), (128, 128, True, 1, "static"),
+             (128, 128, True, 2, "static"), (128, 128, False, 2, "dynamic")], (16, 32), (None, 3, 2)):
+        cfg = GemmConfig(tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, sched=sched, epi_n=en, stages=st)
+        if not cfg.problems():
+            rows.append((cfg.name + f"_e{en}_s{st}", cfg))
+    for name, cfg in rows:
+        try:
+            t = bench(lambda: coda.gemm(dy, wd.t(), epilogue=prog, config=cfg, **ops))
+            plan = "" if cfg is None else smem_plan(prog, cfg, [2], [2, 2], [True, True])
+            plan = plan and f"ring {plan.ring} stages {plan.stages} bufs {plan.epi_buffers}"
+            print(f"  {name:34s} {t:.3f} ms  {t / t_mm:.3f}x cuBLAS da  {t / (t_mm + t_k0):.3f}x da+pass  {plan}",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {name:34s} {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
