@@ -84,8 +84,9 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def fused_sweep(M=8192, H=2048, I=8192):
-    """``python -c 'from coda.bench.kzero import fused_sweep; fused_sweep()'``: the SwiGLU backward fused into da's
+def fused_sweep(M=8192, H=2048, I=8192, variants=None):
+    """``python -c 'from coda.bench.kzero import fused_sweep; fused_sweep()'`` (``variants``: [(tile_m, tile_n,
+    pingpong, cluster_m, sched, epi_n, stages)], default a grid): the SwiGLU backward fused into da's
     GEMM (``ops.mlp._dacc_on_da``) under tile / epi_n / stage variants (each with its TileMN ring depth and stages
     from ``smem_plan``), against cuBLAS's da GEMM + the K = 0 pass it replaces."""
     import itertools
@@ -116,9 +117,10 @@ def fused_sweep(M=8192, H=2048, I=8192):
     print(f"{torch.cuda.get_device_name()} M={M} H={H} I={I}: cuBLAS da {t_mm:.3f} + K=0 pass {t_k0:.3f} = "
           f"{t_mm + t_k0:.3f} ms", flush=True)
     rows = [("default", None)]
-    for (tm, tn, pp, cm, sched), en, st in itertools.product(
+    grid = [(v[:5], v[5], v[6]) for v in variants] if variants else itertools.product(
             [(128, 256, False, 2, "dynamic"), (128, 256, False, 1, "static"), (128, 128, True, 1, "static"),
-             (128, 128, True, 2, "static"), (128, 128, False, 2, "dynamic")], (16, 32), (None, 3, 2)):
+             (128, 128, True, 2, "static"), (128, 128, False, 2, "dynamic")], (16, 32), (None, 3, 2))
+    for (tm, tn, pp, cm, sched), en, st in grid:
         cfg = GemmConfig(tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, sched=sched, epi_n=en, stages=st)
         if not cfg.problems():
             rows.append((cfg.name + f"_e{en}_s{st}", cfg))
