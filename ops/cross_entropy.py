@@ -380,7 +380,12 @@ def _backward_fast(ctx, grad_loss, grad_dx, grad_dw):
     if getattr(ctx, "coda_eager", False):
         # a second backward through this graph (retain_graph=True) then fails autograd's version check of the
         # saved tensors (tests/test_cross_entropy.py): an error, never g1 * g2 * grad; mode="lean" allows it
-        grads = [t.mul_(g) if need else None for t, need in zip((dx, dw), ctx.need)]
+        # one multi-tensor kernel: t.mul_(g) of a bf16 t by an fp32 0-dim tensor ran TensorIterator's unvectorised
+        # casting loop (H100, llama-1b: 1.1 ms for dW's 128256 x 2048, 2.2 ms a step with dx); same fp32 math
+        scaled = [t for t, need in zip((dx, dw), ctx.need) if need]
+        if scaled:
+            torch._foreach_mul_(scaled, g)
+        grads = [t if need else None for t, need in zip((dx, dw), ctx.need)]
     else:
         grads = [(t * g).to(t.dtype) if need else None for t, need in zip((dx, dw), ctx.need)]
     return (*grads, None, None, None, None, None, None, None, None, None)
