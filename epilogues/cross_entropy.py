@@ -84,3 +84,11 @@ def ce_forward_logits(dtype, smooth: bool = False):
     if key not in _LOGITS:
         _LOGITS[key] = _logits_epilogue(dtype, smooth)
     return _LOGITS[key]
+
+
+@coda.epilogue
+def scale_by(acc, t: coda.TileMN, s: coda.Scalar):
+    """t * s, run as a K = 0 pass with ``out=t`` (in place): the fast mode's gradients times the upstream gradient
+    (a device scalar, fp32 math; torch's ``t.mul_(s)`` of a bf16 ``t`` by an fp32 0-dim CUDA tensor runs an
+    unvectorised casting loop: 1.0 ms for llama-1b's 128256 x 2048 dW on the H100)."""
+    return t * s

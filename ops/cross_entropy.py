@@ -60,9 +60,9 @@ import torch
 from torch import Tensor
 
 from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_general, ce_forward,
-                                          ce_forward_smooth)
+                                          ce_forward_smooth, scale_by)
 
-from ._common import call, custom_op, gemm_for, kernel_aligned, register_autograd
+from ._common import call, custom_op, epilogue_pass, gemm_for, kernel_aligned, register_autograd
 from .cross_entropy_fast import plan_rows, forward_with_grads
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES", "MEMORY_BUDGET"]
@@ -371,6 +371,17 @@ def _setup_fast(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1], output[2])
 
 
+def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """t *= g (g a 0-dim fp32 tensor): on a Hopper GPU as CODA's K = 0 pass (epilogue ``scale_by``, ``out=t``; fp32
+    math, vectorised), since torch's ``t.mul_(g)`` (also ``_foreach_mul_``, which falls back to it for a scalar
+    tensor of another dtype) runs TensorIterator's casting loop there; elsewhere ``t.mul_(g)``."""
+    if t.is_cuda and t.dim() == 2 and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous() \
+            and t.shape[1] % 8 == 0:
+        return epilogue_pass(gemm_for(t.device, "coda.ops.linear_cross_entropy"), t, t.shape[0], t.shape[1],
+                             epilogue=scale_by, out=t, t=t, s=g)
+    return t.mul_(g)
+
+
 def _backward_fast(ctx, grad_loss, grad_dx, grad_dw):
     """The gradients formed by the forward, times the upstream gradient: in place in eager mode (the saved tensors
     are this call's own and are released after this node; no second V x H buffer), out of place under
@@ -380,12 +391,7 @@ def _backward_fast(ctx, grad_loss, grad_dx, grad_dw):
     if getattr(ctx, "coda_eager", False):
         # a second backward through this graph (retain_graph=True) then fails autograd's version check of the
         # saved tensors (tests/test_cross_entropy.py): an error, never g1 * g2 * grad; mode="lean" allows it
-        # one multi-tensor kernel: t.mul_(g) of a bf16 t by an fp32 0-dim tensor ran TensorIterator's unvectorised
-        # casting loop (H100, llama-1b: 1.1 ms for dW's 128256 x 2048, 2.2 ms a step with dx); same fp32 math
-        scaled = [t for t, need in zip((dx, dw), ctx.need) if need]
-        if scaled:
-            torch._foreach_mul_(scaled, g)
-        grads = [t if need else None for t, need in zip((dx, dw), ctx.need)]
+        grads = [_scale_in_place(t, g) if need else None for t, need in zip((dx, dw), ctx.need)]
     else:
         grads = [(t * g).to(t.dtype) if need else None for t, need in zip((dx, dw), ctx.need)]
     return (*grads, None, None, None, None, None, None, None, None, None)

@@ -504,3 +504,18 @@ def test_fast_mode_second_backward_is_refused():
     lean.backward(retain_graph=True)
     lean.backward()
     assert rel(xl.grad, 2 * first.double()) < 2e-2
+
+
+def test_scale_by_in_place_pass():
+    """The fast mode's backward scale as a K = 0 pass on the reference path: ``out=t`` aliasing the operand gives
+    t * s in fp32 math (rounded once), NaN in t stays NaN, and the result is the operand's own storage."""
+    from coda.epilogues.cross_entropy import scale_by
+    from coda.ops._common import epilogue_pass
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(37, 24, generator=g).to(torch.bfloat16)
+    t[5, 7] = float("nan")
+    want = (t.float() * 0.37).to(torch.bfloat16)
+    s = torch.tensor(0.37)
+    res = epilogue_pass(coda.reference.gemm, t, 37, 24, epilogue=scale_by, out=t, t=t, s=s)
+    assert res.data_ptr() == t.data_ptr()
+    assert torch.equal(t.isnan(), want.isnan()) and torch.equal(t.nan_to_num(), want.nan_to_num())
