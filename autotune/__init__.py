@@ -272,11 +272,11 @@ def tune(a: Any, b: Any, *, epilogue: Any = None, out_dtype: Any = None, level: 
     problem), store the winner in the tuning store (``save``) and remember it for this process; returns the
     :class:`coda.autotune.tuner.TuneResult`. Later ``coda.gemm(..., config=None)`` calls of this problem use it."""
     from coda._validate import check_gemm_args
-    from coda.kernels.epilogue import check_epilogue, half_out
+    from coda.kernels.epilogue import check_epilogue, out_flags
 
     from . import tuner
     epi = check_epilogue(epilogue)
-    prob = check_gemm_args(a, b, out_dtype=out_dtype, half_out=half_out(epi))
+    prob = check_gemm_args(a, b, out_dtype=out_dtype, **out_flags(epi))
     result = tuner.tune(a, b, epi, prob.out_dtype, operands, level=level, progress=progress)
     if save and result.best_ms is not None:
         _remember(prob, epi, result)
@@ -299,7 +299,7 @@ def tune_shape(M: int, N: int, K: int, L: Optional[int] = None, dtype: Any = "bf
 
     from coda._device import require_hopper
     from coda._validate import check_gemm_args
-    from coda.kernels.epilogue import check_epilogue, half_out
+    from coda.kernels.epilogue import check_epilogue, out_flags
 
     from . import tuner
     from .keys import dtype_name
@@ -313,7 +313,7 @@ def tune_shape(M: int, N: int, K: int, L: Optional[int] = None, dtype: Any = "bf
     operands = dict(operands) if operands is not None else tuner.random_operands(epi, L, M, N, od)
     result = tuner.tune(a, b, epi, od, operands, level=level)
     if save and result.best_ms is not None:
-        _remember(check_gemm_args(a, b, out_dtype=od, half_out=half_out(epi)), epi, result)
+        _remember(check_gemm_args(a, b, out_dtype=od, **out_flags(epi)), epi, result)
     return result
 
 

@@ -26,7 +26,7 @@ from . import _device, _launch
 from ._validate import _overlaps, check_gemm_args
 from .config import GemmConfig, split_k
 from .kernels.epilogue import (Epilogue, check_call, check_epilogue, empty_reductions,
-                               finish_reduction, half_out, wide_out)
+                               finish_reduction, out_flags)
 
 _TORCH_TO_CUTLASS = {}
 _cache: dict = {}
@@ -171,7 +171,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
             if res is not None:
                 return res
     epi = check_epilogue(epilogue)
-    prob = check_gemm_args(a, b, out=out, out_dtype=out_dtype, half_out=half_out(epi), wide_out=wide_out(epi))
+    prob = check_gemm_args(a, b, out=out, out_dtype=out_dtype, **out_flags(epi))
     check_call(epi, prob, out, operands)
     if config is not None:
         config.validate()

@@ -255,7 +255,8 @@ class SwiGLUMLP(_NormConsumer):
 
     Fused: norm + gate/up + SwiGLU are one GEMM and the down projection (+ x) a second (``coda.ops.mlp``; its
     backward forms dacc in the GEMM of da = dy W_down); without a norm, or with a ``down_proj`` that has a bias or
-    is not a plain ``nn.Linear``: :func:`rmsnorm_swiglu` / ``linear_swiglu``, then ``down_proj`` and torch's add. ``add_residual``: add x to the output (True) or return the MLP output only (False, the
+    is not a plain ``nn.Linear``: :func:`rmsnorm_swiglu` / ``linear_swiglu``, then ``down_proj`` and torch's add.
+    ``add_residual``: add x to the output (True) or return the MLP output only (False, the
     drop-in for ``LlamaMLP`` inside a decoder layer that adds the residual itself). Parameters: ``weight_gu``
     (2I, H) interleaved, ``down_proj`` (an ``nn.Linear``), the norm (see :class:`_NormConsumer`). Stock keys:
     ``norm.weight`` (own norm only), ``gate_proj.weight``, ``up_proj.weight``, ``down_proj.weight``."""

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from coda._validate import GemmProblem, check_gemm_args
-from coda.kernels.epilogue import check_call, check_epilogue, half_out, wide_out
+from coda.kernels.epilogue import check_call, check_epilogue, out_flags
 
 __all__ = ["gemm", "gemm_wide"]
 
@@ -56,8 +56,7 @@ def gemm(
     :func:`coda.gemm`. With ``out``, the result is written into it (only after every check passed and the
     result was computed) and ``out`` is returned.
     """
-    problem = check_gemm_args(a, b, out=out, out_dtype=out_dtype, half_out=half_out(epilogue),
-                              wide_out=wide_out(epilogue))
+    problem = check_gemm_args(a, b, out=out, out_dtype=out_dtype, **out_flags(epilogue))
     if epilogue is None and operands:
         raise TypeError(f"operands {sorted(operands)} were given without an epilogue")
     if epilogue is not None:
@@ -90,8 +89,7 @@ def gemm_wide(a: torch.Tensor, b: torch.Tensor, *, epilogue=None, out: Optional[
         raise TypeError(f"out_dtype: expected a floating dtype; got {out_dtype!r}")
     if a.device != b.device:
         raise ValueError(f"a and b must be on the same device; got a on {a.device} and b on {b.device}")
-    problem = _wide_problem(a, b, out_dtype, epilogue is not None and half_out(epilogue),
-                             epilogue is not None and wide_out(epilogue))
+    problem = _wide_problem(a, b, out_dtype, **out_flags(epilogue))
     if out is not None:
         if out.dtype != out_dtype or tuple(out.shape) != problem.out_shape or out.device != a.device:
             raise ValueError(f"out: expected shape {problem.out_shape}, dtype {out_dtype} on {a.device}; got "
@@ -105,7 +103,7 @@ def gemm_wide(a: torch.Tensor, b: torch.Tensor, *, epilogue=None, out: Optional[
     return _compute(a, b, epilogue, out, out_dtype, torch.promote_types(a.dtype, torch.float32), operands)
 
 
-def _wide_problem(a, b, out_dtype, half: bool, wide: bool = False) -> GemmProblem:
+def _wide_problem(a, b, out_dtype, half_out: bool = False, wide_out: bool = False) -> GemmProblem:
     """The ranks and shapes of :func:`check_gemm_args` (no dtype, alignment or layout rules)."""
     if a.dim() not in (2, 3) or b.dim() not in (2, 3) or (b.dim() == 3 and a.dim() == 2):
         raise ValueError(f"a: (M, K) or (L, M, K) and b: (N, K) or (L, N, K) (3-D only with a 3-D a); got a "
@@ -116,11 +114,12 @@ def _wide_problem(a, b, out_dtype, half: bool, wide: bool = False) -> GemmProble
         raise ValueError(f"b: batch size L must match a's; got a {tuple(a.shape)} and b {tuple(b.shape)}")
     if K != Kb:
         raise ValueError(f"a and b must have the same K (last dim); got a {tuple(a.shape)} and b {tuple(b.shape)}")
-    if half and N % 2:
+    if half_out and N % 2:
         raise ValueError(f"b: N={N} (b.shape[-2]) must be even for an epilogue over column pairs (coda.pairs)")
     empty = M == 0 or N == 0 or (batched and L == 0)
     return GemmProblem(L=L, M=M, N=N, K=K, in_dtype=a.dtype, out_dtype=out_dtype, batched=batched, device=a.device,
-                       b_broadcast=b_broadcast, half_out=half, wide_out=wide, empty_result=empty, zero_k=K == 0 and not empty)
+                       b_broadcast=b_broadcast, half_out=half_out, wide_out=wide_out, empty_result=empty,
+                       zero_k=K == 0 and not empty)
 
 
 def _compute(a, b, epilogue, out, out_dtype, acc_dtype, operands):

@@ -381,13 +381,13 @@ def _check_gemm(x2: Tensor, weight: Tensor, out_dtype, epilogue: DslEpilogue) ->
     ``linear``'s arguments (``x``, ``weight``) instead of ``coda.gemm``'s (``a``, ``b``). Float32 / float64 inputs
     (the CPU reference path) have no layout rules; their ``out_dtype`` is any floating dtype."""
     from coda._validate import check_gemm_args
-    from coda.kernels.epilogue import half_out
+    from coda.kernels.epilogue import out_flags
     if x2.dtype not in IN_DTYPES:
         if out_dtype is not None and not out_dtype.is_floating_point:
             raise TypeError(f"linear: out_dtype: expected a floating dtype, got {out_dtype}")
         return
     try:
-        check_gemm_args(x2, weight, out_dtype=out_dtype, half_out=half_out(epilogue))
+        check_gemm_args(x2, weight, out_dtype=out_dtype, **out_flags(epilogue))
     except (TypeError, ValueError) as e:
         msg = str(e)
         for old, new in _RENAME[:3]:

@@ -17,7 +17,8 @@ mlp_mod = importlib.import_module("coda.ops.mlp")  # coda.ops.mlp is the functio
 # ------------------------------------------------------------------------------------------------ vs float64
 def unfused(x, gamma, w_gate_up, w_down, eps, residual=True):
     """``x + down(silu(gate(n)) * up(n))``, n = RMSNorm(x) * gamma (``w_down`` None: ``silu(gate(n)) * up(n)``;
-    ``residual=False``: no ``x +``), in the leaves' dtype. Below float64 it is what a plain torch model does: statistics in fp32, n rounded to x's dtype."""
+    ``residual=False``: no ``x +``), in the leaves' dtype. Below float64 it is what a plain torch model does:
+    statistics in fp32, n rounded to x's dtype."""
     w_gate, w_up = w_gate_up[0::2], w_gate_up[1::2]
     if x.dtype == torch.float64:
         n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma

@@ -364,3 +364,8 @@ def half_out(epilogue) -> bool:
 def wide_out(epilogue) -> bool:
     """Whether the epilogue writes two values per accumulator element (``Epilogue.expand``): outputs of 2N columns."""
     return bool(getattr(epilogue, "expand", False))
+
+
+def out_flags(epilogue) -> dict:
+    """``check_gemm_args``'s output-width flags for ``epilogue`` (None: the identity): every caller passes both."""
+    return dict(half_out=half_out(epilogue), wide_out=wide_out(epilogue))
