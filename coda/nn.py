@@ -8,9 +8,9 @@ stock layout.
   the activation are ONE GEMM: ``coda.ops.linear`` with the pairs epilogue ``rms_swiglu``
   (``silu(g r) (u r)``, r = rsqrt(mean(x^2) + eps) a per-row operand, gamma applied to x or folded into the
   interleaved gate/up weight, whichever is smaller); the normalised activation (M x H) is never written. It is the
-  custom op ``coda.ops.rmsnorm_swiglu``: the forward also stores the pre-activation (g, u), from which a K = 0
-  launch writes dacc and the per-row gradient of r in the backward, and the dX GEMM's epilogue applies gamma and
-  the norm's radial term (see ``coda.ops.mlp``). The down projection is ``F.linear``.
+  custom op ``coda.ops.mlp`` (with ``residual=add_residual``): the forward also stores the pre-activation (g, u);
+  in the backward the GEMM da = dy W_down writes dacc and the per-row gradient of r from them in its epilogue (da is
+  never stored), and the dX GEMM's epilogue applies gamma and the norm's radial term (see ``coda.ops.mlp``).
 - :class:`LMHeadCrossEntropy`: final RMSNorm + LM head + cross entropy: the norm in torch (M x H), then
   ``coda.ops.linear_cross_entropy`` (logits never stored). Called without a target it returns logits, through
   ``coda.ops.rmsnorm_linear`` (norm fused).

@@ -12,6 +12,8 @@ Forward (h = x, r = rsqrt(mean(h^2) + eps) per row, gate/up rows interleaved)
 
 Backward (dy the gradient of y; for rmsnorm_swiglu, dy is da and steps 1-2 and the residual are skipped)
     1. da = dy W_down (GEMM, ``w_down.t()`` an MN-major view; d(acc + x)/d acc = 1, so nothing is recomputed).
+       With the saved pre-activation, steps 1 and 3 are one GEMM: its 1 -> 2 epilogue (``coda.autodiff.on_acc``)
+       turns each da_j into dacc's pair (dg_j, du_j) and d_r's partials; da is never written.
     2. dW_down = dy^T a (GEMM on transposed views).
     3. The sympy backward of :func:`rms_swiglu` (with the VecM gradient of r; ``coda.ops.linear``'s program) writes
        dacc (M x 2I interleaved, transient) and d_r = sum_j da_j (partial a_j / partial r) (per row, fp32):
