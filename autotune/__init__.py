@@ -31,8 +31,14 @@ import threading
 import warnings
 from typing import Any, Optional
 
-from .keys import config_problem, result_entry_problem, tune_key
-from .store import ResultStore, cache_dir, path_exists
+# the runtime layer below (issue 27): kernel identity (keys), the on-disk stores and the compile cache live in
+# coda.runtime; coda.autotune.keys / .store / .compile_cache are aliases of those modules (three shim files)
+from . import compile_cache, keys, store as _store_module  # noqa: F401 (the aliases load now: the package's
+# ``store`` attribute below is the results store, and a later ``import coda.autotune.store`` must not replace it)
+from coda.runtime.keys import tune_key
+from coda.runtime.store import ResultStore, cache_dir, path_exists
+
+from .entries import config_problem, result_entry_problem
 
 __all__ = ["enabled", "mode", "select_config", "lookup", "tune", "tune_shape", "clear", "cache_dir", "store",
            "summary", "counts", "MIN_TUNE_FLOP"]
@@ -318,9 +324,9 @@ def tune_shape(M: int, N: int, K: int, L: Optional[int] = None, dtype: Any = "bf
 
 
 def _drop_plans() -> None:
-    gemm_mod = sys.modules.get("coda.gemm")
-    if gemm_mod is not None and hasattr(gemm_mod, "_plans"):
-        gemm_mod._plans.clear()
+    gemm_mod = sys.modules.get("coda.gemm")  # not imported yet: no plans to drop (and no torch import here)
+    if gemm_mod is not None:
+        gemm_mod.clear_plans()
 
 
 def clear(results: bool = True, kernels: bool = True) -> dict:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import sys
 import threading
 import time
@@ -95,9 +96,7 @@ def record_model_step(preset: str, batch: int, seq: int, dtype: str = "bfloat16"
     model = model.to("cuda", getattr(torch, dtype))
     coda.fuse(model)
     ids = make_batches(cfg["vocab"], batch, seq, 1, seed + 1)[0].to("cuda")
-    gemm_mod = sys.modules.get("coda.gemm")
-    if gemm_mod is not None and hasattr(gemm_mod, "_plans"):
-        gemm_mod._plans.clear()  # a launch plan skips the config choice: start without any
+    importlib.import_module("coda.gemm").clear_plans()  # a launch plan skips the config choice: start without any
     with Recorder() as rec:
         loss = model(ids, labels=ids)
         loss = loss.loss if hasattr(loss, "loss") else loss

@@ -36,7 +36,8 @@ import re
 import subprocess
 from typing import Any, Iterable, Optional
 
-from .keys import DeviceInfo, config_problem, cutlass_dsl_version, dtype_name, pow2_bucket
+from .entries import config_problem
+from .keys import DeviceInfo, cutlass_dsl_version, dtype_name, pow2_bucket
 
 SHIP_SCHEMA = 1
 SHIPPED_DIR = pathlib.Path(__file__).resolve().parent / "shipped"

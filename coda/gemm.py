@@ -75,8 +75,8 @@ def _cute(t: torch.Tensor, leading: int):
 
 def _max_active_clusters(size: int, device=None) -> int:
     if size not in _max_clusters:
-        from coda.autotune import compile_cache
-        from coda.autotune.keys import device_info
+        from coda.runtime import compile_cache
+        from coda.runtime.keys import device_info
 
         def compute():
             import cutlass.utils
@@ -205,6 +205,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
     return _package(epi, res, outs, reds, prob)
 
 
+def clear_plans() -> None:
+    """Drop every cached launch plan (the repeat-call fast path): the next call of each shape chooses its config and
+    kernel again (what ``coda.autotune`` does after storing or clearing results)."""
+    _plans.clear()
+
+
 def split_k_views(t: torch.Tensor, split: int) -> torch.Tensor:
     """(rows, K) -> (split, rows, K / split): slice s holds columns [s K/split, (s + 1) K/split) of every row; a
     strided view of ``t`` (K-major or rows-major alike), nothing copied."""
@@ -311,8 +317,8 @@ def _compiled(key, cfg: GemmConfig, epi: Epilogue, prob, cute_args):
         with _lock:
             fn = _cache.get(key)
             if fn is None:
-                from coda.autotune import compile_cache
-                from coda.autotune.keys import device_info
+                from coda.runtime import compile_cache
+                from coda.runtime.keys import device_info
                 fn, _ = compile_cache.compile_kernel(cfg, epi, prob.in_dtype, prob.out_dtype, key[-1], cute_args,
                                                      _max_active_clusters(cfg.cluster_m * cfg.cluster_n,
                                                                           prob.device),

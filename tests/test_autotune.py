@@ -224,7 +224,7 @@ def test_kernel_key_and_source_hash(tmp_path):
     import shutil
     root = tmp_path / "tree"
     for rel in ("coda/kernels/gemm_sm90.py", "coda/kernels/epilogue.py", "coda/config.py", "coda/reference.py",
-                "autotune/compile_cache.py"):
+                "coda/runtime/compile_cache.py"):
         src = pathlib.Path(__file__).resolve().parents[1] / rel
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src, root / rel)

@@ -109,3 +109,33 @@ def _load_pyproject() -> dict:
 def test_pyproject_pins_cutlass_dsl():
     deps = [d.replace(" ", "") for d in _load_pyproject()["project"]["dependencies"]]
     assert "nvidia-cutlass-dsl>=4.8.1,<4.9" in deps, deps
+
+
+def test_runtime_layer_imports_nothing_above_it():
+    """coda/runtime (kernel keys, stores, compile cache) sits below coda.autotune, coda.ops and coda.epilogues: no
+    import statement in it names them; coda.autotune.keys / .store / .compile_cache are the runtime's modules
+    themselves (aliases), and importing the runtime imports neither torch nor cutlass."""
+    import ast
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[1] / "coda" / "runtime"
+    for f in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for n in names:
+                assert not n.startswith(("coda.autotune", "coda.ops", "coda.epilogues", "autotune", "ops")), (f, n)
+    import coda.autotune.compile_cache
+    import coda.autotune.keys
+    import coda.autotune.store
+    import coda.runtime.compile_cache
+    import coda.runtime.keys
+    import coda.runtime.store
+    assert sys.modules["coda.autotune.keys"] is coda.runtime.keys
+    assert sys.modules["coda.autotune.store"] is coda.runtime.store
+    assert sys.modules["coda.autotune.compile_cache"] is coda.runtime.compile_cache
+    code = ("import sys, coda.runtime.keys, coda.runtime.store, coda.runtime.compile_cache; "
+            "print(sorted(m for m in ('torch', 'cutlass') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
