@@ -25,9 +25,11 @@ leaving the MLP untrained). All other Parameters are the same objects. ``state_d
 the stock keys, order and values (``coda.nn``'s state-dict hooks), and ``load_state_dict`` accepts stock
 checkpoints. Note: after fusing, the backbone's last hidden state is the one before the final norm.
 
-Models it does not recognise (Qwen2, Qwen3, Mistral, Gemma, GPT-2, ...: any decoder layer that is not a
-``LlamaDecoderLayer`` with a ``LlamaRMSNorm`` + ``LlamaMLP``, any final norm that is not a ``LlamaRMSNorm``) are
-left stock with a warning naming what was not fused; a model in which nothing was fused is not marked fused.
+Mistral, Qwen2 and Qwen3 models (Hugging Face classes ``Mistral*``, ``Qwen2*``, ``Qwen3*``) fuse the same way: their
+decoder layers are Llama's; their attention blocks fuse where ``attention_fusable`` allows (not Qwen2's q/k/v biases,
+Qwen3's QK-norm, or a Mistral sliding window shorter than the maximum position). Models it does not recognise
+(Gemma, GPT-2, ...: any other decoder layer, any other final norm) are left stock with a warning naming what was not
+fused; a model in which nothing was fused is not marked fused.
 
 ``coda.unfuse(model)`` puts the stock modules back (gate/up de-interleaved into fresh Parameters).
 """
@@ -46,10 +48,14 @@ from coda.nn_attention import FusedAttention, attention_fusable, find_inv_freq
 
 __all__ = ["fuse", "unfuse", "stock_grads"]
 
-LAYER_CLASSES = {"LlamaDecoderLayer"}
-MLP_CLASSES = {"LlamaMLP"}
-NORM_CLASSES = {"LlamaRMSNorm"}
-ATTENTION_CLASSES = {"LlamaAttention"}
+# Llama and the families whose decoder layer is Llama's (pre-norm RMSNorm, SwiGLU MLP without biases, RoPE
+# attention): the MLP and the LM head fuse in each; the attention where attention_fusable allows (Qwen2 has q/k/v
+# biases, Qwen3 a QK-norm, Mistral may use a sliding window: those attention blocks stay stock, with the reason)
+_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+LAYER_CLASSES = {f"{f}DecoderLayer" for f in _FAMILIES}
+MLP_CLASSES = {f"{f}MLP" for f in _FAMILIES}
+NORM_CLASSES = {f"{f}RMSNorm" for f in _FAMILIES}
+ATTENTION_CLASSES = {f"{f}Attention" for f in _FAMILIES}
 
 
 def _cls(m) -> str:
@@ -103,7 +109,7 @@ def fuse(model: nn.Module, *, mlp: bool = True, attention: bool = True, lm_head:
             fused_any = True
     for what, names in unknown.items():
         warnings.warn(f"coda.fuse: {len(names)} MLP(s) left stock: {_names(names)} (in {what} layers; coda.fuse "
-                      "fuses the MLP of a Llama-style LlamaDecoderLayer: LlamaRMSNorm + LlamaMLP)")
+                      "fuses the MLP of Llama-style decoder layers: Llama, Mistral, Qwen2, Qwen3)")
     if attention:
         fused_any |= _fuse_attention(model)
     if lm_head:
@@ -167,7 +173,7 @@ def _fuse_head(model: nn.Module) -> bool:
     if not isinstance(head, nn.Linear) or _cls(norm) not in NORM_CLASSES:
         warnings.warn(f"coda.fuse: lm_head left stock: {_cls(model)} has lm_head {_cls(head)} and final norm "
                       f"model.norm {_cls(norm) if norm is not None else 'missing'}; coda.fuse needs an nn.Linear "
-                      "lm_head after a LlamaRMSNorm model.norm")
+                      "lm_head after an RMSNorm model.norm of Llama, Mistral, Qwen2 or Qwen3")
         return False
     if head.bias is not None or not _aligned(head.weight.shape[1]):
         warnings.warn("coda.fuse: lm_head left stock (needs no bias, hidden size a multiple of 8)")

@@ -44,6 +44,11 @@ def attention_fusable(attn: nn.Module) -> Optional[str]:
         return "sizes must be multiples of 8"
     if getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:
         return "QK-norm is not supported yet"
+    cfg = getattr(attn, "config", None)
+    # Qwen2 / Qwen3 set attn.sliding_window per layer (None on full-attention layers); Mistral only in its config
+    window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(cfg, "sliding_window", None)
+    if window is not None and window < getattr(cfg, "max_position_embeddings", float("inf")):
+        return f"sliding-window attention (window {window}) is not supported yet"
     return None
 
 

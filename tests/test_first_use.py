@@ -79,7 +79,7 @@ def _tiny_hf(kind: str):
     return getattr(transformers, f"{kind}ForCausalLM")(cfg)
 
 
-@pytest.mark.parametrize("kind", ["Qwen2", "Qwen3", "Mistral", "Gemma", "GPT2"])
+@pytest.mark.parametrize("kind", ["Gemma", "GPT2"])  # Mistral / Qwen2 / Qwen3 fuse: tests/test_fuse_families.py
 def test_fuse_warns_on_models_it_cannot_handle_and_does_not_mark_them(kind):
     model = _tiny_hf(kind)
     before = {n: p for n, p in model.named_parameters()}

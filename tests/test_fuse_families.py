@@ -1,0 +1,80 @@
+"""coda.fuse on the Llama-style families of Hugging Face transformers (Mistral, Qwen2, Qwen3; CPU, tiny models): the
+MLPs and the LM head fuse in each, the attention where ``attention_fusable`` allows, and the fused model's loss and
+gradients (by stock name) equal the stock model's. The coda.ops path runs on the CPU reference GEMM in float32 (the
+ops' 16-bit dtype gates opened, as tests/test_nn.py's float32 ops-path test does)."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import coda
+import coda.nn
+from coda.nn_attention import FusedAttention
+from test_first_use import _tiny_hf
+
+
+@pytest.fixture
+def fp32_ops(monkeypatch):
+    import coda._validate
+    import coda.nn_attention
+    import coda.ops.cross_entropy as ce
+    import coda.ops.gated as gated
+    f32 = (torch.bfloat16, torch.float16, torch.float32)
+    monkeypatch.setattr(coda._validate, "IN_DTYPES", f32)
+    monkeypatch.setattr(gated, "_IN_DTYPES", f32)
+    monkeypatch.setattr(coda.nn, "_FUSED_DTYPES", f32)
+    if hasattr(coda.nn_attention, "_FUSED_DTYPES"):
+        monkeypatch.setattr(coda.nn_attention, "_FUSED_DTYPES", f32)
+    check = ce._check
+    monkeypatch.setattr(ce, "_check", lambda x, w, *a: check(x.to(torch.bfloat16), w.to(torch.bfloat16), *a))
+
+
+def _fuse(model):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        coda.fuse(model)
+    return [str(w.message) for w in caught if "coda.fuse" in str(w.message)]
+
+
+@pytest.mark.parametrize("kind,attention", [("Mistral", True), ("Qwen2", False), ("Qwen3", False)])
+def test_family_fuses_and_matches_stock(fp32_ops, kind, attention):
+    torch.manual_seed(0)
+    stock = _tiny_hf(kind).float()
+    if kind == "Mistral":
+        stock.config.sliding_window = None  # a full-attention Mistral: its attention fuses too
+    fused = copy.deepcopy(stock)
+    msgs = _fuse(fused)
+    assert fused._coda_fused
+    layers = fused.model.layers
+    assert all(isinstance(layer.mlp, coda.nn.SwiGLUMLP) for layer in layers)
+    assert all(isinstance(layer.self_attn, FusedAttention) == attention for layer in layers)
+    assert isinstance(fused.lm_head, coda.nn.LMHeadCrossEntropy)
+    why = {"Qwen2": "biases", "Qwen3": "QK-norm"}.get(kind)
+    assert (why is None) or any("attention block(s) left stock" in m and why in m for m in msgs), msgs
+    g = torch.Generator().manual_seed(1)
+    labels = torch.randint(0, 128, (2, 24), generator=g)
+    ls = stock(labels, labels=labels).loss
+    ls.backward()
+    out = fused(labels, labels=labels)
+    lf = out.loss if hasattr(out, "loss") else out
+    lf.backward()
+    assert abs(ls.item() - lf.item()) <= 1e-5 * abs(ls.item()), (ls.item(), lf.item())
+    gs = {n: p.grad for n, p in stock.named_parameters() if p.grad is not None}
+    gf = coda.stock_grads(fused)
+    assert gs.keys() == gf.keys()
+    for k in gs:
+        err = ((gf[k].double() - gs[k].double()).norm() / gs[k].double().norm()).item()
+        assert err <= 1e-4, (k, err)
+
+
+def test_mistral_sliding_window_attention_stays_stock():
+    """A sliding window shorter than the maximum position: the causal SDPA of FusedAttention would attend too far,
+    so that attention stays stock (named, with the reason); the MLPs and the head fuse."""
+    model = _tiny_hf("Mistral")
+    model.config.sliding_window = 16  # < max_position_embeddings = 64
+    msgs = _fuse(model)
+    assert model._coda_fused
+    assert all(not isinstance(layer.self_attn, FusedAttention) for layer in model.model.layers)
+    assert all(isinstance(layer.mlp, coda.nn.SwiGLUMLP) for layer in model.model.layers)
+    assert any("sliding-window attention (window 16)" in m for m in msgs), msgs
