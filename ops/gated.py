@@ -41,9 +41,9 @@ from torch import Tensor
 from coda.autodiff import grad_name, preact_keys, with_preact
 from coda.epilogues.gated import geglu, geglu_erf, swiglu
 
-from ._common import (call, check_last_dim_contiguous, check_tensors, custom_op, gemm_for, linear_grads,
-                      register_autograd, save_preact_for)
-from .linear import _evaluate, saved_preact
+from ._builder import backward_op, forward_op
+from ._common import call, check_last_dim_contiguous, check_tensors, gemm_for, linear_grads, save_preact_for
+from .linear import evaluate, saved_preact
 
 __all__ = ["linear_swiglu", "linear_geglu", "interleave_gate_up", "deinterleave_gate_up"]
 
@@ -135,25 +135,13 @@ def forward_preact(gemm, x: Tensor, weight_gu: Tensor, epi, save_preact: bool, *
     return (res["out"], *(res[k] for k in preact_keys(epi)))
 
 
-@custom_op("linear_swiglu")
-def _swiglu_op(x: Tensor, weight_gu: Tensor, save_preact: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """silu(g) u for x (M, H), weight_gu (2I, H) interleaved: (M, I), and (save_preact) g, u (M, I)."""
-    return forward_preact(gemm_for(x.device, _entry("swiglu")), x, weight_gu, swiglu, save_preact)
+def _saved(inputs, output):
+    return (inputs[0], inputs[1], *output[1:])  # x, weight_gu, g, u
 
 
-@custom_op("linear_geglu")
-def _geglu_op(x: Tensor, weight_gu: Tensor, approximate: str, save_preact: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """gelu(g) u (``approximate``: "tanh" or "none") for x (M, H), weight_gu (2I, H) interleaved: (M, I), and
-    (save_preact) g, u (M, I)."""
-    return forward_preact(gemm_for(x.device, _entry("geglu")), x, weight_gu, _EPILOGUES["geglu_" + approximate],
-                          save_preact)
-
-
-_swiglu_op.register_fake(_fake)
-_geglu_op.register_fake(_fake)
-
-
-@custom_op("linear_gated_backward")
+@backward_op("linear_gated_backward", fake=lambda dy, x, weight_gu, g, u, kind, need_x, need_w: (
+    torch.empty_like(x) if need_x else x.new_empty(0),
+    torch.empty_like(weight_gu) if need_w else weight_gu.new_empty(0)))
 def _backward_op(dy: Tensor, x: Tensor, weight_gu: Tensor, g: Optional[Tensor], u: Optional[Tensor], kind: str,
                  need_x: bool, need_w: bool) -> tuple[Tensor, Tensor]:
     """(dx (M, H), dweight_gu (2I, H)) for the upstream dy (M, I) of the ``kind`` ("swiglu", "geglu_tanh",
@@ -166,37 +154,26 @@ def _backward_op(dy: Tensor, x: Tensor, weight_gu: Tensor, g: Optional[Tensor], 
         return (torch.zeros_like(x) if need_x else dx), (torch.zeros_like(weight_gu) if need_w else dw)
     # the 2 -> 2 pairs program (dg, du) as ops.linear runs it: on the saved g, u (a K = 0 launch) or recomputed
     epi = _EPILOGUES[kind]
-    dacc = _evaluate(epi, (("out",), (), False), x, weight_gu, {grad_name("out"): dy.contiguous()},
-                     saved_preact(epi, g, u), x.dtype)["out"]
+    dacc = evaluate(epi, (("out",), (), False), x, weight_gu, {grad_name("out"): dy.contiguous()},
+                    saved_preact(epi, g, u), x.dtype)["out"]
     gx, gw = linear_grads(dacc, x, weight_gu, need_x, need_w, entry)
     return (dx if gx is None else gx), (dw if gw is None else gw)
 
 
-@_backward_op.register_fake
-def _(dy, x, weight_gu, g, u, kind, need_x, need_w):
-    return (torch.empty_like(x) if need_x else x.new_empty(0),
-            torch.empty_like(weight_gu) if need_w else weight_gu.new_empty(0))
+@forward_op("linear_swiglu", fake=_fake, backward="linear_gated_backward", grads=2, saved=_saved,
+            extra=lambda inputs: ("swiglu",))
+def _swiglu_op(x: Tensor, weight_gu: Tensor, save_preact: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """silu(g) u for x (M, H), weight_gu (2I, H) interleaved: (M, I), and (save_preact) g, u (M, I)."""
+    return forward_preact(gemm_for(x.device, _entry("swiglu")), x, weight_gu, swiglu, save_preact)
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight_gu, *rest = inputs
-    ctx.kind = f"geglu_{rest[0]}" if len(rest) == 2 else "swiglu"
-    ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.save_for_backward(x, weight_gu, *output[1:])
-
-
-def _autograd_backward(ctx, dy, *_):
-    x, weight_gu, g, u = ctx.saved_tensors
-    need_x, need_w = ctx.needs_input_grad[:2]
-    if dy is None or not (need_x or need_w):
-        return (None,) * len(ctx.needs_input_grad)
-    dx, dw = call("linear_gated_backward", dy, x, weight_gu, g, u, ctx.kind, need_x, need_w, ctx=ctx)
-    return (dx if need_x else None, dw if need_w else None) + (None,) * (len(ctx.needs_input_grad) - 2)
-
-
-register_autograd("linear_swiglu", _autograd_backward, _setup_context)
-register_autograd("linear_geglu", _autograd_backward, _setup_context)
+@forward_op("linear_geglu", fake=_fake, backward="linear_gated_backward", grads=2, saved=_saved,
+            extra=lambda inputs: ("geglu_" + inputs[2],))
+def _geglu_op(x: Tensor, weight_gu: Tensor, approximate: str, save_preact: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """gelu(g) u (``approximate``: "tanh" or "none") for x (M, H), weight_gu (2I, H) interleaved: (M, I), and
+    (save_preact) g, u (M, I)."""
+    return forward_preact(gemm_for(x.device, _entry("geglu")), x, weight_gu, _EPILOGUES["geglu_" + approximate],
+                          save_preact)
 
 
 # ------------------------------------------------------------------------------------------------ public entries

@@ -52,14 +52,14 @@ from coda.dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, by_op_name, o
 from ._common import (IN_DTYPES, call, check_inputs, custom_op, epilogue_pass, gemm_for, linear_grads,
                       register_autograd)
 
-__all__ = ["linear"]
+__all__ = ["linear"]  # also used across coda.ops: backward_of, evaluate, saved_preact (see their docstrings)
 ENTRY = "coda.ops.linear"
 
 _bwd_cache: dict = {}
 _bwd_lock = threading.Lock()
 
 
-def _backward_of(epi: DslEpilogue, grads: tuple, needs: tuple, tiles: bool = False,
+def backward_of(epi: DslEpilogue, grads: tuple, needs: tuple, tiles: bool = False,
                  preact: bool = False, ties: bool = False) -> DslEpilogue:
     """The (cached) dacc backward epilogue, or with ``tiles`` the pairs TileMN-gradient one; with ``preact`` the
     same program reading the saved pre-activation (``coda.autodiff.on_preact``: a K = 0 GEMM's epilogue); with
@@ -157,11 +157,11 @@ def _backward_impl(grads, x2, weight, epilogue, save_preact, names, tensors, sca
                                 **dict(zip(names, tensors), **scalars))
             ops.update({value_name(k): fwd[k] for k in vals if value_name(k) in ops})
         if need_x or need_w or main_needs:
-            res = _evaluate(epi, (present, main_needs, False), x2, weight, ops, preact, x2.dtype)
+            res = evaluate(epi, (present, main_needs, False), x2, weight, ops, preact, x2.dtype)
             dx, dw = linear_grads(res["out"], x2, weight, need_x, need_w, ENTRY)
         if tile_needs:
             dtype = functools.reduce(torch.promote_types, (ops[n].dtype for n in tile_needs))
-            tiles = _evaluate(epi, (present, tile_needs, True), x2, weight, ops, preact, dtype)
+            tiles = evaluate(epi, (present, tile_needs, True), x2, weight, ops, preact, dtype)
             res.update({DGRAD + n: tiles["out" if i == 0 else DGRAD + n] for i, n in enumerate(tile_needs)})
     kinds = {o.name: o.kind for o in epi.operands}
     outs = [x2.new_zeros(x2.shape) if dx is None and need_x else dx, weight.new_zeros(weight.shape)
@@ -248,7 +248,7 @@ register_autograd("linear", _backward, _setup_context)
 
 
 def saved_preact(epi: DslEpilogue, *parts):
-    """The saved pre-activation as ``_evaluate`` takes it: {name: tensor} (one M x N tensor, or a pairs epilogue's
+    """The saved pre-activation as ``evaluate`` takes it: {name: tensor} (one M x N tensor, or a pairs epilogue's
     even / odd columns, M x N/2 each), or None when nothing was saved (no parts, or empty ones)."""
     if not parts or parts[0] is None or not parts[0].numel():
         return None
@@ -260,20 +260,20 @@ def _tie_operands(epi: DslEpilogue, maxes: tuple, x2, weight, fwd_ops: dict) -> 
     (exact ties split it, as torch's amax does), from the values the forward compared: the reduced expressions on
     the fp32 accumulator, recomputed by one GEMM (also with ``save_preact``, whose saved pre-activation is rounded
     to the output dtype: 1000 and 1000.03125 would tie in bf16)."""
-    prog = _backward_of(epi, maxes, (), ties=True)
+    prog = backward_of(epi, maxes, (), ties=True)
     dt = torch.promote_types(x2.dtype, torch.float32)
     res = gemm_for(x2.device, ENTRY)(x2, weight, epilogue=prog, out_dtype=dt, **fwd_ops)
     res = res if isinstance(res, dict) else {"out": res}
     return {tie_name(k): tie_shares(res["out" if i == 0 else k]) for i, k in enumerate(maxes)}
 
 
-def _evaluate(epi: DslEpilogue, which: tuple, x2, weight, ops: dict, preact, out_dtype) -> dict:
-    """The results of the backward program ``_backward_of(epi, *which)`` (dacc and operand gradients, or a pairs
+def evaluate(epi: DslEpilogue, which: tuple, x2, weight, ops: dict, preact, out_dtype) -> dict:
+    """The results of the backward program ``backward_of(epi, *which)`` (dacc and operand gradients, or a pairs
     epilogue's TileMN gradients), ``out`` cast to ``out_dtype``: computed on a recomputed accumulator (one GEMM of
     x and W), on the saved pre-activation ``preact`` (a dict of its tensors; the same program as a K = 0 GEMM:
     one memory pass of CODA's kernel), or -- when they do not depend on the accumulator -- elementwise (torch ops;
     nothing at all when ``out`` is one of the tile operands, e.g. dacc = the upstream gradient)."""
-    bwd = _backward_of(epi, *which)
+    bwd = backward_of(epi, *which)
     if not bwd.symbols & {ACC, ACC_EVEN, ACC_ODD} and not bwd.reductions:
         tiles = {operand_symbol(o.name): o.name for o in bwd.operands if o.kind == "tile"}
         if set(bwd.exprs) == {"out"} and bwd.exprs["out"] in tiles:
@@ -285,7 +285,7 @@ def _evaluate(epi: DslEpilogue, which: tuple, x2, weight, ops: dict, preact, out
         res = gemm_for(x2.device, "coda.ops.linear")(x2, weight, epilogue=bwd, out_dtype=out_dtype, **ops)
     else:
         res = epilogue_pass(gemm_for(x2.device, "coda.ops.linear"), x2, x2.shape[0], weight.shape[0],
-                            epilogue=_backward_of(epi, *which, preact=True), out_dtype=out_dtype, **ops, **preact)
+                            epilogue=backward_of(epi, *which, preact=True), out_dtype=out_dtype, **ops, **preact)
     res = dict(res) if isinstance(res, dict) else {"out": res}
     res["out"] = res["out"].to(out_dtype)
     return res

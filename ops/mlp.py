@@ -52,11 +52,12 @@ from torch import Tensor
 import coda
 from coda.autodiff import DGRAD, grad_name, on_acc
 
-from ._common import (IN_DTYPES, call, check_last_dim_contiguous, check_tensors, custom_op, gemm_for,
-                      kernel_aligned, linear_grads, register_autograd, save_preact_for)
+from ._builder import backward_op, forward_op
+from ._common import (IN_DTYPES, call, check_last_dim_contiguous, check_tensors, gemm_for, kernel_aligned,
+                      linear_grads, save_preact_for)
 from .gated import _check as _check_x_weight_gu
 from .gated import fake_preact, forward_preact
-from .linear import _backward_of, _evaluate, saved_preact
+from .linear import backward_of, evaluate, saved_preact
 from .rmsnorm_linear import check_eps, check_norm_weight, normed_operands
 
 __all__ = ["mlp", "rmsnorm_swiglu", "rms_swiglu", "residual_add"]
@@ -106,7 +107,7 @@ def _dacc_on_da(which: tuple):
     """rms_swiglu's backward ``which`` on the saved pre-activation, fused into the GEMM da = dy W_down: the 1 -> 2
     epilogue (``coda.autodiff.on_acc``) whose accumulator is da; per element j it reads g_j, u_j and writes the
     pair (dg_j, du_j) of dacc at columns 2j, 2j + 1, plus d_r's row partials."""
-    return on_acc(_backward_of(rms_swiglu, *which, preact=True), grad_name("out"))
+    return on_acc(backward_of(rms_swiglu, *which, preact=True), grad_name("out"))
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -141,7 +142,27 @@ def _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm):
     return (*forward_preact(gemm, a, b, rms_swiglu, save_preact, r=r), r)
 
 
-@custom_op("rmsnorm_swiglu")
+def _fake_rmsnorm_swiglu(x, norm_weight, w_gate_up, eps, save_preact):
+    return (x.new_empty(x.shape[0], w_gate_up.shape[0] // 2), x.new_empty(x.shape[0], dtype=torch.float32),
+            *fake_preact(x, w_gate_up, save_preact))
+
+
+def _fake_mlp(x, norm_weight, w_gate_up, w_down, eps, save_preact, residual):
+    M = x.shape[0]
+    return (x.new_empty(M, x.shape[1]), x.new_empty(M, w_gate_up.shape[0] // 2),
+            x.new_empty(M, dtype=torch.float32), *fake_preact(x, w_gate_up, save_preact))
+
+
+def _fake_backward(dy, x, norm_weight, w_gate_up, w_down, a, r, g, u, need_x, need_gamma, need_gu, need_down,
+                   residual):
+    like = (x, norm_weight, w_gate_up, x if w_down is None else w_down)
+    return tuple(t.new_empty(t.shape if need else (0,))
+                 for t, need in zip(like, (need_x, need_gamma, need_gu, need_down and w_down is not None)))
+
+
+# saved for mlp_backward: x, norm_weight, w_gate_up, w_down, a, r, g, u (rmsnorm_swiglu: no w_down, no a)
+@forward_op("rmsnorm_swiglu", fake=_fake_rmsnorm_swiglu, backward="mlp_backward", grads=3,
+            saved=lambda i, out: (*i[:3], None, None, *out[1:]), arrange=lambda extra, needs: (*needs, False, False))
 def _rmsnorm_swiglu_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, eps: float,
                        save_preact: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x (M, H), w_gate_up (2I, H) interleaved; returns a (M, I), r (M,) fp32 and (save_preact) g, u (M, I)."""
@@ -149,7 +170,8 @@ def _rmsnorm_swiglu_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, eps: f
     return a, r, g, u
 
 
-@custom_op("mlp")
+@forward_op("mlp", fake=_fake_mlp, backward="mlp_backward", grads=4, saved=lambda i, out: (*i[:4], *out[1:]),
+            extra=lambda i: (bool(i[6]),), arrange=lambda extra, needs: (*needs, *extra))  # (needs, residual)
 def _mlp_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float,
             save_preact: bool, residual: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x (M, H); returns y (M, H), the activation a (M, I), r (M,) fp32 and (save_preact) g, u (M, I)."""
@@ -159,20 +181,7 @@ def _mlp_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, e
     return y, a, r, g, u
 
 
-@_rmsnorm_swiglu_op.register_fake
-def _(x, norm_weight, w_gate_up, eps, save_preact):
-    return (x.new_empty(x.shape[0], w_gate_up.shape[0] // 2), x.new_empty(x.shape[0], dtype=torch.float32),
-            *fake_preact(x, w_gate_up, save_preact))
-
-
-@_mlp_op.register_fake
-def _(x, norm_weight, w_gate_up, w_down, eps, save_preact, residual):
-    M = x.shape[0]
-    return (x.new_empty(M, x.shape[1]), x.new_empty(M, w_gate_up.shape[0] // 2),
-            x.new_empty(M, dtype=torch.float32), *fake_preact(x, w_gate_up, save_preact))
-
-
-@custom_op("mlp_backward")
+@backward_op("mlp_backward", fake=_fake_backward)
 def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Optional[Tensor],
                  a: Optional[Tensor], r: Tensor, g: Optional[Tensor], u: Optional[Tensor], need_x: bool,
                  need_gamma: bool, need_gu: bool, need_down: bool,
@@ -208,7 +217,7 @@ def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, 
         # dacc (M x 2I, interleaved) and d_r: rms_swiglu's sympy backward as coda.ops.linear(..., r=r) runs it, on
         # the saved pre-activation (a K = 0 launch: one memory pass) or on a recomputed one (the forward's operands)
         a_op, b_op = (x, w_gate_up) if preact else normed_operands(x, norm_weight, w_gate_up, None, gemm)[:2]
-        res = _evaluate(rms_swiglu, which, a_op, b_op, dict(r=r, **{grad_name("out"): da}), preact, x.dtype)
+        res = evaluate(rms_swiglu, which, a_op, b_op, dict(r=r, **{grad_name("out"): da}), preact, x.dtype)
     dacc = res["out"]
     if need_x:  # on the unfolded weight: gamma is a column scale of the epilogue
         ops = dict(gamma=norm_weight, r=r, dr=res[DGRAD + "r"], inv_h=1.0 / x.shape[1], h=x)
@@ -228,38 +237,6 @@ def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, 
         grads[2] = dw if need_gu else grads[2]
         grads[1] = dgamma.to(norm_weight.dtype) if need_gamma else grads[1]
     return tuple(grads)
-
-
-@_backward_op.register_fake
-def _(dy, x, norm_weight, w_gate_up, w_down, a, r, g, u, need_x, need_gamma, need_gu, need_down, residual):
-    like = (x, norm_weight, w_gate_up, x if w_down is None else w_down)
-    return tuple(t.new_empty(t.shape if need else (0,))
-                 for t, need in zip(like, (need_x, need_gamma, need_gu, need_down and w_down is not None)))
-
-
-def _setup_context(ctx, inputs, output):
-    x, norm_weight, w_gate_up, *rest = inputs
-    ctx.down = len(rest) == 4  # mlp: (w_down, eps, save_preact, residual); rmsnorm_swiglu: (eps, save_preact)
-    ctx.residual = ctx.down and rest[3]
-    ctx.set_materialize_grads(False)  # a, r, g, u are not differentiable outputs: no zero M x I gradients
-    ctx.mark_non_differentiable(*output[1:])
-    saved = (rest[0], output[1], output[2]) if ctx.down else (None, None, output[1])
-    ctx.save_for_backward(x, norm_weight, w_gate_up, *saved, *output[-2:])
-
-
-def _autograd_backward(ctx, dy, *_):
-    x, norm_weight, w_gate_up, w_down, a, r, g, u = ctx.saved_tensors
-    n = 4 if ctx.down else 3  # the tensor inputs: 4 for mlp, 3 for rmsnorm_swiglu (then eps, save_preact[, residual])
-    rest = len(ctx.needs_input_grad) - n
-    needs = ctx.needs_input_grad[:n] + (False,) * (4 - n)
-    if dy is None or not any(needs):
-        return (None,) * (n + rest)
-    grads = call("mlp_backward", dy, x, norm_weight, w_gate_up, w_down, a, r, g, u, *needs, ctx.residual, ctx=ctx)
-    return tuple(g_ if need else None for g_, need in zip(grads[:n], needs)) + (None,) * rest
-
-
-register_autograd("mlp", _autograd_backward, _setup_context)
-register_autograd("rmsnorm_swiglu", _autograd_backward, _setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public entries

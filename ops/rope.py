@@ -43,7 +43,7 @@ from coda.epilogues.rope import permute_half_split, rope, rope_freqs, unpermute_
 
 from ._common import (call, check_last_dim_contiguous, check_tensors, custom_op, epilogue_pass, gemm_for,
                       linear_grads, register_autograd)
-from .linear import _backward_of
+from .linear import backward_of
 
 __all__ = ["linear_rope", "rope_freqs", "permute_half_split", "unpermute_half_split"]
 
@@ -150,7 +150,7 @@ def unrotate(gemm, dy: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
     """R(-theta) dy per column pair (M, N), in dy's dtype: the gradient before RoPE. The backward of ``rope`` (a 2 -> 2
     pairs epilogue without acc, reading dy as even / odd tiles) on a K = 0 GEMM: CODA's kernel running only the
     epilogue."""
-    bwd = _backward_of(rope, ("out",), ())
+    bwd = backward_of(rope, ("out",), ())
     grads = {grad_name("out"): dy[:, 0::2].contiguous(), grad_name(ODD_OUT): dy[:, 1::2].contiguous()}
     return epilogue_pass(gemm, dy, dy.shape[0], dy.shape[1], epilogue=bwd, out_dtype=dy.dtype, pos=positions,
                          freq=freqs, **grads)

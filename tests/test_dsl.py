@@ -479,10 +479,10 @@ def test_pairs_tile_operand_gradients(monkeypatch):
                 bops[value_name(red.name)] = epi.reference(acc32, **{k: bops[k] for k in ops})[red.name]
         x2, w2 = x.detach().reshape(2 * M, 32), w.detach()
         which = (tuple(outs), tiles, True)  # the program tepi, as coda.ops.linear asks for it
-        assert mod._backward_of(epi, *which).key() == tepi.key()
+        assert mod.backward_of(epi, *which).key() == tepi.key()
         preact = {"_preact_even": acc32[..., 0::2].contiguous(), "_preact_odd": acc32[..., 1::2].contiguous()}
-        a_ = mod._evaluate(epi, which, x2, w2, bops, None, torch.float32)
-        b_ = mod._evaluate(epi, which, x2, w2, bops, preact, torch.float32)
+        a_ = mod.evaluate(epi, which, x2, w2, bops, None, torch.float32)
+        b_ = mod.evaluate(epi, which, x2, w2, bops, preact, torch.float32)
         assert set(a_) == set(b_) == {"out", *tepi.outputs}
         for k in a_:
             torch.testing.assert_close(a_[k], b_[k], rtol=1e-6, atol=1e-6)

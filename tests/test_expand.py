@@ -8,7 +8,7 @@ import coda
 from coda.autodiff import grad_name, on_acc
 from coda.dsl import ODD_OUT, DslEpilogue, EpilogueError
 from coda.ops._common import epilogue_pass
-from coda.ops.linear import _backward_of
+from coda.ops.linear import backward_of
 from coda.ops.mlp import _dacc_on_da, rms_swiglu
 
 WHICH = (("out",), ("r",), False)
@@ -25,7 +25,7 @@ def test_on_acc_equals_the_k0_program_on_da():
     float64 on the same fp32 da, so only the placement differs): dacc at columns 2j, 2j + 1, and d_r."""
     dy, wd, gp, up, r = _inputs()
     M, I = gp.shape
-    prog = _backward_of(rms_swiglu, *WHICH, preact=True)
+    prog = backward_of(rms_swiglu, *WHICH, preact=True)
     fused = _dacc_on_da(WHICH)
     assert fused.expand and fused.pair_mode is None and fused.name.endswith("_on_acc")
     assert [o.name for o in fused.operands] == [o.name for o in prog.operands if o.name != grad_name("out")]
@@ -57,11 +57,11 @@ def test_expand_output_shape_and_nan():
 
 
 def test_on_acc_rejects_what_it_cannot_fuse():
-    prog = _backward_of(rms_swiglu, *WHICH, preact=True)
+    prog = backward_of(rms_swiglu, *WHICH, preact=True)
     with pytest.raises(ValueError, match="no TileMN operand 'nope'"):
         on_acc(prog, "nope")
     with pytest.raises(ValueError, match="not a 2 -> 2 program"):
-        on_acc(_backward_of(rms_swiglu, *WHICH), grad_name("out"))  # reads the (recomputed) accumulator
+        on_acc(backward_of(rms_swiglu, *WHICH), grad_name("out"))  # reads the (recomputed) accumulator
     a = coda.dsl.sp.Symbol("acc")
     with pytest.raises(EpilogueError, match="1 -> 2 epilogue returns exactly two values"):
         DslEpilogue("x", (), {"out": a}, {}, expand=True)

@@ -273,8 +273,8 @@ def test_backward_pass_on_preact_compiles_with_deep_rings():
     from coda.check import compile_variant
     from coda.config import default_config
     from coda.kernels.epilogue import staged_smem_bytes, tile_ring, tile_tma_plan
-    from coda.ops.linear import _backward_of
-    epi = _backward_of(swiglu, ("out",), (), False, preact=True)
+    from coda.ops.linear import backward_of
+    epi = backward_of(swiglu, ("out",), (), False, preact=True)
     cfg = default_config(8192, 28672, 0)
     assert cfg.stages == 2
     flags, _ = tile_tma_plan(epi, cfg, (True,) * 3, [2, 2, 2], [2])

@@ -305,10 +305,10 @@ def test_backward_epilogues_compile_for_sm90():
     from coda.autodiff import with_preact
     from coda.check import compile_variant
     from coda.config import default_config
-    from coda.ops.linear import _backward_of
+    from coda.ops.linear import backward_of
     cfg = default_config(8192, 8192, 8192)
-    for epi, majors in ((_backward_of(mlp_mod.rms_swiglu, ("out",), ("r",)), ("k", "k")),
-                        (_backward_of(mlp_mod.rms_swiglu, ("out",), ("r",), preact=True), ("k", "k")),
+    for epi, majors in ((backward_of(mlp_mod.rms_swiglu, ("out",), ("r",)), ("k", "k")),
+                        (backward_of(mlp_mod.rms_swiglu, ("out",), ("r",), preact=True), ("k", "k")),
                         (with_preact(mlp_mod.rms_swiglu), ("k", "k")),
                         (mlp_mod.rms_radial_residual, ("k", "mn")), (mlp_mod.rms_radial, ("k", "mn")),
                         (mlp_mod.fold_grads, ("mn", "mn"))):

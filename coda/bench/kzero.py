@@ -21,14 +21,14 @@ def main(argv=None) -> int:
     from coda.autodiff import DGRAD, grad_name
     from coda.config import GemmConfig
     from coda.ops._common import epilogue_pass
-    from coda.ops.linear import _backward_of
+    from coda.ops.linear import backward_of
     from coda.ops.mlp import rms_swiglu
 
     M, I = args.M, args.I
     bf = dict(device="cuda", dtype=torch.bfloat16)
     g, u, da = (torch.randn(M, I, **bf) for _ in range(3))
     r = torch.rand(M, device="cuda", dtype=torch.float32) + 0.5
-    prog = _backward_of(rms_swiglu, ("out",), ("r",), False, preact=True)
+    prog = backward_of(rms_swiglu, ("out",), ("r",), False, preact=True)
     names = [o.name for o in prog.operands]
     ops = {grad_name("out"): da, "r": r}
     tiles = [n for n in names if n not in ops]
@@ -98,7 +98,7 @@ def fused_sweep(M=8192, H=2048, I=8192, variants=None):
     from coda.config import GemmConfig
     from coda.kernels.epilogue import smem_plan
     from coda.ops._common import epilogue_pass
-    from coda.ops.linear import _backward_of
+    from coda.ops.linear import backward_of
     from coda.ops.mlp import _dacc_on_da, rms_swiglu
 
     def bench(fn):
@@ -109,7 +109,7 @@ def fused_sweep(M=8192, H=2048, I=8192, variants=None):
     dy, wd, g, u = torch.randn(M, H, **bf), torch.randn(H, I, **bf), torch.randn(M, I, **bf), torch.randn(M, I, **bf)
     r = torch.rand(M, device="cuda") + 0.5
     which = (("out",), ("r",), False)
-    prog, k0 = _dacc_on_da(which), _backward_of(rms_swiglu, *which, preact=True)
+    prog, k0 = _dacc_on_da(which), backward_of(rms_swiglu, *which, preact=True)
     ops = dict(r=r, _preact_even=g, _preact_odd=u)
     t_mm = bench(lambda: torch.mm(dy, wd))
     da = torch.mm(dy, wd)

@@ -1,0 +1,62 @@
+"""One way to declare a named op's torch integration (issue 27): the forward custom op with its fake, the backward
+custom op with its fake, and the autograd glue between them (what is saved, which inputs get gradients, what the
+backward is called with), for torch.compile (opaque nodes), ``torch.library.opcheck`` and the eager
+autograd.Function path of ``ops._common.call`` alike.
+
+    @backward_op("linear_gated_backward", fake=_backward_fake)
+    def _backward(dy, x, weight_gu, g, u, kind, need_x, need_w): ...
+
+    @forward_op("linear_swiglu", fake=_fake, backward="linear_gated_backward", grads=2,
+                saved=lambda inputs, out: (inputs[0], inputs[1], *out[1:]), extra=lambda inputs: ("swiglu",))
+    def _swiglu(x, weight_gu, save_preact): ...
+
+Conventions (those of every op in ``coda.ops``): the forward returns a tuple whose first entry is the result and
+whose other entries are saved-for-backward outputs (marked non-differentiable); the first ``grads`` inputs are the
+differentiable ones; the backward op is called as ``backward(dy, *saved, *arrange(extra, needs))`` (default: the
+extra values, then the ``grads`` needs flags) and returns one gradient per differentiable input (an empty tensor
+where not needed). Incoming gradients of the non-differentiable outputs are ignored; gradients are not
+materialised (``dy`` may be None: no gradient flows)."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from ._common import call, custom_op, register_autograd
+
+
+def backward_op(name: str, *, fake: Callable):
+    """Decorator: ``fn`` as the custom op ``coda::<name>`` (a backward: no autograd of its own) with ``fake``."""
+    def wrap(fn):
+        op = custom_op(name)(fn)
+        op.register_fake(fake)
+        return op
+    return wrap
+
+
+def forward_op(name: str, *, fake: Callable, backward: str, grads: int, saved: Callable,
+               extra: Optional[Callable] = None, arrange: Optional[Callable] = None, eager=None):
+    """Decorator: ``fn`` as the custom op ``coda::<name>`` with ``fake`` and autograd through the backward op
+    ``backward`` (module docstring). ``saved(inputs, output)``: the tensors (or None) to save; ``extra(inputs)``:
+    non-tensor values the backward needs (default none); ``arrange(extra, needs)``: the backward's arguments after
+    the saved tensors (default ``(*extra, *needs)``); ``eager``: as ``ops._common.custom_op``'s."""
+    def wrap(fn):
+        op = custom_op(name, eager=eager)(fn)
+        op.register_fake(fake)
+
+        def setup_context(ctx, inputs, output):
+            ctx.set_materialize_grads(False)  # saved outputs get no gradient: no zero tensors of their size
+            ctx.mark_non_differentiable(*output[1:])
+            ctx.coda_extra = tuple(extra(inputs)) if extra is not None else ()
+            ctx.save_for_backward(*saved(inputs, output))
+
+        def autograd_backward(ctx, dy, *_):
+            n_in = len(ctx.needs_input_grad)
+            needs = tuple(ctx.needs_input_grad[:grads])
+            if dy is None or not any(needs):
+                return (None,) * n_in
+            rest = arrange(ctx.coda_extra, needs) if arrange is not None else (*ctx.coda_extra, *needs)
+            out = call(backward, dy, *ctx.saved_tensors, *rest, ctx=ctx)
+            return tuple(g if need else None for g, need in zip(out, needs)) + (None,) * (n_in - grads)
+
+        register_autograd(name, autograd_backward, setup_context)
+        return op
+    return wrap
