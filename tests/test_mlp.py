@@ -114,15 +114,17 @@ def _inputs(M=24, H=64, I=48, seed=0, grad=True):
 @pytest.mark.parametrize("need", [(True, False, False, False), (False, True, False, False),
                                   (False, False, True, False), (False, False, False, True),
                                   (False, True, True, True)])
-@pytest.mark.parametrize("save_preact", [True, False])
-def test_partial_gradients(need, save_preact):
-    """Only the gradients asked for are formed; they equal those of the full backward."""
+@pytest.mark.parametrize("save_preact,residual", [(True, True), (False, True), (True, False)])
+def test_partial_gradients(need, save_preact, residual):
+    """Only the gradients asked for are formed; they equal those of the full backward (with and without the
+    residual: the backward op's needs and residual arguments in their places)."""
     leaves = _inputs()
-    full = torch.autograd.grad(coda.ops.mlp(*leaves, save_preact=save_preact).float().square().sum(), leaves)
+    kw = dict(save_preact=save_preact, residual=residual)
+    full = torch.autograd.grad(coda.ops.mlp(*leaves, **kw).float().square().sum(), leaves)
     for t, n in zip(leaves, need):
         t.requires_grad_(n)
     wanted = [t for t in leaves if t.requires_grad]
-    got = torch.autograd.grad(coda.ops.mlp(*leaves, save_preact=save_preact).float().square().sum(), wanted)
+    got = torch.autograd.grad(coda.ops.mlp(*leaves, **kw).float().square().sum(), wanted)
     want = [f for f, n in zip(full, need) if n]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
