@@ -7,15 +7,17 @@ autograd.Function path of ``ops._common.call`` alike.
     def _backward(dy, x, weight_gu, g, u, kind, need_x, need_w): ...
 
     @forward_op("linear_swiglu", fake=_fake, backward="linear_gated_backward", grads=2,
-                saved=lambda inputs, out: (inputs[0], inputs[1], *out[1:]), extra=lambda inputs: ("swiglu",))
+                saved=lambda inputs, out: (inputs[0], inputs[1], *out[1:]),
+                extra=lambda inputs: ("swiglu",))
     def _swiglu(x, weight_gu, save_preact): ...
 
-Conventions (those of every op in ``coda.ops``): the forward returns a tuple whose first entry is the result and
-whose other entries are saved-for-backward outputs (marked non-differentiable); the first ``grads`` inputs are the
-differentiable ones; the backward op is called as ``backward(dy, *saved, *arrange(extra, needs))`` (default: the
-extra values, then the ``grads`` needs flags) and returns one gradient per differentiable input (an empty tensor
-where not needed). Incoming gradients of the non-differentiable outputs are ignored; gradients are not
-materialised (``dy`` may be None: no gradient flows)."""
+Conventions (those of the ops built here): the forward returns the result, or a tuple whose first entry is the
+result and whose other entries are saved-for-backward outputs (marked non-differentiable); the first ``grads``
+inputs are the differentiable ones; the backward op is called as ``backward(dy, *saved, *arrange(extra, needs))``
+(default: the extra values, then the ``grads`` needs flags) and returns one gradient per differentiable input (an
+empty tensor where not needed). Incoming gradients of the non-differentiable outputs are ignored; gradients are not
+materialised (``dy`` may be None: no gradient flows). An op with two differentiable outputs (``rmsnorm_linear``:
+y and the residual stream h) registers by hand (``ops._common``)."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -44,7 +46,8 @@ def forward_op(name: str, *, fake: Callable, backward: str, grads: int, saved: C
 
         def setup_context(ctx, inputs, output):
             ctx.set_materialize_grads(False)  # saved outputs get no gradient: no zero tensors of their size
-            ctx.mark_non_differentiable(*output[1:])
+            if isinstance(output, (tuple, list)):
+                ctx.mark_non_differentiable(*output[1:])
             ctx.coda_extra = tuple(extra(inputs)) if extra is not None else ()
             ctx.save_for_backward(*saved(inputs, output))
 

@@ -24,8 +24,8 @@ from coda.epilogues.rope import rope_rmsnorm
 
 from coda.epilogues.rmsnorm import rmsnorm_dgrad, row_dot
 
-from ._common import (backward_gemm, call, check_inputs, check_last_dim_contiguous, custom_op, epilogue_pass,
-                      gemm_for, register_autograd)
+from ._builder import backward_op, forward_op
+from ._common import backward_gemm, call, check_inputs, check_last_dim_contiguous, epilogue_pass, gemm_for
 from .rmsnorm_linear import check_eps, check_norm_weight, normed_operands
 from .rope import unrotate
 
@@ -34,7 +34,11 @@ __all__ = ["rmsnorm_linear_rope"]
 ENTRY = "coda.ops.rmsnorm_linear_rope"
 
 
-@custom_op("rmsnorm_linear_rope")
+@forward_op("rmsnorm_linear_rope", backward="rmsnorm_linear_rope_backward", grads=3,
+            fake=lambda x, norm_weight, weight, positions, freqs, eps: (
+                x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], dtype=torch.float32)),
+            # (h, norm_weight, weight, r, y, positions, freqs), then need_weight only
+            saved=lambda i, out: (*i[:3], out[1], out[0], *i[3:5]), arrange=lambda extra, needs: (needs[2],))
 def _op(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor,
         eps: float) -> tuple[Tensor, Tensor]:
     """x (M, K), weight (N, K), positions (M,) fp32, freqs (N/2,) fp32 -> y (M, N), r (M,) fp32."""
@@ -44,51 +48,27 @@ def _op(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, freqs
     return y, r
 
 
-@_op.register_fake
-def _(x, norm_weight, weight, positions, freqs, eps):
-    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], dtype=torch.float32)
+def _fake_backward(dy, h, norm_weight, weight, r, y, positions, freqs, need_weight):
+    dw = weight.new_empty(weight.shape) if need_weight else weight.new_empty(0)
+    return h.new_empty(h.shape), norm_weight.new_empty(norm_weight.shape), dw
 
 
-@custom_op("rmsnorm_linear_rope_backward")
+@backward_op("rmsnorm_linear_rope_backward", fake=_fake_backward)
 def _backward_op(dy: Tensor, h: Tensor, norm_weight: Tensor, weight: Tensor, r: Tensor, y: Tensor,
                  positions: Tensor, freqs: Tensor, need_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dh, dgamma, dW; empty unless need_weight). c = (1/K) sum_n dy y comes from the rotated dy and y (the
     rotation preserves each pair's dot product), the dX GEMM from the unrotated gradient."""
     gemm = gemm_for(dy.device, ENTRY)
     K = h.shape[1]
-    dy = dy.contiguous()
+    if h.shape[0] == 0:  # no rows: nothing to launch, the gradients are zero
+        dw = torch.zeros_like(weight) if need_weight else weight.new_empty(0)
+        return torch.zeros_like(h), torch.zeros_like(norm_weight), dw
+    dy = dy.to(h.dtype).contiguous()
     dacc = unrotate(gemm, dy, positions, freqs)
     c = epilogue_pass(gemm, h, *dy.shape, epilogue=row_dot, dy=dy, y=y)["dot"] / K
     res = gemm(dacc, weight.t(), epilogue=rmsnorm_dgrad, out_dtype=h.dtype, gamma=norm_weight, h=h, r=r, c=c)
     dw = backward_gemm(dacc.t(), res["normed"].t(), ENTRY) if need_weight else weight.new_empty(0)
     return res["out"], res["dgamma"].to(norm_weight.dtype), dw
-
-
-@_backward_op.register_fake
-def _(dy, h, norm_weight, weight, r, y, positions, freqs, need_weight):
-    dw = weight.new_empty(weight.shape) if need_weight else weight.new_empty(0)
-    return h.new_empty(h.shape), norm_weight.new_empty(norm_weight.shape), dw
-
-
-def _setup_context(ctx, inputs, output):
-    x, norm_weight, weight, positions, freqs, _ = inputs
-    ctx.save_for_backward(x, norm_weight, weight, output[1], output[0], positions, freqs)
-    ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(output[1])
-
-
-def _backward(ctx, dy, _dr):
-    x, norm_weight, weight, r, y, positions, freqs = ctx.saved_tensors
-    need_x, need_gamma, need_w = ctx.needs_input_grad[:3]
-    if dy is None or x.shape[0] == 0:
-        return (torch.zeros_like(x) if need_x else None, torch.zeros_like(norm_weight) if need_gamma else None,
-                torch.zeros_like(weight) if need_w else None, None, None, None)
-    dh, dgamma, dw = call("rmsnorm_linear_rope_backward", dy.to(x.dtype), x, norm_weight, weight, r, y, positions,
-                          freqs, need_w, ctx=ctx)
-    return (dh if need_x else None, dgamma if need_gamma else None, dw if need_w else None, None, None, None)
-
-
-register_autograd("rmsnorm_linear_rope", _backward, _setup_context)
 
 
 def rmsnorm_linear_rope(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor,

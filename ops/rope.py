@@ -41,8 +41,8 @@ from coda.autodiff import grad_name
 from coda.dsl import ODD_OUT
 from coda.epilogues.rope import permute_half_split, rope, rope_freqs, unpermute_half_split
 
-from ._common import (call, check_last_dim_contiguous, check_tensors, custom_op, epilogue_pass, gemm_for,
-                      linear_grads, register_autograd)
+from ._builder import backward_op, forward_op
+from ._common import call, check_last_dim_contiguous, check_tensors, epilogue_pass, gemm_for, linear_grads
 from .linear import backward_of
 
 __all__ = ["linear_rope", "rope_freqs", "permute_half_split", "unpermute_half_split"]
@@ -135,15 +135,11 @@ def _check_positions(positions: Tensor, check) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ custom ops (2-D)
-@custom_op("linear_rope")
+@forward_op("linear_rope", fake=lambda x, weight, positions, freqs: x.new_empty(x.shape[0], weight.shape[0]),
+            backward="linear_rope_backward", grads=2, saved=lambda inputs, out: inputs)
 def _rope_op(x: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
     """RoPE(x @ weight.T) for x (M, K), weight (N, K), positions (M,) fp32, freqs (N/2,) fp32; (M, N)."""
     return gemm_for(x.device, ENTRY)(x, weight, epilogue=rope, pos=positions, freq=freqs)
-
-
-@_rope_op.register_fake
-def _(x, weight, positions, freqs):
-    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def unrotate(gemm, dy: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
@@ -156,7 +152,8 @@ def unrotate(gemm, dy: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
                          freq=freqs, **grads)
 
 
-@custom_op("linear_rope_backward")
+@backward_op("linear_rope_backward", fake=lambda dy, x, weight, positions, freqs, need_x, need_w: (
+    torch.empty_like(x) if need_x else x.new_empty(0), torch.empty_like(weight) if need_w else weight.new_empty(0)))
 def _backward_op(dy: Tensor, x: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor, need_x: bool,
                  need_w: bool) -> tuple[Tensor, Tensor]:
     """(dx (M, K), dweight (N, K)) for the upstream dy (M, N); a gradient not needed comes back empty."""
@@ -169,24 +166,7 @@ def _backward_op(dy: Tensor, x: Tensor, weight: Tensor, positions: Tensor, freqs
     return (dx if gx is None else gx), (dw if gw is None else gw)
 
 
-@_backward_op.register_fake
-def _(dy, x, weight, positions, freqs, need_x, need_w):
-    return (torch.empty_like(x) if need_x else x.new_empty(0),
-            torch.empty_like(weight) if need_w else weight.new_empty(0))
 
-
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _autograd_backward(ctx, dy):
-    x, weight, positions, freqs = ctx.saved_tensors
-    need_x, need_w = ctx.needs_input_grad[:2]
-    dx, dw = call("linear_rope_backward", dy, x, weight, positions, freqs, need_x, need_w, ctx=ctx)
-    return (dx if need_x else None), (dw if need_w else None), None, None
-
-
-register_autograd("linear_rope", _autograd_backward, _setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public entry
