@@ -2,6 +2,7 @@
 from .attention import rmsnorm_linear_rope
 from .cross_entropy import linear_cross_entropy
 from .gated import deinterleave_gate_up, interleave_gate_up, linear_geglu, linear_swiglu
+from .layernorm_linear import layernorm_linear
 from .linear import linear
 from .mlp import mlp, rmsnorm_swiglu
 from .rmsnorm_linear import rmsnorm_linear
@@ -9,4 +10,4 @@ from .rope import linear_rope, permute_half_split, rope_freqs, unpermute_half_sp
 
 __all__ = ["linear_cross_entropy", "linear_swiglu", "linear_geglu", "interleave_gate_up", "deinterleave_gate_up",
            "linear", "mlp", "rmsnorm_linear", "rmsnorm_swiglu", "linear_rope", "rope_freqs", "permute_half_split",
-           "unpermute_half_split", "rmsnorm_linear_rope"]
+           "unpermute_half_split", "rmsnorm_linear_rope", "layernorm_linear"]
