@@ -78,7 +78,7 @@ def heuristic(prob) -> Any:
     from coda.config import default_config
     M, L = _kernel_view(prob)
     cfg = default_config(M, prob.N, prob.K, batch=L, sms=sm_count(prob.device))
-    if getattr(prob, "wide_out", False) and (cfg.tile_m, cfg.tile_n) == (128, 256) and not cfg.pingpong:
+    if prob.wide_out and (cfg.tile_m, cfg.tile_n) == (128, 256) and not cfg.pingpong:
         # a 1 -> 2 epilogue (two stored values per element, its operands read per element): 128 x 128 tiles. The
         # SwiGLU backward in llama-1b's da GEMM (8192 x 8192 x 2048) on the H100: 0.557 ms there, 0.643 on 128 x 256
         # at epi_n 16 (72 bytes of spills at 32); cuBLAS's da + the K = 0 pass it replaces 0.673 (bench.kzero)

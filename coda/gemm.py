@@ -226,12 +226,9 @@ def _split_k(a, b, out, prob, split: int):
     partial = gemm(split_k_views(a, split), split_k_views(b, split), out_dtype=torch.float32)
     if out is None:
         out = torch.empty(prob.out_shape, dtype=prob.out_dtype, device=a.device)
-    if split == 1:
-        return out.copy_(partial[0])
-    total = partial[0]
-    for s in range(1, split - 1):
-        total = total.add_(partial[s]) if s > 1 else torch.add(total, partial[s])
-    return torch.add(total, partial[split - 1], out=out)
+    for s in range(1, split - 1):  # the partials are this call's own buffer: accumulate into slice 0
+        partial[0].add_(partial[s])
+    return torch.add(partial[0], partial[split - 1], out=out)
 
 
 def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):

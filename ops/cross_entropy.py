@@ -62,7 +62,7 @@ from torch import Tensor
 from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_general, ce_forward,
                                           ce_forward_smooth, scale_by)
 
-from ._common import call, custom_op, epilogue_pass, gemm_for, kernel_aligned, register_autograd
+from ._common import IN_DTYPES, call, custom_op, epilogue_pass, gemm_for, kernel_aligned, register_autograd
 from .cross_entropy_fast import plan_rows, forward_with_grads
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES", "MEMORY_BUDGET"]
@@ -375,8 +375,7 @@ def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """t *= g (g a 0-dim fp32 tensor): on a Hopper GPU as CODA's K = 0 pass (epilogue ``scale_by``, ``out=t``; fp32
     math, vectorised), since torch's ``t.mul_(g)`` (also ``_foreach_mul_``, which falls back to it for a scalar
     tensor of another dtype) runs TensorIterator's casting loop there; elsewhere ``t.mul_(g)``."""
-    if t.is_cuda and t.dim() == 2 and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous() \
-            and t.shape[1] % 8 == 0:
+    if t.is_cuda and t.dim() == 2 and t.dtype in IN_DTYPES and t.is_contiguous() and t.shape[1] % 8 == 0:
         return epilogue_pass(gemm_for(t.device, "coda.ops.linear_cross_entropy"), t, t.shape[0], t.shape[1],
                              epilogue=scale_by, out=t, t=t, s=g)
     return t.mul_(g)

@@ -3,8 +3,8 @@ epilogue applies the norm (``coda.epilogues.layernorm``: the algebra). The worke
 ("an epilogue and ``coda.ops.linear``"): this file, the epilogue, the export in ``ops/__init__.py`` and the tests.
 
 Forward: mu, r per row from a torch pass over x (fp32 statistics, as torch's layer_norm; only x and the two
-vectors are saved for their backward); W' = W diag(gamma) (K x N
-elements, the weight's dtype), c = W' row sums, b = W beta (fp32); then ``coda.ops.linear(x, W', epilogue=
+vectors are saved for their backward); W' = W diag(gamma) (N x K elements, the weight's dtype), c = W' row sums,
+b = W beta (fp32); then ``coda.ops.linear(x, W', epilogue=
 layernorm_scale, r=, mu=, c=, shift=)``. Backward: ``coda.ops.linear``'s derived program (dacc and the operands'
 gradients; one recompute GEMM, or with ``save_preact`` a K = 0 pass), torch autograd for the statistics and the
 folded weight. The normalised activation (M x K) is never materialised.

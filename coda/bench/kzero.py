@@ -15,7 +15,7 @@ def main(argv=None) -> int:
     ap.add_argument("--I", type=int, default=8192)
     args = ap.parse_args(argv)
     import torch
-    from triton.testing import do_bench
+    from .gemm import median_of_runs as bench
 
     import coda
     from coda.autodiff import DGRAD, grad_name
@@ -36,10 +36,6 @@ def main(argv=None) -> int:
 
     def run(cfg=None):
         return epilogue_pass(coda.gemm, g, M, 2 * I, epilogue=prog, out_dtype=torch.bfloat16, config=cfg, **ops)
-
-    def bench(fn):
-        fn()
-        return sorted(do_bench(fn, warmup=10, rep=50) for _ in range(3))[1]
 
     moved = 3 * M * I * 2 + M * 2 * I * 2 + M * 4
     ref = run()
@@ -92,7 +88,7 @@ def fused_sweep(M=8192, H=2048, I=8192, variants=None):
     import itertools
 
     import torch
-    from triton.testing import do_bench
+    from .gemm import median_of_runs as bench
 
     import coda
     from coda.config import GemmConfig
@@ -100,10 +96,6 @@ def fused_sweep(M=8192, H=2048, I=8192, variants=None):
     from coda.ops._common import epilogue_pass
     from coda.ops.linear import backward_of
     from coda.ops.mlp import _dacc_on_da, rms_swiglu
-
-    def bench(fn):
-        fn()
-        return sorted(do_bench(fn, warmup=10, rep=50) for _ in range(3))[1]
 
     bf = dict(device="cuda", dtype=torch.bfloat16)
     dy, wd, g, u = torch.randn(M, H, **bf), torch.randn(H, I, **bf), torch.randn(M, I, **bf), torch.randn(M, I, **bf)

@@ -17,15 +17,11 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", default="2,3,4,6,8")
     args = ap.parse_args(argv)
     import torch
-    from triton.testing import do_bench
+    from .gemm import median_of_runs as bench
 
     import coda
     from coda.config import GemmConfig, split_k
     from coda.gemm import split_k_views
-
-    def bench(fn):
-        fn()
-        return sorted(do_bench(fn, warmup=10, rep=60) for _ in range(3))[1]
 
     cfgs = {"128x256 2x1 dyn": GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, sched="dynamic"),
             "128x256 1x1 dyn": GemmConfig(tile_m=128, tile_n=256, sched="dynamic"),

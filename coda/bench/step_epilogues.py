@@ -47,12 +47,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="do_bench runs per timing (median)")
     args = ap.parse_args(argv)
     import torch
-    from triton.testing import do_bench
-
     from coda.autotune.model import record_model_step
 
+    from .gemm import median_of_runs
+
     def bench(fn):
-        return sorted(do_bench(fn, warmup=10, rep=40) for _ in range(args.reps))[args.reps // 2]
+        return median_of_runs(fn, args.reps, rep_ms=40)
 
     problems = record_model_step(args.model, args.batch, args.seq)
     print(f"{torch.cuda.get_device_name()}  {args.model} batch {args.batch} x {args.seq}: {len(problems)} problems")

@@ -105,9 +105,8 @@ class GemmSm90:
         # 1 -> 2 epilogue (epi.expand) two values per accumulator element (width 2N, sub-tiles tile_m x 2 epi_n)
         self.pair_mode = self.epi.pair_mode
         self.half, self.expand = self.pair_mode == "half", self.epi.expand
-        w = 0.5 if self.half else 2 if self.expand else 1
-        self.store_tile = (cfg.tile_m, int(cfg.epi_n * w))
-        self.out_tile = (cfg.tile_m, int(cfg.tile_n * w))
+        self.store_tile = (cfg.tile_m, self.epi.out_cols(cfg.epi_n))
+        self.out_tile = (cfg.tile_m, self.epi.out_cols(cfg.tile_n))
         self.store_names = (["out"] if self.epi.stores_out else []) + list(self.epi.outputs)
         out_dtypes = [t.element_type for t in store_ts]
         self.out_dtypes = out_dtypes
