@@ -8,12 +8,12 @@ import torch.nn.functional as F
 import coda.ops
 
 
-def _inputs(M=37, K=64, N=48, dtype=torch.bfloat16, seed=0, bias=True):
+def _inputs(M=37, K=64, N=48, dtype=torch.bfloat16, seed=0, bias=True, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(M, K, generator=g) + 0.1).to(dtype)
-    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype)
-    gamma = (1 + 0.3 * torch.randn(K, generator=g)).to(dtype)
-    beta = (0.2 * torch.randn(K, generator=g)).to(dtype) if bias else None
+    x = (torch.randn(M, K, generator=g) + 0.1).to(device, dtype)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(device, dtype)
+    gamma = (1 + 0.3 * torch.randn(K, generator=g)).to(device, dtype)
+    beta = (0.2 * torch.randn(K, generator=g)).to(device, dtype) if bias else None
     return [t.requires_grad_() if t is not None else None for t in (x, w, gamma, beta)]
 
 
@@ -31,17 +31,29 @@ def _run(fn, leaves, gy):
     return [y, *torch.autograd.grad(y, live, gy.to(y.dtype))]
 
 
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("save_preact", [False, True])
-def test_matches_float64_and_the_2x_rule(bias, save_preact):
-    leaves = _inputs(bias=bias)
-    gy = torch.randn(37, 48, generator=torch.Generator().manual_seed(5))
+def _check_2x_rule(M, K, N, bias, save_preact, device="cpu"):
+    leaves = _inputs(M, K, N, bias=bias, device=device, seed=M + K)
+    gy = torch.randn(M, N, generator=torch.Generator().manual_seed(5)).to(device)
     ours = _run(lambda *a: coda.ops.layernorm_linear(*a, save_preact=save_preact), leaves, gy)
     want = _run(_stock, [t.detach().double().requires_grad_() if t is not None else None for t in leaves], gy)
     theirs = _run(_stock, leaves, gy)
     for name, a, b, c in zip(("y", "dx", "dw", "dgamma", "dbeta"), ours, want, theirs):
         assert a.dtype == c.dtype and a.shape == c.shape, name
         assert _rel(a, b) <= 2 * _rel(c, b) + 1e-3, (name, _rel(a, b), _rel(c, b))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("save_preact", [False, True])
+def test_matches_float64_and_the_2x_rule(bias, save_preact):
+    _check_2x_rule(37, 64, 48, bias, save_preact)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("save_preact", [False, True])
+@pytest.mark.parametrize("M,K,N", [(1000, 520, 776), (8192, 2048, 2048)])
+def test_gpu_matches_float64_and_the_2x_rule(M, K, N, save_preact):
+    """On the Hopper GPU (the fused GEMM, its derived backward): a ragged shape and a Llama-1B-sized projection."""
+    _check_2x_rule(M, K, N, True, save_preact, device="cuda")
 
 
 def test_exact_in_float64():
