@@ -5,8 +5,10 @@ What is swapped (duck-typed on class names, so it works on Hugging Face ``LlamaF
 
 - every ``LlamaDecoderLayer``'s ``post_attention_layernorm`` (``LlamaRMSNorm``) + ``mlp`` (``LlamaMLP``: gate, up,
   down, no biases, SiLU): the norm becomes a :class:`coda.nn.DeferredRMSNorm` (identity, keeps the same weight
-  Parameter) and the MLP a :class:`coda.nn.SwiGLUMLP` (``add_residual=False``; norm + gate/up + SwiGLU in one GEMM,
-  down projection shared with the stock module);
+  Parameter) and the MLP a :class:`coda.nn.SwiGLUMLP` (norm + gate/up + SwiGLU in one GEMM, down projection shared
+  with the stock module); the layer's ``forward`` is patched (an instance attribute) so that the MLP adds the
+  residual in its down projection's epilogue (``add_residual=True``; its backward adds the residual gradient in the
+  dX GEMM's epilogue); a Hugging Face layer of transformers < 5 keeps its forward and the MLP ``add_residual=False``;
 - every ``LlamaDecoderLayer``'s ``input_layernorm`` + ``self_attn`` (``LlamaAttention``: no biases, no QK-norm, the
   model's RoPE ``inv_freq`` buffer): the norm becomes a ``DeferredRMSNorm`` and the attention a
   :class:`coda.nn_attention.FusedAttention` (norm + QKV + RoPE in one GEMM, SDPA with grouped-query heads as they
@@ -35,6 +37,7 @@ fused; a model in which nothing was fused is not marked fused.
 """
 from __future__ import annotations
 
+import inspect
 import types
 import warnings
 import weakref
@@ -112,6 +115,7 @@ def fuse(model: nn.Module, *, mlp: bool = True, attention: bool = True, lm_head:
                       "fuses the MLP of Llama-style decoder layers: Llama, Mistral, Qwen2, Qwen3)")
     if attention:
         fused_any |= _fuse_attention(model)
+    _fuse_residuals(model)
     if lm_head:
         fused_any |= _fuse_head(model)
     if not fused_any:
@@ -186,6 +190,37 @@ def _fuse_head(model: nn.Module) -> bool:
     return True
 
 
+def _fuse_residuals(model: nn.Module) -> None:
+    """Move each decoder layer's second residual add (h + mlp(h)) into the fused MLP (``add_residual``: the down
+    projection's epilogue adds h, its dX GEMM's epilogue adds the residual gradient) by patching the layer's
+    ``forward`` (an instance attribute). Only layers whose stock forward is known to return the hidden state as a
+    tensor: examples/llama_model.py's and Hugging Face's with a ``-> torch.Tensor`` annotation (transformers 5)."""
+    for layer in model.modules():
+        m = getattr(layer, "mlp", None)
+        if _cls(layer) not in LAYER_CLASSES or not isinstance(m, SwiGLUMLP) or not hasattr(m, "_coda_stock"):
+            continue
+        stock = type(layer).forward
+        if stock.__module__.startswith("transformers") and \
+                inspect.signature(stock).return_annotation is not torch.Tensor:
+            continue  # an older transformers layer (returns a tuple): the stock forward adds the residual
+        m.add_residual = True
+        layer.forward = types.MethodType(_residual_layer_forward, layer)
+
+
+def _residual_layer_forward(self, *args, **kwargs):
+    """A Llama decoder layer, x + attn(norm(x)) = h, then the fused MLP's h + mlp(norm(h)) (see _fuse_residuals).
+    Arguments as the stock layer's: examples/llama_model.py's (x, cos, sin) are passed on positionally, Hugging
+    Face's (hidden_states, attention_mask=..., position_ids=..., ...) by keyword, as its forward does."""
+    if args:
+        x, rest = args[0], args[1:]
+    else:
+        x, rest = kwargs.pop("hidden_states"), ()
+    n = self.input_layernorm(x)
+    a = self.self_attn(n, *rest, **kwargs) if rest else self.self_attn(hidden_states=n, **kwargs)
+    h = x + (a[0] if isinstance(a, tuple) else a)
+    return self.mlp(self.post_attention_layernorm(h))
+
+
 def _causal_lm_forward(self, *args, labels=None, **kwargs):
     """The fused top-level forward (see the module docstring)."""
     if labels is None:
@@ -226,6 +261,7 @@ def unfuse(model: nn.Module) -> nn.Module:
             m.up_proj.weight = nn.Parameter(w_up.detach().clone(), requires_grad=rg)
             m.down_proj = fused.down_proj
             layer.mlp, layer.post_attention_layernorm = m, norm
+            layer.__dict__.pop("forward", None)  # the stock forward (adds the residual) again
     for name, layer in model.named_modules():
         fused = getattr(layer, "self_attn", None)
         if isinstance(fused, FusedAttention) and hasattr(fused, "_coda_stock"):

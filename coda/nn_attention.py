@@ -73,6 +73,9 @@ class FusedAttention(_NormConsumer):
     """
 
     inductor_under_compile = "attention" in INDUCTOR_UNDER_COMPILE
+    # eager grouped-query heads: SDPA's enable_gqa (False) or k, v repeated per query head first (True);
+    # python -m coda.bench.layer times both
+    gqa_by_repeat = False
 
     def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, inv_freq: Tensor,
                  eps: float = 1e-6, *, norm=None, hf_signature: bool = False, device=None, dtype=None):
@@ -137,14 +140,16 @@ class FusedAttention(_NormConsumer):
         q = q.view(B, T, self.n_heads, d).transpose(1, 2)
         k = k.view(B, T, self.n_kv, d).transpose(1, 2)
         v = v.view(B, T, self.n_kv, d).transpose(1, 2)
-        cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
+        cache = next((kwargs[n] for n in ("cache", "past_key_values", "past_key_value") if kwargs.get(n) is not None),
+                     None)  # transformers 5.x: ``cache``; earlier: ``past_key_value(s)``
         if cache is not None:  # Hugging Face generation: keys and values of earlier positions come from the cache
             k, v = cache.update(k, v, self.layer_idx, {"cache_position": kwargs.get("cache_position")})
         tq, tk = q.shape[2], k.shape[2]
         if mask is None and 1 < tq < tk:  # a chunk after cached positions: causal, aligned bottom-right
             mask = torch.ones(tq, tk, dtype=torch.bool, device=x.device).tril(tk - tq)
         gqa = self.n_kv != self.n_heads
-        if gqa and _nn.compiling():  # inductor fuses the repeat into the RoPE kernel, as for stock
+        if gqa and (_nn.compiling() or self.gqa_by_repeat):  # under compile inductor fuses the repeat into the
+            # RoPE kernel, as for stock
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
             gqa = False
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and tq == tk and tq > 1,

@@ -49,6 +49,8 @@ def test_family_fuses_and_matches_stock(fp32_ops, kind, attention):
     layers = fused.model.layers
     assert all(isinstance(layer.mlp, coda.nn.SwiGLUMLP) for layer in layers)
     assert all(isinstance(layer.self_attn, FusedAttention) == attention for layer in layers)
+    # the second residual add runs in the MLP's down projection (the layer's forward patched)
+    assert all(layer.mlp.add_residual and "forward" in vars(layer) for layer in layers)
     assert isinstance(fused.lm_head, coda.nn.LMHeadCrossEntropy)
     why = {"Qwen2": "biases", "Qwen3": "QK-norm"}.get(kind)
     assert (why is None) or any("attention block(s) left stock" in m and why in m for m in msgs), msgs
@@ -111,3 +113,31 @@ def test_family_fused_step_on_gpu(kind):
         def err(g):
             return ((g.double() - gr[k]).norm() / gr[k].norm().clamp_min(1e-30)).item()
         assert err(gf[k]) <= 2 * err(gs[k]) + 2e-2, (k, err(gf[k]), err(gs[k]))
+
+
+def test_unfuse_restores_the_stock_layer_forward():
+    model = _tiny_hf("Qwen2")
+    _fuse(model)
+    assert all("forward" in vars(layer) for layer in model.model.layers)
+    coda.unfuse(model)
+    assert all("forward" not in vars(layer) for layer in model.model.layers)
+
+
+def test_generation_with_cache_matches_stock():
+    """Greedy generation with the key/value cache (transformers 5 passes it as ``cache``) through the fused
+    attention and the patched decoder layers: the tokens of a greedy loop over the stock model's full forward
+    (no cache; stock ``generate`` is not the reference: on these tiny random models transformers 5.24's own
+    ``generate`` already disagrees with its forward's argmax)."""
+    torch.manual_seed(0)
+    stock = _tiny_hf("Mistral").float().eval()
+    stock.config.sliding_window = None
+    fused = copy.deepcopy(stock)
+    _fuse(fused)
+    assert isinstance(fused.model.layers[0].self_attn, FusedAttention)
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(3))
+    want = ids
+    with torch.no_grad():
+        for _ in range(6):
+            want = torch.cat((want, stock(want).logits[:, -1:].argmax(-1)), 1)
+        got = fused.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+    assert torch.equal(want, got), (want, got)
