@@ -420,3 +420,22 @@ def test_bench_epilogue_measures_what_it_names():
              "vs_cublas": {"cublas": 1.0, "identity": 0.5}}]
     t = be.table(rows)
     assert "| / our plain GEMM | 2.000 | 1.000 |" in t and "| / cuBLAS | 1.000 | 0.500 |" in t
+
+
+def test_step_gaps_analyse_finds_idle_time_and_the_syncing_op():
+    from coda.bench.step_gaps import analyse
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "a", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "b", "ts": 20, "dur": 10},  # 10 us idle before b
+        {"ph": "X", "cat": "kernel", "name": "c", "ts": 25, "dur": 10},  # overlaps b: no gap
+        {"ph": "X", "cat": "kernel", "name": "b", "ts": 45, "dur": 5},   # 10 us idle before b again
+        {"ph": "X", "cat": "cpu_op", "name": "aten::_local_scalar_dense", "ts": 100, "dur": 5},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::item", "ts": 90, "dur": 50},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 101, "dur": 30},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 120, "dur": 3}]}
+    got = analyse(trace)
+    assert got["kernels"] == 4 and abs(got["span_ms"] - 0.05) < 1e-12
+    assert abs(got["busy_ms"] - 0.03) < 1e-12 and abs(got["idle_ms"] - 0.02) < 1e-12
+    assert got["gaps"] == [{"next_kernel": "b", "count": 2, "ms": 0.02}]
+    assert got["syncs"] == [{"call": "cudaStreamSynchronize", "op": "aten::_local_scalar_dense", "count": 1,
+                             "ms": 0.03}]

@@ -2,12 +2,13 @@
 (bf16, eager, the step report's model and shapes) in the variants that decide the fused step's eager layer time:
 stock; fused as ``coda.fuse`` builds it; without the residual moved into the MLP (the stock layer forward and
 ``add_residual=False``); with grouped-query k, v repeated before SDPA (``FusedAttention.gqa_by_repeat``) instead of
-SDPA's ``enable_gqa``. Each: the median of do_bench medians (``bench.gemm.median_of_runs``), ms, on one GPU."""
+SDPA's ``enable_gqa``. Each: the median over ``--rounds`` interleaved rounds of a do_bench median, ms, on one GPU."""
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import statistics
 import warnings
 
 
@@ -16,6 +17,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="also print each fused variant's kernels")
     args = ap.parse_args(argv)
     import torch
 
@@ -39,26 +42,42 @@ def main(argv=None) -> int:
     cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
     assert cos.shape[-1] == d
 
-    def timed(layer):
-        def step():
-            x.grad = None
-            layer(x, cos, sin).backward(dy)
-        return round(median_of_runs(step), 4)
-
-    out = {"stock": timed(model.model.layers[0])}
     fused_model = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         coda.fuse(fused_model)
-    layer = fused_model.model.layers[0]
-    out["fused"] = timed(layer)
-    FusedAttention.gqa_by_repeat = True
-    out["fused, gqa by repeat"] = timed(layer)
-    FusedAttention.gqa_by_repeat = False
-    patched = layer.__dict__.pop("forward")
-    layer.mlp.add_residual = False
-    out["fused, residual added by torch"] = timed(layer)
-    layer.forward, layer.mlp.add_residual = patched, True
+    stock, layer = model.model.layers[0], fused_model.model.layers[0]
+    patched = layer.forward
+
+    def variant(lyr, repeat=False, residual=True):
+        def step():
+            FusedAttention.gqa_by_repeat = repeat
+            if lyr is layer:  # the residual in the MLP (patched forward) or added by torch (the stock forward)
+                lyr.__dict__.pop("forward", None)
+                if residual:
+                    lyr.forward = patched
+                lyr.mlp.add_residual = residual
+            x.grad = None
+            lyr(x, cos, sin).backward(dy)
+        return step
+
+    fns = {"stock": variant(stock), "fused": variant(layer), "fused, gqa by repeat": variant(layer, repeat=True),
+           "fused, residual added by torch": variant(layer, residual=False)}
+    times = {k: [] for k in fns}
+    for _ in range(args.rounds):  # interleaved: a clock drift hits every variant alike
+        for k, f in fns.items():
+            times[k].append(median_of_runs(f, runs=1))
+    out = {k: round(statistics.median(v), 4) for k, v in times.items()}
+    if args.profile:  # kernels by CUDA time per variant (3 steps each)
+        from torch.profiler import ProfilerActivity, profile
+        for k in ("fused", "fused, residual added by torch"):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    fns[k]()
+                torch.cuda.synchronize()
+            print(f"== {k} (3 steps)\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+                                                                      max_name_column_width=70))
+    variant(layer)()  # leave the layer as coda.fuse built it
     print(json.dumps({"device": torch.cuda.get_device_name(), "model": args.model, "batch": B, "seq": T,
                       "ms fwd+bwd per layer": out}, indent=1))
     return 0

@@ -1,0 +1,103 @@
+"""``python -m coda.bench.step_gaps [--model llama-1b] [--stock] [--compile] [--top 15]``: where a training step's GPU
+waits for the CPU. The step report's classes sum kernel time; a step's time minus that sum is time the GPU had
+nothing to run (fused + compile, llama-1b, H100, fd6ba6c: 134.9 ms a step, 127.8 ms of kernels). One step of a
+preset of :mod:`coda.bench.step` under torch.profiler (CPU and CUDA activity, after three warm-up steps); prints
+the GPU busy time (union of kernel intervals) against the step's span, the idle gaps grouped by the kernel that
+ended them (its launch came late), and the host-device synchronisations (``cudaStreamSynchronize`` and alike,
+device-to-host copies) with the innermost torch op that issued each."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from collections import defaultdict
+
+SYNCS = ("Synchronize", "cudaMemcpy", "cudaStreamWaitEvent")
+
+
+def analyse(trace: dict, top: int = 15, min_gap_us: float = 3.0) -> dict:
+    """Gaps and synchronisations of one chrome trace (``prof.export_chrome_trace``); pure (unit-tested)."""
+    evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kern = sorted((e for e in evs if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    out = {"kernels": len(kern)}
+    if not kern:
+        return out
+    busy, gaps, end = 0.0, defaultdict(lambda: [0, 0.0]), kern[0]["ts"]
+    for e in kern:
+        t0, t1 = e["ts"], e["ts"] + e.get("dur", 0)
+        if t0 > end + min_gap_us:
+            g = gaps[e["name"][:90]]
+            g[0] += 1
+            g[1] += t0 - end
+        busy += max(0.0, t1 - max(t0, end))
+        end = max(end, t1)
+    span = end - kern[0]["ts"]
+    out.update(span_ms=span / 1e3, busy_ms=busy / 1e3, idle_ms=(span - busy) / 1e3,
+               gaps=[{"next_kernel": k, "count": c, "ms": us / 1e3}
+                     for k, (c, us) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:top]])
+    ops = sorted((e for e in evs if e.get("cat") in ("cpu_op", "user_annotation")), key=lambda e: e["ts"])
+    syncs = defaultdict(lambda: [0, 0.0])
+    for e in evs:
+        if e.get("cat") != "cuda_runtime" or not any(s in e["name"] for s in SYNCS):
+            continue
+        if "cudaMemcpy" in e["name"] and "Async" in e["name"] and e.get("dur", 0) < 20:
+            continue  # an asynchronous copy that did not wait
+        owner = [o for o in ops if o["ts"] <= e["ts"] <= o["ts"] + o.get("dur", 0)]
+        inner = min(owner, key=lambda o: o.get("dur", 0))["name"] if owner else "?"
+        s = syncs[(e["name"], inner)]
+        s[0] += 1
+        s[1] += e.get("dur", 0)
+    out["syncs"] = [{"call": c, "op": o, "count": n, "ms": us / 1e3}
+                    for (c, o), (n, us) in sorted(syncs.items(), key=lambda kv: -kv[1][1])[:top]]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's)")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--stock", action="store_true", help="the stock model (default: coda.fuse)")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args(argv)
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from .step import PRESETS, build_model, make_batches
+    cfg = dict(PRESETS[args.model])
+    if args.layers:
+        cfg["layers"] = args.layers
+    torch.manual_seed(0)
+    model = build_model(cfg, args.seq)[0].to("cuda", torch.bfloat16)
+    if not args.stock:
+        import coda
+        coda.fuse(model)
+    fn = torch.compile(model) if args.compile else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = make_batches(cfg["vocab"], args.batch, args.seq, 1, 1)[0].to("cuda")
+
+    def step():
+        fn(ids, labels=ids).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        res = analyse(json.load(f), args.top)
+    res.update(device=torch.cuda.get_device_name(), mode=("stock" if args.stock else "fused")
+               + ("+compile" if args.compile else ""), model=args.model, layers=cfg["layers"])
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
