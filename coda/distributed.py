@@ -18,15 +18,15 @@ and target (M,) are the same on every rank):
   z_r = x W_r^T are reduced in the epilogue ``ce_forward`` to lse_r = log sum_{v in shard} exp(z_v) and
   zt_r = z_t if the target lies in [v0, v1) else 0. The epilogue compares ``coda.col()`` with the target *shifted
   by v0*, so another rank's target (shifted below 0 or past v1 - v0) matches no column. A shard width not a
-  multiple of 8 takes its last columns from the op's tail path (``_tail_logits``).
+  multiple of 8 takes its last columns from the op's tail path (``tail_logits``).
 - Phase 2, one collective: an all-gather of each rank's (lse_r, zt_r) (2 x M floats) plus its (v0, v1 - v0)
   (2 floats); every rank then forms lse = logsumexp_r lse_r and zt = sum_r zt_r in rank order: the same bits on
   every rank (an all-reduce of max, then of sum-exp and zt, as Megatron does, would take three). The gathered
   ranges also check that the shards tile [0, V) and (``check_targets``) that the targets lie in [0, V).
-- Phase 3, the loss from (lse, zt) as the op finishes it (``_finish_loss``): torch's ``F.cross_entropy``
+- Phase 3, the loss from (lse, zt) as the op finishes it (``finish_loss``): torch's ``F.cross_entropy``
   semantics, float32 (float64 for float64 inputs), the same value on every rank.
 - Backward (``torch.autograd.Function``): per rank, the lean mode's chunked backward of ``coda.ops``
-  (``ops/cross_entropy.py``, ``_backward``) on the local shard with the *global* lse: each vocabulary chunk's
+  (``ops/cross_entropy.py``, ``lean_backward``) on the local shard with the *global* lse: each vocabulary chunk's
   logits are recomputed by one GEMM whose epilogue ``ce_backward`` writes dz = (exp(z - lse) - onehot) g, then
   dW_r[chunk] = dz^T x and dX_r += dz W_r[chunk] (fp32 accumulation); no M x V tensor. Finally
   dX = all_reduce_sum_r(dX_r) -- the backward of the copy of x into the tensor-parallel region, folded in here;
@@ -56,7 +56,7 @@ REDUCTIONS = ("mean", "sum", "none")
 
 # ------------------------------------------------------------------------------------------------ checks
 def _check(x, weight, target, ignore_index, reduction, vocab_start) -> None:
-    from coda.ops._common import check_inputs, check_tensors
+    from coda.ops.cross_entropy import check_inputs, check_tensors
     check_tensors(ENTRY, (("x", x), ("weight_shard", weight), ("target", target)))
     check_inputs(ENTRY, x, weight)
     if target.dtype != torch.int64:
@@ -107,8 +107,7 @@ def _local_stats(x: Tensor, weight: Tensor, tloc: Tensor):
     """Phase 1: (lse_r, zt_r) of this shard from one GEMM whose epilogue reduces the logits (never stored);
     ``tloc`` the target column within the shard as float (no column matches a value outside [0, rows))."""
     from coda.epilogues.cross_entropy import ce_forward
-    from coda.ops._common import gemm_for
-    from coda.ops.cross_entropy import ALIGN, _tail_logits
+    from coda.ops.cross_entropy import ALIGN, gemm_for, tail_logits
     M, V = x.shape[0], weight.shape[0]
     wide = x.dtype in (torch.float32, torch.float64)  # the reference path: no alignment rules, no tail
     v8 = V if wide else V // ALIGN * ALIGN
@@ -116,7 +115,7 @@ def _local_stats(x: Tensor, weight: Tensor, tloc: Tensor):
     if M and v8:
         parts.append(gemm_for(x.device, ENTRY)(x, weight[:v8], epilogue=ce_forward, t=tloc))
     if M and v8 < V:  # the last V % 8 rows of the shard: the op's tail path (M x 8 logits, torch epilogue)
-        parts.append(ce_forward.reference(_tail_logits(x, weight, v8), t=tloc - v8))
+        parts.append(ce_forward.reference(tail_logits(x, weight, v8), t=tloc - v8))
     if not parts:
         empty = x.new_empty((0,), dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
         return empty, empty
@@ -144,14 +143,13 @@ def _backward_wide(grad, x, weight, tloc, lse, valid, reduction, chunk_size):
     does not take: per chunk, dz from ``ce_backward`` on recomputed logits, then dX += dz W_c, dW_c = dz^T x in
     x's precision (no alignment rules on this path)."""
     from coda.epilogues.cross_entropy import ce_backward
-    from coda.ops._common import gemm_for
-    from coda.ops.cross_entropy import _chunk_columns
+    from coda.ops.cross_entropy import chunk_columns, gemm_for
     M, V = x.shape[0], weight.shape[0]
     g = grad.to(lse.dtype)
     if reduction == "mean":
         g = g / valid.sum().clamp_min(1)
     g = torch.where(valid, g.expand(M), 0.0).contiguous()
-    vc = _chunk_columns(M, x.element_size(), chunk_size)
+    vc = chunk_columns(M, x.element_size(), chunk_size)
     dx, dw = torch.zeros_like(x), torch.empty_like(weight)
     for c0 in range(0, V, vc):
         w = weight[c0:c0 + vc]
@@ -164,21 +162,21 @@ def _backward_wide(grad, x, weight, tloc, lse, valid, reduction, chunk_size):
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, group, ignore_index, reduction, v0, chunk_size, check_targets):
-        from coda.ops.cross_entropy import _finish_loss
+        from coda.ops.cross_entropy import finish_loss
         valid = target != ignore_index
         rows = weight.shape[0]
         tloc = torch.where(valid, target - v0, -1).to(torch.float32)  # -1 / out of [0, rows): matches no column
         lse_r, zt_r = _local_stats(x, weight, tloc)
         lse, zt, ranges = _gather_stats(lse_r, zt_r, v0, rows, group)
         V = _check_layout(ranges, target, valid, check_targets)
-        loss = _finish_loss(lse, {"zt": zt}, valid, V, reduction, 0.0, 0.0)
+        loss = finish_loss(lse, {"zt": zt}, valid, V, reduction, 0.0, 0.0)
         ctx.save_for_backward(x, weight, target, lse)
         ctx.args = (group, ignore_index, reduction, v0, chunk_size)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        from coda.ops.cross_entropy import _backward
+        from coda.ops.cross_entropy import lean_backward
         x, weight, target, lse = ctx.saved_tensors
         group, ignore_index, reduction, v0, chunk_size = ctx.args
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -191,7 +189,7 @@ class _VocabParallelCE(torch.autograd.Function):
         else:
             sentinel = -v0 - 1
             shifted = torch.where(valid, target - v0, sentinel)
-            dx, dw = _backward(grad, x, weight, shifted, lse, sentinel, reduction, 0.0, 0.0, chunk_size, need_x,
+            dx, dw = lean_backward(grad, x, weight, shifted, lse, sentinel, reduction, 0.0, 0.0, chunk_size, need_x,
                                need_w)
         if need_x:
             dist.all_reduce(dx, op=dist.ReduceOp.SUM, group=group)  # dX = sum_r dz_r W_r

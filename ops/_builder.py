@@ -11,35 +11,43 @@ autograd.Function path of ``ops._common.call`` alike.
                 extra=lambda inputs: ("swiglu",))
     def _swiglu(x, weight_gu, save_preact): ...
 
-Conventions (those of the ops built here): the forward returns the result, or a tuple whose first entry is the
-result and whose other entries are saved-for-backward outputs (marked non-differentiable); the first ``grads``
-inputs are the differentiable ones; the backward op is called as ``backward(dy, *saved, *arrange(extra, needs))``
-(default: the extra values, then the ``grads`` needs flags) and returns one gradient per differentiable input (an
-empty tensor where not needed). Incoming gradients of the non-differentiable outputs are ignored; gradients are not
-materialised (``dy`` may be None: no gradient flows). An op with two differentiable outputs (``rmsnorm_linear``:
-y and the residual stream h) registers by hand (``ops._common``)."""
+Conventions (those of the ops built here): the forward returns the result, or a tuple (or list) whose first
+``outputs`` entries are differentiable and whose other entries are saved-for-backward outputs (marked
+non-differentiable); gradients are not materialised (an output that got none has None). With a backward op
+(``backward`` its name; one differentiable output): the first ``grads`` inputs are the differentiable ones; the
+backward op is called as ``backward(dy, *saved, *arrange(extra, needs))`` (default: the extra values, then the
+``grads`` needs flags) and returns one gradient per differentiable input (an empty tensor where not needed);
+``dy`` None: no gradient flows. An op whose backward is not that one call (several differentiable outputs,
+gradients mapped onto its inputs its own way, or formed in the forward: ``linear``, ``rmsnorm_linear``, the cross
+entropy's fast mode) passes its autograd backward itself, ``backward(ctx, *output_grads)``, reading
+``ctx.saved_tensors`` and ``ctx.coda_extra``; the builder still generates the custom op, fake, context and eager
+entry."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from ._common import call, custom_op, register_autograd
 
 
-def backward_op(name: str, *, fake: Callable):
-    """Decorator: ``fn`` as the custom op ``coda::<name>`` (a backward: no autograd of its own) with ``fake``."""
+def backward_op(name: str, *, fake: Callable, eager=None):
+    """Decorator: ``fn`` as the custom op ``coda::<name>`` (a backward: no autograd of its own) with ``fake``;
+    ``eager``: as ``ops._common.custom_op``'s."""
     def wrap(fn):
-        op = custom_op(name)(fn)
+        op = custom_op(name, eager=eager)(fn)
         op.register_fake(fake)
         return op
     return wrap
 
 
-def forward_op(name: str, *, fake: Callable, backward: str, grads: int, saved: Callable,
-               extra: Optional[Callable] = None, arrange: Optional[Callable] = None, eager=None):
-    """Decorator: ``fn`` as the custom op ``coda::<name>`` with ``fake`` and autograd through the backward op
-    ``backward`` (module docstring). ``saved(inputs, output)``: the tensors (or None) to save; ``extra(inputs)``:
-    non-tensor values the backward needs (default none); ``arrange(extra, needs)``: the backward's arguments after
-    the saved tensors (default ``(*extra, *needs)``); ``eager``: as ``ops._common.custom_op``'s."""
+def forward_op(name: str, *, fake: Callable, backward: Union[str, Callable], saved: Callable, grads: int = 0,
+               extra: Optional[Callable] = None, arrange: Optional[Callable] = None,
+               outputs: Union[int, Callable] = 1, eager=None):
+    """Decorator: ``fn`` as the custom op ``coda::<name>`` with ``fake`` and autograd through ``backward``: the
+    backward op's name, or the autograd backward function itself (module docstring). ``saved(inputs, output)``:
+    the tensors (or None) to save; ``extra(inputs)``: non-tensor values the backward needs (default none; kept as
+    ``ctx.coda_extra``); ``arrange(extra, needs)``: the backward op's arguments after the saved tensors (default
+    ``(*extra, *needs)``); ``outputs``: how many leading outputs are differentiable (an int, or a function of the
+    inputs); ``eager``: as ``ops._common.custom_op``'s."""
     def wrap(fn):
         op = custom_op(name, eager=eager)(fn)
         op.register_fake(fake)
@@ -47,7 +55,7 @@ def forward_op(name: str, *, fake: Callable, backward: str, grads: int, saved: C
         def setup_context(ctx, inputs, output):
             ctx.set_materialize_grads(False)  # saved outputs get no gradient: no zero tensors of their size
             if isinstance(output, (tuple, list)):
-                ctx.mark_non_differentiable(*output[1:])
+                ctx.mark_non_differentiable(*output[outputs(inputs) if callable(outputs) else outputs:])
             ctx.coda_extra = tuple(extra(inputs)) if extra is not None else ()
             ctx.save_for_backward(*saved(inputs, output))
 
@@ -60,6 +68,6 @@ def forward_op(name: str, *, fake: Callable, backward: str, grads: int, saved: C
             out = call(backward, dy, *ctx.saved_tensors, *rest, ctx=ctx)
             return tuple(g if need else None for g, need in zip(out, needs)) + (None,) * (n_in - grads)
 
-        register_autograd(name, autograd_backward, setup_context)
+        register_autograd(name, backward if callable(backward) else autograd_backward, setup_context)
         return op
     return wrap

@@ -62,10 +62,13 @@ from torch import Tensor
 from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_general, ce_forward,
                                           ce_forward_smooth, scale_by)
 
-from ._common import IN_DTYPES, call, custom_op, epilogue_pass, gemm_for, kernel_aligned, register_autograd
+from ._builder import backward_op, forward_op
+from ._common import IN_DTYPES, call, check_inputs, check_tensors, epilogue_pass, gemm_for, kernel_aligned
 from .cross_entropy_fast import plan_rows, forward_with_grads
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES", "MEMORY_BUDGET"]
+# also used by coda.distributed (vocabulary-parallel CE): tail_logits, chunk_columns, finish_loss, lean_backward,
+# ALIGN, and ops/_common's gemm_for, check_inputs, check_tensors (imported here for it)
 
 CHUNK_BYTES = 64 << 20  # default bound on one backward chunk of the logits gradient (M x chunk, x's dtype)
 ENTRY = "coda.ops.linear_cross_entropy"
@@ -152,7 +155,7 @@ def _target_columns(target: Tensor, ignore_index: int) -> Tuple[Tensor, Tensor]:
     return valid, torch.where(valid, target, -1).to(torch.float32)
 
 
-def _tail_logits(x: Tensor, weight: Tensor, v0: int) -> Tensor:
+def tail_logits(x: Tensor, weight: Tensor, v0: int) -> Tensor:
     """fp32 logits of the last V - v0 (< 8) vocabulary columns: one GEMM against those weight rows padded with
     zero rows to 8 (the kernel's 16-byte alignment), M x 8 fp32 out; the padded columns are dropped."""
     pad = weight.new_zeros((ALIGN, weight.shape[1]))
@@ -160,7 +163,7 @@ def _tail_logits(x: Tensor, weight: Tensor, v0: int) -> Tensor:
     return gemm_for(x.device, ENTRY)(x, pad, out_dtype=torch.float32)[:, :weight.shape[0] - v0]
 
 
-def _chunk_columns(M: int, esize: int, chunk_size: Optional[int], budget: Optional[int] = None) -> int:
+def chunk_columns(M: int, esize: int, chunk_size: Optional[int], budget: Optional[int] = None) -> int:
     """Columns per chunk: ``chunk_size``, else as many as fit in ``budget`` bytes (default ``CHUNK_BYTES``)."""
     if chunk_size is not None:
         return chunk_size
@@ -180,17 +183,17 @@ def _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss
     if M and v8:  # the logits are reduced in the epilogue and never stored
         parts.append(gemm_for(x.device, ENTRY)(x, weight[:v8], epilogue=epi, t=tcol))
     if M and v8 < V:
-        parts.append(epi.reference(_tail_logits(x, weight, v8), t=tcol - v8))
+        parts.append(epi.reference(tail_logits(x, weight, v8), t=tcol - v8))
     if parts:
         lse = parts[0]["lse"] if len(parts) == 1 else torch.logaddexp(parts[0]["lse"], parts[1]["lse"])
         stats = {k: sum(p[k] for p in parts) for k in parts[0] if k != "lse"}
     else:  # no rows
         lse = x.new_empty((0,), dtype=torch.float32)
         stats = {"zt": lse, "zsum": lse}
-    return _finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss), lse.contiguous()
+    return finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss), lse.contiguous()
 
 
-def _finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss):
+def finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss):
     """The loss from the per-row statistics (lse, z_t, sum_v z_v)."""
     row = lse - (1 - label_smoothing) * stats["zt"]
     if label_smoothing > 0:
@@ -205,28 +208,15 @@ def _finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss):
     return row.sum() / valid.sum()  # mean over the non-ignored rows: NaN when there are none, as in torch
 
 
-@custom_op("linear_cross_entropy")
-def _op(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-        z_loss: float, chunk_size: Optional[int], check: str = "sync") -> Tuple[Tensor, Tensor]:
-    """(loss, lse) for x (M, H), weight (V, H), target (M,); lse (M,) fp32 is saved for the backward.
-    ``check``: "sync", "async" or "off" (``linear_cross_entropy``'s check_targets True, "async", False)."""
-    return _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, check)
-
-
-@_op.register_fake
-def _op_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size, check="sync"):
-    M = x.shape[0]
-    loss = x.new_empty((M,) if reduction == "none" else (), dtype=torch.float32)
-    return loss, x.new_empty((M,), dtype=torch.float32)
-
-
 # ------------------------------------------------------------------------------------------------ backward
 SCRATCH_BYTES = 16 << 20  # bound on the one dz buffer of phase 2 (see the module docstring)
 IN_PLACE_MAX_RECOMPUTE = 0.25  # scratch in the gradients only while phase 2 recomputes <= this share of V
 
 
-def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoothing, z_loss, chunk_size,
-              need_x, need_w):
+def lean_backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoothing, z_loss, chunk_size,
+                  need_x, need_w):
+    """(dx, dweight) of the lean mode for the upstream ``grad`` and the forward's ``lse`` (module docstring: chunks
+    of recomputed logits turned into dz by the epilogue, never an M x V tensor); None where not needed."""
     M, H = x.shape
     V = weight.shape[0]
     if M == 0:
@@ -245,7 +235,7 @@ def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoot
     ops = dict(lse=lse, g=g, **(dict(smoothing=label_smoothing, z_loss=z_loss, inv_v=1.0 / V) if general else {}))
     gemm = gemm_for(x.device, ENTRY)
     v8 = V // ALIGN * ALIGN
-    vc = min(_chunk_columns(M, x.element_size(), chunk_size), max(v8, ALIGN))
+    vc = min(chunk_columns(M, x.element_size(), chunk_size), max(v8, ALIGN))
 
     def dz_chunk(v0, out):  # recomputed logits of columns [v0, v0 + width) -> dz (out), never the logits
         gemm(x, weight[v0:v0 + out.shape[1]], epilogue=epi, out=out, t=tcol - v0, **ops)
@@ -291,7 +281,7 @@ def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoot
                 gemm(dz, w_t, epilogue=accumulate, out=acc, prev=acc)
     dz_tail = None
     if v8 < V:  # the last V % 8 columns: torch ops on M x (V - v8) fp32 logits
-        dz_tail = epi.reference(_tail_logits(x, weight, v8), t=tcol - v8, **ops)["out"]
+        dz_tail = epi.reference(tail_logits(x, weight, v8), t=tcol - v8, **ops)["out"]
         if need_x:
             w_t = weight[v8:].float()
             acc.addmm_(dz_tail, w_t) if v8 else torch.mm(dz_tail, w_t, out=acc)
@@ -300,7 +290,7 @@ def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoot
     # phase 2: dW rows [split, v8) from dz recomputed once more, through one buffer of <= SCRATCH_BYTES (the
     # allocated chunk buffer, when there is one, is free again and serves instead)
     if split < v8:
-        w2 = min(vc if not in_dx else _chunk_columns(M, x.element_size(), chunk_size, SCRATCH_BYTES), v8 - split)
+        w2 = min(vc if not in_dx else chunk_columns(M, x.element_size(), chunk_size, SCRATCH_BYTES), v8 - split)
         spare = buf if not in_dx else x.new_empty((M * w2,))
         for v0 in range(split, v8, w2):
             dw_rows(v0, dz_chunk(v0, chunk_in(spare, min(w2, v8 - v0))))
@@ -309,66 +299,43 @@ def _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoot
     return dx, dw
 
 
-@custom_op("linear_cross_entropy_backward")
-def _op_backward(grad: Tensor, x: Tensor, weight: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
-                 reduction: str, label_smoothing: float, z_loss: float, chunk_size: Optional[int], need_x: bool,
-                 need_w: bool) -> Tuple[Tensor, Tensor]:
-    """(dx, dweight); an input gradient that is not needed comes back as an empty tensor."""
-    dx, dw = _backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoothing, z_loss, chunk_size,
-                       need_x, need_w)
-    return (dx if dx is not None else x.new_empty((0,))), (dw if dw is not None else weight.new_empty((0,)))
-
-
-@_op_backward.register_fake
 def _op_backward_fake(grad, x, weight, target, lse, ignore_index, reduction, label_smoothing, z_loss, chunk_size,
                       need_x, need_w):
     dw = weight.new_empty(weight.shape) if need_w else weight.new_empty((0,))
     return (x.new_empty(x.shape) if need_x else x.new_empty((0,))), dw
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, target, *args = inputs
-    ctx.save_for_backward(x, weight, target, output[1])
-    ctx.args = tuple(args[:5])  # ignore_index .. chunk_size (check is the forward's only)
-    ctx.mark_non_differentiable(output[1])
+@backward_op("linear_cross_entropy_backward", fake=_op_backward_fake)
+def _op_backward(grad: Tensor, x: Tensor, weight: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
+                 reduction: str, label_smoothing: float, z_loss: float, chunk_size: Optional[int], need_x: bool,
+                 need_w: bool) -> Tuple[Tensor, Tensor]:
+    """(dx, dweight); an input gradient that is not needed comes back as an empty tensor."""
+    dx, dw = lean_backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoothing, z_loss,
+                           chunk_size, need_x, need_w)
+    return (dx if dx is not None else x.new_empty((0,))), (dw if dw is not None else weight.new_empty((0,)))
 
 
-def _autograd_backward(ctx, grad_loss, grad_lse):
-    x, weight, target, lse = ctx.saved_tensors
-    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = call("linear_cross_entropy_backward", grad_loss, x, weight, target, lse, *ctx.args, need_x, need_w,
-                  ctx=ctx)
-    return (dx if need_x else None), (dw if need_w else None), None, None, None, None, None, None, None
+def _op_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size, check="sync"):
+    M = x.shape[0]
+    loss = x.new_empty((M,) if reduction == "none" else (), dtype=torch.float32)
+    return loss, x.new_empty((M,), dtype=torch.float32)
 
 
-register_autograd("linear_cross_entropy", _autograd_backward, _setup_context)
+# saved: x, weight, target, lse; the backward op's arguments after them: ignore_index .. chunk_size (check is the
+# forward's only), then need_x, need_w
+@forward_op("linear_cross_entropy", fake=_op_fake, backward="linear_cross_entropy_backward", grads=2,
+            saved=lambda i, out: (*i[:3], out[1]), extra=lambda i: i[3:8])
+def _op(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
+        z_loss: float, chunk_size: Optional[int], check: str = "sync") -> Tuple[Tensor, Tensor]:
+    """(loss, lse) for x (M, H), weight (V, H), target (M,); lse (M,) fp32 is saved for the backward.
+    ``check``: "sync", "async" or "off" (``linear_cross_entropy``'s check_targets True, "async", False)."""
+    return _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, check)
 
 
 # ------------------------------------------------------------------------------------------------ fast mode
-@custom_op("linear_cross_entropy_fast")
-def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-             z_loss: float, rows: int, check: str, need_x: bool, need_w: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """(loss, dx, dw) with dx, dw the gradients for an upstream gradient of 1 (empty where not needed); see
-    ``ops/cross_entropy_fast.py``."""
-    V = weight.shape[0]
-    _check_target_range(target, V, ignore_index, check)
-    valid, tcol = _target_columns(target, ignore_index)
-    lse, stats, dx, dw = forward_with_grads(x, weight, target, valid, tcol, reduction, label_smoothing, z_loss,
-                                            rows, need_x, need_w, ENTRY, _tail_logits)
-    loss = _finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss)
-    return loss, (dx if need_x else x.new_empty((0,))), (dw if need_w else weight.new_empty((0,)))
-
-
-@_op_fast.register_fake
 def _op_fast_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, rows, check, need_x, need_w):
     return (x.new_empty((), dtype=torch.float32), x.new_empty(x.shape) if need_x else x.new_empty((0,)),
             weight.new_empty(weight.shape) if need_w else weight.new_empty((0,)))
-
-
-def _setup_fast(ctx, inputs, output):
-    ctx.need = (inputs[-2], inputs[-1])
-    ctx.save_for_backward(output[1], output[2])
-    ctx.mark_non_differentiable(output[1], output[2])
 
 
 def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -390,13 +357,27 @@ def _backward_fast(ctx, grad_loss, grad_dx, grad_dw):
     if getattr(ctx, "coda_eager", False):
         # a second backward through this graph (retain_graph=True) then fails autograd's version check of the
         # saved tensors (tests/test_cross_entropy.py): an error, never g1 * g2 * grad; mode="lean" allows it
-        grads = [_scale_in_place(t, g) if need else None for t, need in zip((dx, dw), ctx.need)]
+        grads = [_scale_in_place(t, g) if need else None for t, need in zip((dx, dw), ctx.coda_extra)]
     else:
-        grads = [(t * g).to(t.dtype) if need else None for t, need in zip((dx, dw), ctx.need)]
+        grads = [(t * g).to(t.dtype) if need else None for t, need in zip((dx, dw), ctx.coda_extra)]
     return (*grads, None, None, None, None, None, None, None, None, None)
 
 
-register_autograd("linear_cross_entropy_fast", _backward_fast, _setup_fast)
+# saved: the forward's dx, dw (non-differentiable outputs); extra: need_x, need_w
+@forward_op("linear_cross_entropy_fast", fake=_op_fast_fake, backward=_backward_fast,
+            saved=lambda i, out: out[1:], extra=lambda i: i[-2:])
+def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
+             z_loss: float, rows: int, check: str, need_x: bool, need_w: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(loss, dx, dw) with dx, dw the gradients for an upstream gradient of 1 (empty where not needed); see
+    ``ops/cross_entropy_fast.py``."""
+    V = weight.shape[0]
+    _check_target_range(target, V, ignore_index, check)
+    valid, tcol = _target_columns(target, ignore_index)
+    lse, stats, dx, dw = forward_with_grads(x, weight, target, valid, tcol, reduction, label_smoothing, z_loss,
+                                            rows, need_x, need_w, ENTRY, tail_logits)
+    loss = finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss)
+    return loss, (dx if need_x else x.new_empty((0,))), (dw if need_w else weight.new_empty((0,)))
+
 
 MEMORY_BUDGET = int(os.environ.get("CODA_CE_MEMORY_BUDGET", 10 ** 9))  # bytes of the fast mode's logits chunk
 MODES = ("auto", "fast", "lean")

@@ -227,10 +227,10 @@ def test_scratch_in_gradient_storage(monkeypatch, M, V, H, chunk, scratch):
     loss, lse = ce_op._forward(x, w, t, *args)
     grad = torch.tensor(1.25)
     calls = _record_gemms(monkeypatch)
-    dx, dw = ce_op._backward(grad, x, w, t, lse, *args, chunk_size, True, True)
+    dx, dw = ce_op.lean_backward(grad, x, w, t, lse, *args, chunk_size, True, True)
     joint = list(calls)
-    dx_only, _ = ce_op._backward(grad, x, w, t, lse, *args, chunk_size, True, False)
-    _, dw_only = ce_op._backward(grad, x, w, t, lse, *args, chunk_size, False, True)
+    dx_only, _ = ce_op.lean_backward(grad, x, w, t, lse, *args, chunk_size, True, False)
+    _, dw_only = ce_op.lean_backward(grad, x, w, t, lse, *args, chunk_size, False, True)
     assert torch.equal(dx, dx_only)
     torch.testing.assert_close(dw, dw_only, rtol=1e-2, atol=1e-5)
     assert rel(dw, dw_only) < 2e-3
@@ -263,9 +263,9 @@ def test_scratch_schedule_any_shape(M, V, H, chunk, scratch, smooth):
     ce_op.CHUNK_BYTES, ce_op.SCRATCH_BYTES = M * chunk * 2, M * scratch * 2
     try:
         with _poisoned_empty():
-            dx, dw = ce_op._backward(grad, x, w, t, lse, *args, None, True, True)
-            dx_only, _ = ce_op._backward(grad, x, w, t, lse, *args, None, True, False)
-            _, dw_only = ce_op._backward(grad, x, w, t, lse, *args, None, False, True)
+            dx, dw = ce_op.lean_backward(grad, x, w, t, lse, *args, None, True, True)
+            dx_only, _ = ce_op.lean_backward(grad, x, w, t, lse, *args, None, True, False)
+            _, dw_only = ce_op.lean_backward(grad, x, w, t, lse, *args, None, False, True)
     finally:
         ce_op.CHUNK_BYTES, ce_op.SCRATCH_BYTES = saved
     assert torch.isfinite(dx).all() and torch.isfinite(dw).all()
@@ -309,16 +309,16 @@ def test_scratch_not_in_place_for_small_vocabularies(monkeypatch, V):
     x, w, t = _problem(16, V, 24)
     loss, lse = ce_op._forward(x, w, t, -100, "mean", 0.0, 0.0)
     calls = _record_gemms(monkeypatch)
-    dx, dw = ce_op._backward(torch.tensor(1.0), x, w, t, lse, -100, "mean", 0.0, 0.0, 8, True, True)
+    dx, dw = ce_op.lean_backward(torch.tensor(1.0), x, w, t, lse, -100, "mean", 0.0, 0.0, 8, True, True)
     acc = [o for _, _, e, o in calls if e is ce.accumulate]
     assert acc and not any(_inside(o, dw) for o in acc)
 
 
 def test_default_chunk_size():
-    assert ce_op._chunk_columns(4096, 2, None) * 4096 * 2 <= ce_op.CHUNK_BYTES
-    assert ce_op._chunk_columns(4096, 2, None) % 256 == 0
-    assert ce_op._chunk_columns(10 ** 7, 2, None) == 8  # never below one aligned group of columns
-    assert ce_op._chunk_columns(4096, 2, 24) == 24
+    assert ce_op.chunk_columns(4096, 2, None) * 4096 * 2 <= ce_op.CHUNK_BYTES
+    assert ce_op.chunk_columns(4096, 2, None) % 256 == 0
+    assert ce_op.chunk_columns(10 ** 7, 2, None) == 8  # never below one aligned group of columns
+    assert ce_op.chunk_columns(4096, 2, 24) == 24
 
 
 # ------------------------------------------------------------------------------------------------ errors

@@ -99,7 +99,7 @@ def test_peak_memory_no_logits(M, V, H):
     whole = max(base + fwd_extra, torch.cuda.max_memory_allocated()) - base - grads
     assert torch.cuda.memory_allocated() - base >= grads  # x.grad and w.grad are kept
     bwd_extra = torch.cuda.max_memory_allocated() - after_fwd - grads
-    vc = ce_op._chunk_columns(M, 2, None)
+    vc = ce_op.chunk_columns(M, 2, None)
     small = 16 << 20  # vectors, allocator rounding
     if vc > H:  # the chunk buffer is allocated (no room in dx); phase 2 reuses it
         assert bwd_extra <= vc * M * 2 + small, bwd_extra / 2 ** 20
