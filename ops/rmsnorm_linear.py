@@ -52,8 +52,8 @@ import torch
 from coda.epilogues.rmsnorm import (fold_gamma, rmsnorm_dgrad, rmsnorm_dgrad_finish, rmsnorm_dgrad_finish_residual,
                                     rmsnorm_dgrad_residual, rmsnorm_dgrad_split, rmsnorm_scale, row_dot, scale_sumsq)
 
-from ._common import (backward_gemm, call, check_last_dim_contiguous, check_tensors, custom_op, epilogue_pass,
-                      gemm_for, register_autograd)
+from ._builder import backward_op, forward_op
+from ._common import backward_gemm, call, check_last_dim_contiguous, check_tensors, epilogue_pass, gemm_for
 
 __all__ = ["rmsnorm_linear"]
 
@@ -158,31 +158,18 @@ def normed_operands(h: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Te
 
 
 # ---------------------------------------------------------------------------------------- the custom ops (2-D)
-@custom_op("rmsnorm_linear")
-def _rmsnorm_linear_op(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
-                       residual: Optional[torch.Tensor], eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x, residual (M, K); returns y (M, N), h = x + residual (M, K; an empty tensor without residual), r (M,)."""
-    gemm = gemm_for(x.device, _ENTRY)  # a non-Hopper GPU raises here, before anything runs
-    h = x if residual is None else x + residual
-    a, b, r = normed_operands(h, norm_weight, weight, eps, gemm)
-    y = gemm(a, b, epilogue=rmsnorm_scale, r=r)
-    return y, (h if residual is not None else x.new_empty(0)), r
-
-
-@_rmsnorm_linear_op.register_fake
-def _(x, norm_weight, weight, residual, eps):
-    M, K = x.shape
-    h = x.new_empty(M, K) if residual is not None else x.new_empty(0)
-    return x.new_empty(M, weight.shape[0]), h, x.new_empty(M, dtype=torch.float32)
-
-
 def split_backward(N: int, K: int) -> bool:
     """Whether the backward gets c from the dX GEMM (fp32 M x K round trip, ~10 K bytes per row) instead of a pass
     over dy and the saved y (4 N bytes per row): for N > 2.5 K; then y is not saved either."""
     return 2 * N > 5 * K
 
 
-@custom_op("rmsnorm_linear_backward")
+def _fake_backward(dy, dh_out, h, norm_weight, weight, r, y, need_weight):
+    dw = weight.new_empty(weight.shape) if need_weight else weight.new_empty(0)
+    return h.new_empty(h.shape), norm_weight.new_empty(norm_weight.shape), dw
+
+
+@backward_op("rmsnorm_linear_backward", fake=_fake_backward)
 def _rmsnorm_linear_backward_op(dy: torch.Tensor, dh_out: Optional[torch.Tensor], h: torch.Tensor,
                                 norm_weight: torch.Tensor, weight: torch.Tensor, r: torch.Tensor,
                                 y: Optional[torch.Tensor],
@@ -210,32 +197,42 @@ def _rmsnorm_linear_backward_op(dy: torch.Tensor, dh_out: Optional[torch.Tensor]
     return res["out"], res["dgamma"].to(norm_weight.dtype), dw
 
 
-@_rmsnorm_linear_backward_op.register_fake
-def _(dy, dh_out, h, norm_weight, weight, r, y, need_weight):
-    dw = weight.new_empty(weight.shape) if need_weight else weight.new_empty(0)
-    return h.new_empty(h.shape), norm_weight.new_empty(norm_weight.shape), dw
+def _fake(x, norm_weight, weight, residual, eps):
+    M, K = x.shape
+    h = x.new_empty(M, K) if residual is not None else x.new_empty(0)
+    return x.new_empty(M, weight.shape[0]), h, x.new_empty(M, dtype=torch.float32)
 
 
-def _setup_context(ctx, inputs, output):
+def _saved(inputs, output):
+    """h (x itself without a residual), norm_weight, weight, r, y (None for a split backward)."""
     x, norm_weight, weight, residual, _ = inputs
     y, h, r = output
-    ctx.has_residual = residual is not None
-    ctx.out_shape = y.shape
-    ctx.set_materialize_grads(False)  # no zero tensors for outputs that got no gradient
     keep_y = not split_backward(weight.shape[0], weight.shape[1])
-    ctx.save_for_backward(h if ctx.has_residual else x, norm_weight, weight, r, y if keep_y else None)
+    return h if residual is not None else x, norm_weight, weight, r, y if keep_y else None
 
 
 def _backward(ctx, dy, dh_out, _dr):
+    """Both outputs' gradients to x, norm_weight, weight, residual: dh goes to x and to the residual."""
     h, norm_weight, weight, r, y = ctx.saved_tensors
     need_x, need_gamma, need_w, need_res = ctx.needs_input_grad[:4]
+    has_residual, = ctx.coda_extra
     if dy is None:  # only the residual stream h received a gradient
-        dy = h.new_zeros(ctx.out_shape)
-    if not ctx.has_residual:
+        dy = h.new_zeros(h.shape[0], weight.shape[0])
+    if not has_residual:
         dh_out = None
     dh, dgamma, dw = call("rmsnorm_linear_backward", dy, dh_out, h, norm_weight, weight, r, y, need_w, ctx=ctx)
     return (dh if need_x else None, dgamma if need_gamma else None, dw if need_w else None,
             dh if need_res else None, None)
 
 
-register_autograd("rmsnorm_linear", _backward, _setup_context)
+# y and h differentiable (r is not); the backward maps dh onto both x and the residual
+@forward_op("rmsnorm_linear", fake=_fake, backward=_backward, outputs=2, saved=_saved,
+            extra=lambda inputs: (inputs[3] is not None,))
+def _rmsnorm_linear_op(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                       residual: Optional[torch.Tensor], eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual (M, K); returns y (M, N), h = x + residual (M, K; an empty tensor without residual), r (M,)."""
+    gemm = gemm_for(x.device, _ENTRY)  # a non-Hopper GPU raises here, before anything runs
+    h = x if residual is None else x + residual
+    a, b, r = normed_operands(h, norm_weight, weight, eps, gemm)
+    y = gemm(a, b, epilogue=rmsnorm_scale, r=r)
+    return y, (h if residual is not None else x.new_empty(0)), r
