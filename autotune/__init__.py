@@ -1,13 +1,15 @@
 """Autotuning of GemmConfig for CODA's GEMM (installed as ``coda.autotune``).
 
-``coda.gemm(..., config=None)`` (and every op) asks :func:`select_config`, which never tunes unless asked to:
+``coda.gemm(..., config=None)`` (and every op) asks ``coda.runtime.select.select_config`` (re-exported here),
+which never tunes unless asked to:
 
 - default (``CODA_AUTOTUNE`` unset or empty): this process's memory, then the user's tuning store (on-disk result
   cache: ``$CODA_CACHE_DIR``, default ``~/.cache/coda``; JSON keyed by GPU name + SM count, cutlass-dsl and CODA
   versions, dtypes, shape bucket and the epilogue's semantic key; see :mod:`coda.autotune.keys` and
   :mod:`coda.autotune.store`), then a config shipped for this GPU model (:mod:`coda.autotune.ship`, nearest shape
   bucket), else the heuristic ``coda.config.default_config``. A new shape costs a file read, never a tuning run;
-- ``CODA_AUTOTUNE=1``: memory, the store, then on a miss tune (:mod:`coda.autotune.tuner`: every config of the
+- ``CODA_AUTOTUNE=1``: memory, the store, then on a miss tune (:mod:`coda.autotune.tuner`, registered with the
+  runtime by ``import coda``: every config of the
   pruned space that is worth timing, L2-cold inputs, ``triton.testing.do_bench`` medians, results checked against
   the torch reference) and store the winner (kept in memory, with one warning, if the cache dir cannot be
   written) -- unless the problem is too small to be worth it (< ``MIN_TUNE_FLOP``) or the stream is being captured
@@ -23,253 +25,21 @@ compile cache (:mod:`coda.autotune.compile_cache`). Importing this package impor
 """
 from __future__ import annotations
 
-import dataclasses
-
-import os
 import sys
-import threading
-import warnings
 from typing import Any, Optional
 
-# the runtime layer below (issue 27): kernel identity (keys), the on-disk stores and the compile cache live in
-# coda.runtime; coda.autotune.keys / .store / .compile_cache are aliases of those modules (three shim files)
+# the runtime layer below (issue 27): kernel identity (keys), the on-disk stores, the compile cache and the config
+# selection live in coda.runtime; coda.autotune.keys / .store / .compile_cache are aliases of those modules (three
+# shim files), and the selection is re-exported here
 from . import compile_cache, keys, store as _store_module  # noqa: F401 (the aliases load now: the package's
 # ``store`` attribute below is the results store, and a later ``import coda.autotune.store`` must not replace it)
-from coda.runtime.keys import tune_key
-from coda.runtime.store import ResultStore, cache_dir, path_exists
-
-from .entries import config_problem, result_entry_problem
+from coda.runtime.select import (MIN_TUNE_FLOP, _config_of, _entry, _heuristic_on_gpu, _kernel_view,  # noqa: F401
+                                 _memory, _recorders, _served, _tune_lock, _usage, _usage_lock, counts, enabled,
+                                 forget, heuristic, key_for, lookup, mode, select_config, shipped, store, summary)
+from coda.runtime.store import cache_dir, path_exists
 
 __all__ = ["enabled", "mode", "select_config", "lookup", "tune", "tune_shape", "clear", "cache_dir", "store",
            "summary", "counts", "MIN_TUNE_FLOP"]
-
-MIN_TUNE_FLOP = 2**34  # ~17 GFLOP (~25 us on an H100): below this, tuning is not worth a first-call delay
-
-store = ResultStore(validate=result_entry_problem)  # a bad entry on disk is ignored (one warning), then dropped
-_memory: dict = {}  # tune key -> GemmConfig (tuned in this process, or read from the store)
-_served: dict = {}  # tune key -> (GemmConfig, source) of the default chain (shipped / heuristic; not tuned)
-_tune_lock = threading.RLock()
-_TUNE_VALUES = ("1", "true", "yes", "on")
-
-
-def mode() -> str:
-    """``"off"`` (``CODA_AUTOTUNE=0``), ``"tune"`` (``CODA_AUTOTUNE=1``) or ``"default"`` (unset: store, shipped,
-    heuristic; never tunes). Read at every call."""
-    v = os.environ.get("CODA_AUTOTUNE", "").strip().lower()
-    if v in ("0", "false", "no", "off"):
-        return "off"
-    return "tune" if v in _TUNE_VALUES else "default"
-
-
-def enabled() -> bool:
-    """False when ``CODA_AUTOTUNE=0`` (read at every call): configs are then the heuristic's, no lookups."""
-    return mode() != "off"
-
-
-def _kernel_view(prob) -> tuple:
-    """(M, L) as the kernel sees them: a weight shared by every batch folds L into M."""
-    L = prob.L or 1
-    return (L * prob.M, 1) if prob.b_broadcast else (prob.M, L)
-
-
-def heuristic(prob) -> Any:
-    """``coda.config.default_config`` for this problem as the kernel sees it, on its device's SMs."""
-    from coda._device import sm_count
-    from coda.config import default_config
-    M, L = _kernel_view(prob)
-    cfg = default_config(M, prob.N, prob.K, batch=L, sms=sm_count(prob.device))
-    if prob.wide_out and (cfg.tile_m, cfg.tile_n) == (128, 256) and not cfg.pingpong:
-        # a 1 -> 2 epilogue (two stored values per element, its operands read per element): 128 x 128 tiles. The
-        # SwiGLU backward in llama-1b's da GEMM (8192 x 8192 x 2048) on the H100: 0.557 ms there, 0.643 on 128 x 256
-        # at epi_n 16 (72 bytes of spills at 32); cuBLAS's da + the K = 0 pass it replaces 0.673 (bench.kzero)
-        cfg = dataclasses.replace(cfg, tile_n=128)
-    return cfg
-
-
-def _config_of(entry: Optional[dict], epi: Any, prob) -> Optional[Any]:
-    """The stored config if the entry is usable: parses, and the config is still kept by today's pruning rules."""
-    from . import space
-    if not entry or config_problem(entry.get("config")) is not None:
-        return None
-    try:
-        cfg = space.config_from_dict(entry.get("config"))
-    except (TypeError, ValueError):
-        return None
-    M, L = _kernel_view(prob)
-    if space.config_reason(cfg, epi, prob.in_dtype, prob.out_dtype) or space.shape_reasons(cfg, epi, M, prob.N, L):
-        return None
-    return cfg
-
-
-def key_for(prob, epi: Any) -> str:
-    from .keys import device_info
-    M, L = _kernel_view(prob)
-    return tune_key(device_info(prob.device), prob.in_dtype, prob.out_dtype, M, prob.N, prob.K, L, epi)
-
-
-def lookup(prob, epi: Any) -> Optional[Any]:
-    """The remembered config for this problem (memory, then the store), or None. Never tunes."""
-    key = key_for(prob, epi)
-    cfg = _memory.get(key)
-    if cfg is None:
-        cfg = _config_of(store.get(key), epi, prob)
-        if cfg is not None:
-            _memory[key] = cfg
-    return cfg
-
-
-def shipped(prob, epi: Any, default: Any = None) -> Optional[Any]:
-    """The config shipped for this GPU model and problem (nearest shape bucket, :mod:`coda.autotune.ship`), or
-    None. An entry whose config is the heuristic default of its tuning run (the tuner found nothing better) is
-    used only while today's heuristic still picks that config. Never raises."""
-    from . import ship
-    from .keys import device_info
-    try:
-        M, L = _kernel_view(prob)
-        found = ship.lookup(device_info(prob.device), prob.in_dtype, prob.out_dtype, prob.a_major, prob.b_major,
-                            M, prob.N, prob.K, L, ship.epilogue_id(epi))
-    except Exception:  # a damaged package file must not break a GEMM call
-        return None
-    if found is None:
-        return None
-    entry = found[0]
-    cfg = _config_of(entry, epi, prob)
-    if cfg is None:
-        return None
-    default = default if default is not None else heuristic(prob)
-    if cfg.name == entry.get("default") and default.name != entry.get("default"):
-        return None  # the heuristic changed since: the entry said only "the heuristic of then was best"
-    return cfg
-
-
-def _default_chain(prob, epi: Any, key: str, default: Any) -> tuple:
-    """(config, source) without tuning: the store ("tuned"), a shipped config ("shipped"), the heuristic."""
-    hit = _served.get(key)
-    if hit is not None:
-        return hit
-    cfg = _config_of(store.get(key), epi, prob)
-    if cfg is not None:
-        _memory[key] = cfg
-        return cfg, "tuned"
-    cfg = shipped(prob, epi, default)
-    hit = (cfg, "shipped") if cfg is not None else (default, "heuristic")
-    _served[key] = hit
-    return hit
-
-
-def _capturing() -> bool:
-    import torch
-    try:
-        return bool(torch.cuda.is_current_stream_capturing())
-    except Exception:
-        return False
-
-
-def select_config(prob, epi: Any, a: Any, b: Any, operands: dict) -> Any:
-    """The config ``coda.gemm`` uses when called with ``config=None`` (see the module docstring)."""
-    default = heuristic(prob)
-    m = mode()
-    if m == "off" or prob.empty_result or prob.zero_k:
-        _note(prob, epi, default, "heuristic", a, b, operands)
-        return default
-    key = key_for(prob, epi)
-    cfg = _memory.get(key)
-    if cfg is not None:
-        _note(prob, epi, cfg, "tuned", a, b, operands)
-        return cfg
-    if m != "tune" or _recorders:
-        cfg, source = _default_chain(prob, epi, key, default)
-        _note(prob, epi, cfg, source, a, b, operands)
-        return cfg
-    with _tune_lock:
-        cfg = _memory.get(key)
-        if cfg is None:
-            cfg = _config_of(store.get(key), epi, prob)
-        if cfg is None:
-            M, L = _kernel_view(prob)
-            if 2 * M * prob.N * prob.K * L < MIN_TUNE_FLOP or _capturing():
-                # not remembered as tuned: a later, capturable call of a large problem still tunes
-                cfg, source = _default_chain(prob, epi, key, default)
-                _note(prob, epi, cfg, source, a, b, operands)
-                return cfg
-            from . import tuner
-            try:
-                result = tuner.tune(a, b, epi, prob.out_dtype, operands)
-            except Exception as e:  # e.g. out of memory for the input copies: the call itself must still work
-                warnings.warn(f"coda.autotune: tuning {prob.M}x{prob.N}x{prob.K} failed ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:200] if str(e) else ''}); using the default config "
-                              f"{default.name} for this process", RuntimeWarning, stacklevel=3)
-                _memory[key] = default
-                _note(prob, epi, default, "heuristic", a, b, operands)
-                return default
-            cfg = result.best
-            if result.best_ms is not None:
-                store.put(key, _entry(result, prob, epi))
-        _memory[key] = cfg
-    _note(prob, epi, cfg, "tuned", a, b, operands)
-    return cfg
-
-
-def _entry(result, prob, epi) -> dict:
-    try:
-        return result.entry(prob, epi)
-    except TypeError:  # a TuneResult stand-in without the epilogue argument
-        return result.entry(prob)
-
-
-# ------------------------------------------------------------------------------------- usage and the recorder
-_usage: dict = {}  # shape id -> source ("tuned", "shipped", "heuristic")
-_heuristic_on_gpu = [False]
-_recorders: list = []  # active coda.autotune.model.Recorder objects
-_usage_lock = threading.Lock()
-
-
-def _note(prob, epi, cfg, source: str, a, b, operands) -> None:
-    M, L = _kernel_view(prob)
-    sid = (M, prob.N, prob.K, L, str(prob.in_dtype), str(prob.out_dtype), prob.a_major, prob.b_major,
-           type(epi).__qualname__, getattr(epi, "name", ""))
-    with _usage_lock:
-        _usage[sid] = source
-        if source == "heuristic" and getattr(prob.device, "type", None) == "cuda" and mode() != "off":
-            _heuristic_on_gpu[0] = True
-        recs = list(_recorders)
-    for r in recs:
-        r.add(prob, epi, cfg, source, a, b, operands)
-
-
-def counts() -> dict:
-    """How many distinct problems (shape, dtypes, layouts, epilogue) this process ran with a tuned (the store or
-    tuned here), shipped or heuristic config."""
-    with _usage_lock:
-        vals = list(_usage.values())
-    return {k: vals.count(k) for k in ("tuned", "shipped", "heuristic")}
-
-
-def summary() -> str:
-    """One line: what was tuned and what was guessed in this process (see :func:`counts`)."""
-    c = counts()
-    n = sum(c.values())
-    line = (f"coda.autotune: {n} GEMM shape{'' if n == 1 else 's'}: {c['tuned']} tuned, {c['shipped']} shipped, "
-            f"{c['heuristic']} heuristic (CODA_AUTOTUNE={os.environ.get('CODA_AUTOTUNE', '') or 'unset'})")
-    if c["heuristic"] and mode() == "default":
-        line += "; tune them once per machine: python -m coda.autotune --model PRESET (or CODA_AUTOTUNE=1)"
-    return line
-
-
-def _at_exit() -> None:
-    flag = os.environ.get("CODA_AUTOTUNE_SUMMARY", "").strip()
-    if flag == "0" or not _usage:
-        return
-    if flag == "1" or _heuristic_on_gpu[0]:
-        try:
-            print(summary(), file=sys.stderr, flush=True)
-        except Exception:
-            pass
-
-
-import atexit  # noqa: E402
-
-atexit.register(_at_exit)
 
 
 def tune(a: Any, b: Any, *, epilogue: Any = None, out_dtype: Any = None, level: str = "quick", save: bool = True,
@@ -341,8 +111,6 @@ def clear(results: bool = True, kernels: bool = True) -> dict:
     if kernels:
         from . import compile_cache
         removed["kernels"] = compile_cache.clear()
-    with _tune_lock:
-        _memory.clear()
-        _served.clear()
+    forget()
     _drop_plans()
     return removed

@@ -19,31 +19,16 @@ reduction partial buffer too large for int32 indexing). Nothing here imports tor
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Any, Iterable, Iterator, Optional
 
-from coda.config import GemmConfig, all_configs
-
-from .keys import DTYPE_BYTES, dtype_name
-
-from coda.kernels.epilogue import MAX_EPI_TENSORS, out_col_bytes, smem_plan  # noqa: E402 (MAX: GemmSm90's x-slots)
-INT32_MAX = 2**31 - 1
-
-TILE_M = (64, 128, 256)
-TILE_N = (64, 128, 192, 256)
-SCHEDULES = (False, True)  # pingpong
-CLUSTERS = ((1, 1), (2, 1), (1, 2), (2, 2))
-RASTERS = ("m", "n")
-SWIZZLES = (1, 4, 8, 16)
-STAGES = (None, 3, 4, 5, 6)
-EPI_N = (32, 64)
-SCHEDS = ("static", "dynamic")  # tile schedule (GemmConfig.sched; dynamic: cooperative only)
-
+from coda.config import GemmConfig
+# the rules every config obeys live in the runtime (coda.runtime.rules, issue 27); re-exported here
+from coda.runtime.rules import (CLUSTERS, EPI_N, INT32_MAX, RASTERS, SCHEDS, SCHEDULES, STAGES, SWIZZLES,  # noqa: F401
+                                TILE_M, TILE_N, VERIFIED_TILES, config_from_dict, config_reason, config_to_dict,
+                                epilogue_tensor_count, kernel_smem_plan, shape_reasons, smem_plan_outputs)
 # the first-order knobs: what the quick tuning level varies (the rest stay at GemmConfig's defaults)
 QUICK_DEFAULTS = dict(swizzle=GemmConfig.swizzle, stages=None, epi_n=GemmConfig.epi_n)
-
-VERIFIED_TILES = frozenset((c.tile_m, c.tile_n, c.pingpong) for c in all_configs())
 
 
 def enumerate_space() -> Iterator[GemmConfig]:
@@ -51,57 +36,6 @@ def enumerate_space() -> Iterator[GemmConfig]:
                                                                        SWIZZLES, STAGES, EPI_N, SCHEDS):
         yield GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=pp, raster=r, swizzle=sw,
                          stages=st, epi_n=en, sched=sd)
-
-
-def epilogue_tensor_count(epi: Any) -> int:
-    return len(epi.operands) + len(epi.outputs) + len(epi.kernel_reductions())
-
-
-def _identity():
-    from coda.kernels.epilogue import IDENTITY
-    return IDENTITY
-
-
-def config_reason(cfg: GemmConfig, epi: Any = None, in_dtype: Any = "bfloat16",
-                  out_dtype: Any = "bfloat16") -> Optional[str]:
-    """Why ``cfg`` cannot (or need not) be built for this epilogue and these dtypes; None if it is kept."""
-    epi = epi if epi is not None else _identity()
-    n = epilogue_tensor_count(epi)
-    if n > MAX_EPI_TENSORS:
-        return (f"epilogue {epi.name!r} needs {n} kernel tensors (operands + extra outputs + reductions); the "
-                f"kernel takes at most {MAX_EPI_TENSORS}")
-    problems = cfg.problems()
-    if problems:
-        return "invalid: " + "; ".join(problems)
-    if (cfg.tile_m, cfg.tile_n, cfg.pingpong) not in VERIFIED_TILES:
-        sched = "ping-pong" if cfg.pingpong else "cooperative"
-        return (f"tile {cfg.tile_m}x{cfg.tile_n} {sched} is not one of the variants CODA builds and tests "
-                "(coda.config.all_configs)")
-    try:
-        plan = kernel_smem_plan(cfg, epi, in_dtype, out_dtype)
-    except ValueError as e:
-        cols = out_col_bytes(epi, smem_plan_outputs(epi, out_dtype))
-        return f"shared memory: {e} (epilogue buffers {cfg.epi_smem_bytes(cols)} B)"
-    if cfg.stages is not None:
-        derived = kernel_smem_plan(dataclasses.replace(cfg, stages=None), epi, in_dtype, out_dtype)
-        if plan == derived:
-            return f"duplicate: stages={plan.stages} is what stages=None derives"
-    return None
-
-
-def smem_plan_outputs(epi: Any, out_dtype: Any) -> list:
-    """Element sizes of the tile outputs the kernel stores: D (unless the epilogue stores no main output), then
-    the extra outputs, all of ``out_dtype``."""
-    return [DTYPE_BYTES[dtype_name(out_dtype)]] * (int(bool(epi.stores_out)) + len(epi.outputs))
-
-
-def kernel_smem_plan(cfg: GemmConfig, epi: Any = None, in_dtype: Any = "bfloat16", out_dtype: Any = "bfloat16"):
-    """The kernel's shared-memory plan (``coda.kernels.epilogue.smem_plan``) for these dtypes, with every TileMN
-    operand fp32 (the largest rings) and TMA-aligned; ValueError where the stages do not fit."""
-    epi = epi if epi is not None else _identity()
-    n_tiles = sum(o.kind == "tile" for o in epi.operands)
-    return smem_plan(epi, cfg, smem_plan_outputs(epi, out_dtype), [4] * n_tiles, [True] * n_tiles,
-                     DTYPE_BYTES[dtype_name(in_dtype)])
 
 
 def prune(epi: Any = None, in_dtype: Any = "bfloat16", out_dtype: Any = "bfloat16",
@@ -115,22 +49,6 @@ def prune(epi: Any = None, in_dtype: Any = "bfloat16", out_dtype: Any = "bfloat1
         else:
             pruned.append((cfg, reason))
     return kept, pruned
-
-
-def shape_reasons(cfg: GemmConfig, epi: Any, M: int, N: int, L: int = 1) -> Optional[str]:
-    """Problem-dependent pruning (``M``, ``L`` as the kernel sees them: a broadcast weight folds L into M)."""
-    epi = epi if epi is not None else _identity()
-    tiles_m, tiles_n = -(-M // cfg.tile_m), -(-N // cfg.tile_n)
-    if cfg.cluster_m == 2 and tiles_m == 1:
-        return f"cluster 2x1 but M={M} is one {cfg.tile_m}-row tile: the peer CTA would only compute padding"
-    if cfg.cluster_n == 2 and tiles_n == 1:
-        return f"cluster 1x2 but N={N} is one {cfg.tile_n}-column tile: the peer CTA would only compute padding"
-    for r in epi.kernel_reductions():
-        tiles, length = (tiles_n, M) if r.axis == "n" else (tiles_m * cfg.warps_per_tile, N)
-        if L * tiles * length > INT32_MAX:
-            return (f"reduction {r.name!r}: partial buffer of {L}x{tiles}x{length} fp32 exceeds int32 indexing "
-                    f"(tile_{'n' if r.axis == 'n' else 'm'}={cfg.tile_n if r.axis == 'n' else cfg.tile_m})")
-    return None
 
 
 def _first_order(cfg: GemmConfig) -> tuple:
@@ -163,13 +81,3 @@ def candidates(epi: Any, in_dtype: Any, out_dtype: Any, M: int, N: int, L: int =
     return out, pruned
 
 
-def config_to_dict(cfg: GemmConfig) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def config_from_dict(d: dict) -> GemmConfig:
-    names = {f.name for f in dataclasses.fields(GemmConfig)}
-    # "sched" came later: an entry stored without it is a static-schedule config
-    if not isinstance(d, dict) or set(d) - names or names - set(d) - {"sched"}:
-        raise ValueError(f"not a GemmConfig: {d!r}")
-    return GemmConfig(**d)

@@ -1,9 +1,10 @@
 """``coda.gemm``: D = epilogue(a @ b.T) on CODA's Hopper kernel (F.linear semantics).
 
 Argument checks (``coda._validate``) run first on any machine; then the Hopper check; then the config is chosen
-(``config=None``: ``coda.autotune``, i.e. the in-memory / on-disk tuning result, tuning on a miss; the heuristic
-``default_config`` with ``CODA_AUTOTUNE=0``); then the kernel for (config, epilogue, dtypes) is loaded from the
-on-disk compile cache or compiled, once per process (cached, thread-safe), and launched on the current stream.
+(``config=None``: ``coda.runtime.select``, i.e. the in-memory / on-disk tuning result, a shipped config or the
+heuristic ``default_config``; a tuning run on a miss only with ``CODA_AUTOTUNE=1``); then the kernel for (config,
+epilogue, dtypes) is loaded from the on-disk compile cache or compiled, once per process (cached, thread-safe),
+and launched on the current stream.
 
 Repeated calls with the same shapes, strides, dtypes, epilogue and config reuse a *launch plan*
 (``coda._launch``): only the data pointers and the stream change, and the compiled host function is called
@@ -27,6 +28,7 @@ from ._validate import _overlaps, check_gemm_args
 from .config import GemmConfig, split_k
 from .kernels.epilogue import (Epilogue, check_call, check_epilogue, empty_reductions,
                                finish_reduction, out_flags)
+from .runtime.select import select_config
 
 _TORCH_TO_CUTLASS = {}
 _cache: dict = {}
@@ -325,9 +327,9 @@ def _compiled(key, cfg: GemmConfig, epi: Epilogue, prob, cute_args):
 
 
 def _auto_config(prob, epi: Epilogue, a, b, operands) -> GemmConfig:
-    """``config=None``: the tuned config (``coda.autotune``), or ``default_config`` with ``CODA_AUTOTUNE=0``."""
-    from coda import autotune
-    return autotune.select_config(prob, epi, a, b, operands)
+    """``config=None``: the runtime's choice (``coda.runtime.select``: memory, the tuning store, a shipped config,
+    the heuristic; a tuning run only with ``CODA_AUTOTUNE=1``)."""
+    return select_config(prob, epi, a, b, operands)
 
 
 def _grad_tracked(a, b, out, operands) -> bool:

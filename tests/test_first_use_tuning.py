@@ -99,7 +99,8 @@ def test_autotune_1_tunes_on_a_miss_and_0_touches_nothing(monkeypatch):
         raise AssertionError("CODA_AUTOTUNE=0: no store or shipped lookups")
     monkeypatch.setattr(keys, "device_info", boom)
     monkeypatch.setattr(at.store, "get", boom)
-    monkeypatch.setattr(ship, "lookup", boom)
+    import coda.runtime.shipped
+    monkeypatch.setattr(coda.runtime.shipped, "lookup", boom)  # where coda.runtime.select looks entries up
     assert at.select_config(prob, IDENTITY, None, None, {}) == default_config(*LM_HEAD)
 
 

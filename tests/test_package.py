@@ -111,6 +111,35 @@ def test_pyproject_pins_cutlass_dsl():
     assert "nvidia-cutlass-dsl>=4.8.1,<4.9" in deps, deps
 
 
+# the model-level modules of coda/ (built on coda.ops: the top layer, in coda/ for their import path) and the package
+# root (it wires the layers: coda._tune_on_miss); every other module of coda/ is the core
+TOP_LAYER = {"__init__.py", "nn.py", "nn_attention.py", "fuse.py", "distributed.py"}
+
+
+def _imported_names(path):
+    import ast
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):  # "from coda import autotune" names coda.autotune
+            yield node.module or ""
+            yield from (f"{node.module or ''}.{a.name}" for a in node.names)
+
+
+def test_core_imports_nothing_above_it():
+    """No module of the core (coda/ but its top layer and coda/bench/: the kernels, the runtime, coda.gemm, the
+    DSL, the reference) imports coda.autotune, coda.ops or coda.epilogues (issue 27: coda.gemm asked
+    coda.autotune for configs; now coda.runtime.select)."""
+    root = pathlib.Path(__file__).resolve().parents[1] / "coda"
+    files = [f for f in root.glob("*.py") if f.name not in TOP_LAYER]
+    files += [*root.glob("kernels/*.py"), *root.glob("runtime/*.py")]
+    assert any(f.name == "gemm.py" for f in files)
+    for f in files:
+        for n in _imported_names(f):
+            assert not n.startswith(("coda.autotune", "coda.ops", "coda.epilogues", "autotune", "ops", "epilogues")), \
+                (str(f), n)
+
+
 def test_runtime_layer_imports_nothing_above_it():
     """coda/runtime (kernel keys, stores, compile cache) sits below coda.autotune, coda.ops and coda.epilogues: no
     import statement in it names them; coda.autotune.keys / .store / .compile_cache are the runtime's modules
