@@ -49,8 +49,8 @@ from coda.autodiff import (DGRAD, backward_epilogue, grad_name, on_preact, pair_
                            with_preact)
 from coda.dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, by_op_name, operand_symbol
 
-from ._common import (IN_DTYPES, call, check_inputs, custom_op, epilogue_pass, gemm_for, linear_grads,
-                      register_autograd)
+from ._builder import backward_op, forward_op
+from ._common import IN_DTYPES, call, check_inputs, epilogue_pass, gemm_for, linear_grads
 
 __all__ = ["linear"]  # also used across coda.ops: backward_of, evaluate, saved_preact (see their docstrings)
 ENTRY = "coda.ops.linear"
@@ -85,34 +85,6 @@ def backward_of(epi: DslEpilogue, grads: tuple, needs: tuple, tiles: bool = Fals
 # functions through an autograd.Function (no dispatcher host time). The epilogue travels by name
 # (DslEpilogue.op_name), operands as a tensor list plus (names, values) of the Python-number scalars; names are
 # comma-separated.
-@custom_op("linear")
-def _linear_op(x2: Tensor, weight: Tensor, epilogue: str, save_preact: bool, names: str,
-               tensors: List[Tensor], scalar_names: str, scalar_values: List[float],
-               out_dtype: Optional[torch.dtype] = None) -> List[Tensor]:
-    """The epilogue's results (``result_keys`` order), then, with ``save_preact``, the pre-activation parts."""
-    epi = by_op_name(epilogue)
-    ops = dict(zip(_split(names), tensors), **dict(zip(_split(scalar_names), scalar_values)))
-    res = gemm_for(x2.device, ENTRY)(x2, weight, epilogue=with_preact(epi) if save_preact else epi,
-                                     out_dtype=out_dtype, **ops)
-    res = res if isinstance(res, dict) else {"out": res}
-    return [res[k] for k in (*epi.result_keys, *(preact_keys(epi) if save_preact else ()))]
-
-
-@_linear_op.register_fake
-def _(x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values, out_dtype=None):
-    epi = by_op_name(epilogue)
-    M, N = x2.shape[0], weight.shape[0]
-    cols = epi.out_cols(N)  # N/2 for a half-mode pairs epilogue
-    axes = {r.name: r.axis for r in epi.reductions}
-    dt = out_dtype or x2.dtype
-    red = torch.promote_types(x2.dtype, torch.float32) if x2.dtype == torch.float64 else torch.float32
-    outs = [x2.new_empty(M, cols, dtype=dt) for _ in range(epi.stores_out)]
-    outs += [x2.new_empty(M, cols, dtype=dt) for _ in epi.outputs]
-    outs += [x2.new_empty(M if axes[k] == "n" else cols, dtype=red) for k in axes]
-    pre = (N // 2 if epi.pair_mode else N)
-    return outs + [x2.new_empty(M, pre, dtype=dt) for _ in (preact_keys(epi) if save_preact else ())]
-
-
 def _backward_impl(grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values, saved,
                    needs, fresh: bool = False) -> list:
     """[dX, dW, d(tensors)...] for the upstream ``grads`` (one per result, None where none); ``saved``: the
@@ -190,7 +162,13 @@ def _backward_impl(grads, x2, weight, epilogue, save_preact, names, tensors, sca
     return fresh
 
 
-@custom_op("linear_backward", eager=_backward_impl)
+def _backward_fake(grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values, saved,
+                   needs):
+    return [like.new_empty(like.shape) if need else like.new_empty(0)
+            for like, need in zip((x2, weight, *tensors), needs)]
+
+
+@backward_op("linear_backward", fake=_backward_fake, eager=_backward_impl)
 def _linear_backward_op(grads: List[Optional[Tensor]], x2: Tensor, weight: Tensor, epilogue: str, save_preact: bool,
                         names: str, tensors: List[Tensor], scalar_names: str, scalar_values: List[float],
                         saved: List[Tensor], needs: List[bool]) -> List[Tensor]:
@@ -198,53 +176,77 @@ def _linear_backward_op(grads: List[Optional[Tensor]], x2: Tensor, weight: Tenso
                           saved, needs, fresh=True)
 
 
-@_linear_backward_op.register_fake
-def _(grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values, saved, needs):
-    return [like.new_empty(like.shape) if need else like.new_empty(0)
-            for like, need in zip((x2, weight, *tensors), needs)]
-
-
 def _split(names: str) -> list:
     return names.split(",") if names else []
 
 
-def _setup_context(ctx, inputs, output):
-    x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values = inputs[:8]
+def _saved(inputs, output):
+    """x2, weight, the tensor operands, the forward's max / logsumexp results, then the pre-activation parts."""
+    x2, weight, epilogue, _, _, tensors = inputs[:6]
     epi = by_op_name(epilogue)
     keys = epi.result_keys
     res = dict(zip(keys, output))
-    preact = list(output[len(keys):])
-    ctx.mark_non_differentiable(*preact)
-    ctx.set_materialize_grads(False)
-    ctx.args = (epilogue, save_preact, names, scalar_names, list(scalar_values))
-    ctx.n_tensors, ctx.n_keys = len(tensors), len(keys)
-    ctx.needs = [x2.requires_grad, weight.requires_grad, *(t.requires_grad for t in tensors)]
-    ctx.save_for_backward(x2, weight, *tensors, *(res[r.name] for r in epi.reductions if r.op != "sum"), *preact)
+    return (x2, weight, *tensors, *(res[r.name] for r in epi.reductions if r.op != "sum"), *output[len(keys):])
+
+
+def _extra(inputs):
+    """(epilogue, save_preact, names, scalar_names, scalar_values, the number of tensor operands, of results, the
+    inputs' requires_grad [x2, weight, *tensors])."""
+    x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values = inputs[:8]
+    return (epilogue, save_preact, names, scalar_names, list(scalar_values), len(tensors),
+            len(by_op_name(epilogue).result_keys), [x2.requires_grad, weight.requires_grad,
+                                                    *(t.requires_grad for t in tensors)])
 
 
 def _backward(ctx, grads):
     """The autograd backward (through the coda::linear_backward op under torch.compile, so that traces see one
     op)."""
-    epilogue, save_preact, names, scalar_names, scalar_values = ctx.args
+    epilogue, save_preact, names, scalar_names, scalar_values, n_tensors, n_keys, needs = ctx.coda_extra
     saved = [t.detach() for t in ctx.saved_tensors]  # the kernels take plain tensors (no autograd export)
-    x2, weight, tensors = saved[0], saved[1], list(saved[2:2 + ctx.n_tensors])
-    grads = [g if g is None else g.detach() for g in grads[:ctx.n_keys]]
+    x2, weight, tensors = saved[0], saved[1], list(saved[2:2 + n_tensors])
+    grads = [g if g is None else g.detach() for g in grads[:n_keys]]
     # the return mirrors the inputs' structure as torch.library flattens it: a list of numbers is one leaf, an
     # empty list a list
     no_scalars = None if scalar_values else []
     # one entry per argument as passed: torch.library's structure leaves out a defaulted out_dtype (its
     # needs_input_grad has the passed arguments' structure); the eager Function always passes all nine
     n_inputs = 9 if getattr(ctx, "coda_eager", False) else len(ctx.needs_input_grad)
-    nothing = (None, None, None, None, None, [None] * ctx.n_tensors, None, no_scalars, None)[:n_inputs]
-    if all(g is None for g in grads) or not any(ctx.needs):
+    nothing = (None, None, None, None, None, [None] * n_tensors, None, no_scalars, None)[:n_inputs]
+    if all(g is None for g in grads) or not any(needs):
         return nothing
     d = call("linear_backward", grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names,
-             scalar_values, list(saved[2 + ctx.n_tensors:]), ctx.needs, ctx=ctx)
-    pick = [t if need else None for t, need in zip(d, ctx.needs)]
+             scalar_values, list(saved[2 + n_tensors:]), needs, ctx=ctx)
+    pick = [t if need else None for t, need in zip(d, needs)]
     return (pick[0], pick[1], None, None, None, pick[2:], None, no_scalars, None)[:n_inputs]
 
 
-register_autograd("linear", _backward, _setup_context)
+def _fake(x2, weight, epilogue, save_preact, names, tensors, scalar_names, scalar_values, out_dtype=None):
+    epi = by_op_name(epilogue)
+    M, N = x2.shape[0], weight.shape[0]
+    cols = epi.out_cols(N)  # N/2 for a half-mode pairs epilogue
+    axes = {r.name: r.axis for r in epi.reductions}
+    dt = out_dtype or x2.dtype
+    red = torch.promote_types(x2.dtype, torch.float32) if x2.dtype == torch.float64 else torch.float32
+    outs = [x2.new_empty(M, cols, dtype=dt) for _ in range(epi.stores_out)]
+    outs += [x2.new_empty(M, cols, dtype=dt) for _ in epi.outputs]
+    outs += [x2.new_empty(M if axes[k] == "n" else cols, dtype=red) for k in axes]
+    pre = (N // 2 if epi.pair_mode else N)
+    return outs + [x2.new_empty(M, pre, dtype=dt) for _ in (preact_keys(epi) if save_preact else ())]
+
+
+# results differentiable (their count: the epilogue's), the pre-activation parts not
+@forward_op("linear", fake=_fake, backward=_backward, saved=_saved, extra=_extra,
+            outputs=lambda inputs: len(by_op_name(inputs[2]).result_keys))
+def _linear_op(x2: Tensor, weight: Tensor, epilogue: str, save_preact: bool, names: str,
+               tensors: List[Tensor], scalar_names: str, scalar_values: List[float],
+               out_dtype: Optional[torch.dtype] = None) -> List[Tensor]:
+    """The epilogue's results (``result_keys`` order), then, with ``save_preact``, the pre-activation parts."""
+    epi = by_op_name(epilogue)
+    ops = dict(zip(_split(names), tensors), **dict(zip(_split(scalar_names), scalar_values)))
+    res = gemm_for(x2.device, ENTRY)(x2, weight, epilogue=with_preact(epi) if save_preact else epi,
+                                     out_dtype=out_dtype, **ops)
+    res = res if isinstance(res, dict) else {"out": res}
+    return [res[k] for k in (*epi.result_keys, *(preact_keys(epi) if save_preact else ()))]
 
 
 def saved_preact(epi: DslEpilogue, *parts):
