@@ -85,8 +85,9 @@ def deinterleave_gate_up(weight_gu: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # ------------------------------------------------------------------------------------------------ checks
-def _check(entry: str, x, weight_gu) -> None:
-    """Every argument rule, before anything is computed; each message names the argument."""
+def check_x_weight_gu(entry: str, x, weight_gu) -> None:
+    """Every rule on ``x`` and ``weight_gu`` (gate and up rows interleaved), before anything is computed; each
+    message names the argument (``entry``: the public op's name). Also used by ``ops/mlp.py``."""
     check_tensors(entry, (("x", x), ("weight_gu", weight_gu)))
     if x.dtype not in _IN_DTYPES:
         raise TypeError(f"{entry}: x must be bfloat16 or float16, got {x.dtype}")
@@ -179,7 +180,7 @@ def _geglu_op(x: Tensor, weight_gu: Tensor, approximate: str, save_preact: bool)
 # ------------------------------------------------------------------------------------------------ public entries
 def _apply(op: str, x: Tensor, weight_gu: Tensor, *args, save_preact) -> Tensor:
     """The public entry ``op`` (also the custom op's name): checks, then the op on 2-D x."""
-    _check(op, x, weight_gu)
+    check_x_weight_gu(op, x, weight_gu)
     save = save_preact_for(op, save_preact, x, weight_gu)
     lead, H = x.shape[:-1], x.shape[-1]
     y = call(op, x.reshape(math.prod(lead), H), weight_gu, *args, save)[0]

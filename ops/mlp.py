@@ -55,7 +55,7 @@ from coda.autodiff import DGRAD, grad_name, on_acc
 from ._builder import backward_op, forward_op
 from ._common import (IN_DTYPES, call, check_last_dim_contiguous, check_tensors, gemm_for, kernel_aligned,
                       linear_grads, save_preact_for)
-from .gated import _check as _check_x_weight_gu
+from .gated import check_x_weight_gu
 from .gated import fake_preact, forward_preact
 from .linear import backward_of, evaluate, saved_preact
 from .rmsnorm_linear import check_eps, check_norm_weight, normed_operands
@@ -118,7 +118,7 @@ def _check(entry: str, named, eps) -> None:
     check_tensors(entry, named)
     check_eps(entry, eps)
     try:  # the rules of x and the interleaved gate/up weight are coda.ops.linear_swiglu's
-        _check_x_weight_gu(entry, x, w_gate_up)
+        check_x_weight_gu(entry, x, w_gate_up)
     except (TypeError, ValueError) as e:
         raise type(e)(str(e).replace("weight_gu", gu_name)) from None
     H, inter = x.shape[-1], w_gate_up.shape[0] // 2
