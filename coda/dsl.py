@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import sympy as sp
 
 from .kernels.epilogue import ODD_OUT, Epilogue, Operand, Reduction
+from .kernels.operand_kinds import SCALAR, TILE, VEC_M, VEC_N
 
 __all__ = ["VecM", "VecN", "Scalar", "TileMN", "epilogue", "row", "col", "reduce_n", "reduce_m", "exp", "exp2", "log",
            "log2", "sqrt", "rsqrt", "sigmoid", "tanh", "sin", "cos", "silu", "gelu", "relu", "abs", "minimum",
@@ -38,31 +39,32 @@ __all__ = ["VecM", "VecN", "Scalar", "TileMN", "epilogue", "row", "col", "reduce
 
 
 # ----------------------------------------------------------------------------------------------- operand kinds
+# annotations only: what a kind means (shapes, checks, kernel loads) is its object in coda/kernels/operand_kinds.py
 class _Kind:
     kind = ""
 
 
 class VecM(_Kind):
     """One value per output row (length M, or (L, M) when batched)."""
-    kind = "vec_m"
+    kind = VEC_M.name
 
 
 class VecN(_Kind):
     """One value per output column (length N)."""
-    kind = "vec_n"
+    kind = VEC_N.name
 
 
 class Scalar(_Kind):
     """One number, read at run time (a Python number or a 1-element tensor)."""
-    kind = "scalar"
+    kind = SCALAR.name
 
 
 class TileMN(_Kind):
     """An M x N tensor (e.g. a residual), read at each element."""
-    kind = "tile"
+    kind = TILE.name
 
 
-_KINDS = {VecM: "vec_m", VecN: "vec_n", Scalar: "scalar", TileMN: "tile"}
+_KINDS = {k: k.kind for k in (VecM, VecN, Scalar, TileMN)}
 _BACKWARD_PREFIXES = ("grad_", "value_", "tie_")  # operand names of the backward (coda.autodiff.RESERVED_PREFIXES)
 
 
@@ -619,7 +621,7 @@ class DslEpilogue(Epilogue):
         import torch
         for o in self.operands:
             v = operands[o.name]
-            if o.kind == "scalar" and isinstance(v, torch.Tensor) and not v.dtype.is_floating_point:
+            if o.spec is SCALAR and isinstance(v, torch.Tensor) and not v.dtype.is_floating_point:
                 raise TypeError(f"operand {o.name!r} (Scalar): expected a floating-point tensor, got {v.dtype}")
 
     @property
@@ -670,7 +672,7 @@ class DslEpilogue(Epilogue):
         if COL in used:
             leaves[COL] = torch.arange(N, device=acc.device, dtype=acc.dtype)
         for o in self.operands:
-            leaves[operand_symbol(o.name)] = _ref_operand(o, operands[o.name], acc)
+            leaves[operand_symbol(o.name)] = o.spec.reference(operands[o.name], acc)
         vals = self._evaluate(leaves, TorchOps(acc))
         out = {}
         for k in self.exprs:
@@ -687,16 +689,6 @@ class DslEpilogue(Epilogue):
             out[k] = {"sum": lambda t: t.sum(dim), "max": lambda t: t.amax(dim),
                       "logsumexp": lambda t: torch.logsumexp(t, dim)}[op](v)
         return out
-
-
-def _ref_operand(o: Operand, v, acc):
-    import torch
-    if o.kind == "scalar":
-        return torch.as_tensor(v, dtype=acc.dtype, device=acc.device).reshape(())
-    t = v.to(device=acc.device, dtype=acc.dtype)
-    if o.kind == "vec_m":
-        return t.unsqueeze(-1)
-    return t  # vec_n (N,) and tile (..., M, N) broadcast as they are
 
 
 def trace(fn: Callable, name: Optional[str] = None) -> DslEpilogue:

@@ -96,35 +96,19 @@ def epilogue_tensors(epi: Epilogue, prob, operands: dict, out3: torch.Tensor, cf
     """The epilogue's kernel arguments (operands, extra outputs, reduction partials) as torch tensors in the
     kernel's mode order, plus the torch views handed back to the caller."""
     L, M, N = out3.shape
-    args = []
-    for op in epi.operands:
-        t = operands[op.name]
-        if op.kind == "scalar":
-            if isinstance(t, torch.Tensor) and t.device == out3.device:
-                t = t.to(torch.float32).reshape(1)
-            else:  # a number (or a CPU tensor): a fill kernel; a pageable host-to-device copy syncs the stream
-                t = torch.full((1,), float(t), dtype=torch.float32, device=out3.device)
-            args.append((t, 0))
-        elif op.kind == "vec_n":
-            args.append((t, 0))
-        elif op.kind == "vec_m":
-            args.append((t.reshape(L, M).permute(1, 0), 0))
-        else:  # TileMN: M x N, or one value per column pair (M x N/2) in a pairs epilogue
-            args.append((_mnl(t.reshape(L, M, epi.operand_cols(prob.N))), 1))
+    # each operand as its kind passes it (coda/kernels/operand_kinds.py): a Scalar a 1-element fp32 tensor, a VecM
+    # (M, L), a TileMN (M, N, L) -- M x N/2 in a pairs epilogue
+    args = [op.spec.host_arg(operands[op.name], L, M, epi.operand_cols(prob.N), out3.device) for op in epi.operands]
     outs = {}
     for name in epi.outputs:
         o = torch.empty((L, M, N), dtype=out3.dtype, device=out3.device)
         outs[name] = o
         args.append((_mnl(o), 1))
     partials = {}
-    tiles_n = -(-prob.N // cfg.tile_n)  # N-tiles of the accumulator (N = out3's columns, N/2 for "half" pairs)
-    tiles_m = -(-M // cfg.tile_m)
     for r in epi.kernel_reductions():
-        # per-row: one partial per N-tile; per-column: one partial per warp of each M-tile, for each column (each
-        # column pair j in a pairs epilogue)
-        tiles, length = ((tiles_n, M) if r.axis == "n"
-                         else (tiles_m * cfg.warps_per_tile, epi.operand_cols(prob.N)))
-        p = _new_partial((L, tiles, length), out3.device)
+        # per-row: one partial per N-tile of the accumulator (prob.N columns; out3 has N/2 for "half" pairs);
+        # per-column: one partial per warp of each M-tile, for each column (each column pair j in a pairs epilogue)
+        p = _new_partial((L, *r.spec.partials(epi, cfg, M, prob.N)), out3.device)
         args.append((p.permute(2, 1, 0), 0))
         partials[r.name] = (p, r.op)
     if cfg.sched == "dynamic":  # the tile counter, last (kernels/schedule.py)
@@ -366,12 +350,12 @@ def _make_plan(fn, cute_args, views, handle, prob, cfg, epi, tensors, device_ind
     # dynamic schedule, the current stream's tile counter, the last argument)
     plan.operand_names = None
     if (plan.has_epi_args and not epi.outputs and not epi.kernel_reductions()
-            and all(op.kind != "scalar" and isinstance(operands.get(op.name), torch.Tensor)
+            and all(op.spec.by_view and isinstance(operands.get(op.name), torch.Tensor)
                     and v.data_ptr() == operands[op.name].data_ptr() for op, v in zip(epi.operands, views[3:]))):
         plan.operand_names = tuple(op.name for op in epi.operands)
     # tensor operands: their address must stay 16-byte aligned, as check_operands requires on the full path (the
     # cute views assume it; TileMN operands may be TMA-loaded); shapes and strides are in the plan's key
-    plan.tensor_operands = tuple(op.name for op in epi.operands if op.kind != "scalar")
+    plan.tensor_operands = tuple(op.name for op in epi.operands if op.spec.by_view)
     a, b, out = tensors
     plan.extents = (_launch.byte_extent(a), _launch.byte_extent(b), 0 if out is None else _launch.byte_extent(out))
     plan.zero_elems = max(views[0].numel(), views[1].numel()) if prob.zero_k else 0  # A, B: views of _zeros

@@ -12,7 +12,7 @@ gives the element's global row/column and the values of the declared operands at
   shared memory; no atomics) and writes one partial per (row, N-tile) or (column, M-tile); the host finishes the
   reduction over the tiles (:func:`finish_reduction`).
 
-Operand kinds (declared, never guessed from shapes):
+Operand kinds (declared, never guessed from shapes; one object each in :mod:`.operand_kinds`, ``Operand.spec``):
 
 - ``vec_m``  one value per output row (length M, or (L, M) when batched),
 - ``vec_n``  one value per output column (length N),
@@ -27,9 +27,10 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping, Optional
 
+from .operand_kinds import AXIS_OF, KIND_OF, TILE, OperandKind, ReduceAxis
+
 MAX_EPI_TENSORS = 20  # operands + extra outputs + reduction partials: the x0..x19 slots of GemmSm90.__call__
-KINDS = ("vec_m", "vec_n", "scalar", "tile")
-_KIND_NAMES = {"vec_m": "VecM", "vec_n": "VecN", "scalar": "Scalar", "tile": "TileMN"}
+KINDS = tuple(KIND_OF)  # ("vec_m", "vec_n", "scalar", "tile")
 REDUCE_OPS = ("sum", "max", "logsumexp")  # logsumexp: per-row (axis n) only
 
 
@@ -41,6 +42,11 @@ class Operand:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"operand {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+
+    @property
+    def spec(self) -> OperandKind:
+        """The kind object (validation, host argument, shared memory, kernel loads); ``kind`` stays the string."""
+        return KIND_OF[self.kind]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +62,11 @@ class Reduction:
             raise ValueError(f"reduction {self.name!r}: op must be one of {REDUCE_OPS}, got {self.op!r}")
         if self.op == "logsumexp" and self.axis != "n":
             raise ValueError(f"reduction {self.name!r}: logsumexp is supported along N only (axis='n')")
+
+    @property
+    def spec(self) -> ReduceAxis:
+        """The axis object (partial buffer shape, finished length, the kernel's padding mask)."""
+        return AXIS_OF[self.axis]
 
 
 class EpiEnv:
@@ -130,7 +141,6 @@ class Epilogue:
     def check_operands(self, operands: Mapping[str, Any], L: Optional[int], M: int, N: int, device) -> None:
         """Call-time checks of the operands against the declared kinds (before any launch): names, shapes,
         dtypes, devices, layouts. ``L`` is None when unbatched; ``N`` is the accumulator's columns."""
-        import torch
         if self.pair_mode and N % 2:
             raise ValueError(f"epilogue {self.name!r} works on column pairs (coda.pairs): N must be even, "
                              f"got N={N}")
@@ -142,33 +152,7 @@ class Epilogue:
                             f"(declared: {sorted(names)})")
         batch = () if L is None else (L,)
         for o in self.operands:
-            v = operands[o.name]
-            if o.kind == "scalar":
-                if isinstance(v, bool) or not isinstance(v, (int, float, torch.Tensor)):
-                    raise TypeError(f"operand {o.name!r} (Scalar): expected a Python number or a 1-element tensor, "
-                                    f"got {type(v).__name__}")
-                if isinstance(v, torch.Tensor) and v.numel() != 1:
-                    raise ValueError(f"operand {o.name!r} (Scalar): expected 1 element, got shape {tuple(v.shape)}")
-                if isinstance(v, torch.Tensor) and v.device != device:
-                    raise ValueError(f"operand {o.name!r}: on {v.device}, expected {device} (the device of a)")
-                continue
-            if not isinstance(v, torch.Tensor):
-                raise TypeError(f"operand {o.name!r} ({o.kind}): expected a torch tensor, got {type(v).__name__}")
-            want = {"vec_n": (N,), "vec_m": (*batch, M), "tile": (*batch, M, N)}[o.kind]
-            if tuple(v.shape) != want:
-                raise ValueError(f"operand {o.name!r} ({_KIND_NAMES[o.kind]}): expected shape {want}, got "
-                                 f"{tuple(v.shape)}")
-            if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                raise TypeError(f"operand {o.name!r}: expected dtype float32, bfloat16 or float16, got {v.dtype}")
-            if v.device != device:
-                raise ValueError(f"operand {o.name!r}: on {v.device}, expected {device} (the device of a)")
-            if v.numel() and v.data_ptr() % 16:
-                raise ValueError(f"operand {o.name!r}: the data pointer must be 16-byte aligned; got address "
-                                 f"{v.data_ptr():#x} (offset {v.data_ptr() % 16} bytes, e.g. a slice that starts "
-                                 "mid-row); CODA never copies an operand silently, call .contiguous()")
-            if v.numel() and v.stride(-1) != 1 and v.shape[-1] > 1:
-                raise ValueError(f"operand {o.name!r}: the last dim must be contiguous (stride 1), got strides "
-                                 f"{tuple(v.stride())}; CODA never copies an operand silently, call .contiguous()")
+            o.spec.check(o.name, operands[o.name], batch, M, N, device)
 
     def kernel_reductions(self) -> tuple:
         """The reductions in the order of the kernel's partial buffers: per-row (axis n) first, then per-column."""
@@ -186,18 +170,14 @@ def staged_operands(epi: Epilogue, cfg) -> list:
     """[(operand index, values per tile)] of the VecN / VecM operands the kernel stages through shared memory: a
     tile's values (tile_n columns -- tile_n / 2 pairs in a pairs epilogue -- or tile_m rows) are loaded from global
     memory before the tile's mainloop and read by the epilogue at shared-memory latency."""
-    out = []
-    for i, o in enumerate(epi.operands):
-        if o.kind == "vec_n":
-            out.append((i, cfg.tile_n // 2 if epi.pair_mode else cfg.tile_n))
-        elif o.kind == "vec_m":
-            out.append((i, cfg.tile_m))
-    return out
+    pair = bool(epi.pair_mode)
+    return [(i, o.spec.staged_values(cfg, pair)) for i, o in enumerate(epi.operands)
+            if o.spec.staged_values(cfg, pair)]
 
 
 def tile_operand_cols(epi: Epilogue, cfg) -> int:
     """Columns of a TileMN operand's epilogue sub-tile (one value per column pair in a pairs epilogue)."""
-    return cfg.epi_n // 2 if epi.pair_mode else cfg.epi_n
+    return TILE.sub_tile_cols(cfg, bool(epi.pair_mode))
 
 
 def staged_smem_bytes(epi: Epilogue, cfg, tile_bytes, ring: int = 2) -> int:
@@ -206,9 +186,9 @@ def staged_smem_bytes(epi: Epilogue, cfg, tile_bytes, ring: int = 2) -> int:
     TMA-loaded TileMN operand) and its mbarriers, per consumer tile in flight. Alignment padding is covered by
     ``GemmConfig.derive_stages``' reserve."""
     in_flight = 2 if cfg.pingpong else 1
-    n = sum(4 * n for _, n in staged_operands(epi, cfg))
+    n = sum(o.spec.staged_bytes(cfg, bool(epi.pair_mode)) for o in epi.operands)
     if tile_bytes:  # ring buffers are multiples of 1024 bytes (no alignment padding after the output buffers)
-        n += sum(cfg.tile_m * tile_operand_cols(epi, cfg) * ring * b for b in tile_bytes) + 8 * ring
+        n += sum(TILE.ring_bytes(cfg, bool(epi.pair_mode), b, ring) for b in tile_bytes) + 8 * ring
     return n * in_flight
 
 
@@ -320,13 +300,13 @@ def check_call(epi: Epilogue, prob, out, operands: Mapping[str, Any]) -> None:
                          f"{list(epi.outputs) + [r.name for r in epi.reductions]}); pass out=None")
     epi.check_operands(operands, prob.L, prob.M, prob.N, prob.device)
     if out is not None:
-        kinds = {o.name: o.kind for o in epi.operands}
+        kinds = {o.name: o.spec for o in epi.operands}
         for name, v in operands.items():
             if not isinstance(v, torch.Tensor) or not _overlaps(out, v):
                 continue
             # add-to-output: a TileMN operand that *is* out (same memory, shape, strides, dtype) is read by the thread
             # that later stores the element, before the store; any other overlap races with other tiles' stores
-            same = (kinds.get(name) == "tile" and v.data_ptr() == out.data_ptr() and v.shape == out.shape
+            same = (kinds.get(name) is TILE and v.data_ptr() == out.data_ptr() and v.shape == out.shape
                     and v.stride() == out.stride() and v.dtype == out.dtype)
             if not same:
                 raise ValueError(f"out: must not share memory with operand {name!r} (the kernel reads operands "
@@ -350,7 +330,7 @@ def empty_reductions(epi: Epilogue, prob) -> dict:
     M = prob.M * (prob.L if prob.b_broadcast else 1)
     res = {}
     for r in epi.reductions:
-        length = M if r.axis == "n" else epi.operand_cols(prob.N)  # per column, or per pair j
+        length = r.spec.length(epi, M, prob.N)  # per row, per column, or per pair j
         fill = 0.0 if r.op == "sum" else -math.inf
         res[r.name] = torch.full((L, length), fill, dtype=torch.float32, device=prob.device)
     return res

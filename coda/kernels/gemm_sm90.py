@@ -46,6 +46,7 @@ from ..config import GemmConfig
 from . import lse, schedule
 from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, EpiEnv, staged_operands,  # noqa: F401 (the x-slots)
                        smem_plan, tile_operand_cols)
+from .operand_kinds import SCALAR, TILE
 
 WG_THREADS = 128
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -70,7 +71,7 @@ class GemmSm90:
         self.red_n = [r for r in epi.reductions if r.axis == "n"]
         self.red_m = [r for r in epi.reductions if r.axis == "m"]
         self.staged = staged_operands(epi, cfg)  # VecN / VecM operands read through shared memory (3b)
-        self.tiles = [i for i, o in enumerate(epi.operands) if o.kind == "tile"]
+        self.tiles = [i for i, o in enumerate(epi.operands) if o.spec is TILE]
         self.tile_aligned = (True,) * len(self.tiles) if tile_aligned is None else tuple(tile_aligned)
         if len(self.tile_aligned) != len(self.tiles):
             raise ValueError(f"tile_aligned: {len(self.tile_aligned)} flags for {len(self.tiles)} TileMN operands")
@@ -318,8 +319,7 @@ class GemmSm90:
         epi = self._epi_setup(tiled_mma, etidx, cwg, sOuts, mD)
         tiles_done = cutlass.Int32(0)
         # run-time Scalar operands: read once per kernel
-        scalars = {o.name: op_tensors[i][0].to(cutlass.Float32)
-                   for i, o in enumerate(self.epi.operands) if o.kind == "scalar"}
+        scalars = {o.name: SCALAR.read(op_tensors[i]) for i, o in enumerate(self.epi.operands) if o.spec is SCALAR}
 
         while t < w["n_tiles"]:  # this consumer's tiles (schedule.py)
             m, n, l = self._tile(w, t)
@@ -459,16 +459,12 @@ class GemmSm90:
         never stored)."""
         pre = []
         for i, length in self.staged:
-            t, kind = op_tensors[i], self.epi.operands[i].kind
+            t, kind = op_tensors[i], self.epi.operands[i].spec
             vals = []
             for j in range((length + self.epi_threads - 1) // self.epi_threads):
                 c = etidx + j * self.epi_threads
                 pred = None if (j + 1) * self.epi_threads <= length else c < length
-                if cutlass.const_expr(kind == "vec_n"):
-                    v = t[cutlass.min(n * length + c, t.shape[0] - 1)]
-                else:
-                    v = t[cutlass.min(m * length + c, t.shape[0] - 1), l]
-                vals.append((v.to(cutlass.Float32), c, pred))
+                vals.append((kind.prefetch(t, m, n, l, length, c).to(cutlass.Float32), c, pred))
             pre.append(vals)
         return pre
 
@@ -701,22 +697,6 @@ class GemmSm90:
             d = self.c_static[v][i] - self.c_static[0][i] + (self.col0 if i == 1 and not sub else 0)
             return self.lbase[i] if d == 0 else self._get(("l", i, d), lambda: self.lbase[i] + d)
 
-        def operand(self, op, t, v, pair, row, col, n_cols):
-            """Operand ``op``'s value at register v: staged in shared memory, a scalar, or loaded from global."""
-            if op.kind == "scalar":
-                return self.scalars[op.name]
-            if op.name in self.tiles:
-                sT, b = self.tiles[op.name]
-                c = self.local(v, 1, sub=True)
-                return sT[(self.local(v, 0), c // 2 if pair else c, b)].to(cutlass.Float32)
-            if op.name in self.staged:
-                sT, slot = self.staged[op.name]
-                if op.kind == "vec_m":
-                    return sT[(self.local(v, 0), slot)]
-                c = self.local(v, 1)
-                return sT[(c // 2 if pair else c, slot)]
-            return GemmSm90._load_tile(t, row, col, lambda: self.coord(v, 2), self.M, n_cols)
-
         def env(self, v, pair: bool = False):
             """The EpiEnv of register v (of the pair starting at v: column index j = col // 2)."""
             rs, cs = self.c_static[v]
@@ -726,9 +706,11 @@ class GemmSm90:
             n_cols = self.N // 2 if pair else self.N
             loaders = {}
             for op, t in self.ops:
-                key = {"vec_n": (cs,), "vec_m": (rs,), "scalar": ()}.get(op.kind, (rs, cs))
-                loaders[op.name] = (lambda op=op, t=t, key=key: self._get(
-                    ("op", op.name) + key, lambda: self.operand(op, t, v, pair, row, col, n_cols)))
+                # the kind's value at register v (staged in shared memory, a scalar, a TileMN ring or global),
+                # shared by the registers of one memo key (a VecN column, a VecM row)
+                loaders[op.name] = (lambda op=op, t=t: self._get(
+                    ("op", op.name) + op.spec.memo_key(rs, cs),
+                    lambda: op.spec.load(self, op, t, v, pair, row, col, n_cols)))
             return EpiEnv(row, col, loaders)
 
     def _check_affine(self, epi, c_static, n_v):
@@ -782,11 +764,4 @@ class GemmSm90:
         """Reduction values of out-of-range elements -> the neutral element, along the reduced axis only (axis n
         masks padded columns, axis m padded rows): a padded row's (column's) own partial is never stored."""
         for r in self.epi.reductions:
-            inside = lazy.coord(v, 1) < lazy.N if r.axis == "n" else lazy.coord(v, 0) < lazy.M
-            res[r.name] = cutlass.select_(inside, cutlass.Float32(res[r.name]), self._neutral(r.op))
-
-    @staticmethod
-    def _load_tile(t, row, col, l, M, N):
-        """One TileMN operand value; row / col / l are callables. Clamped indices: out-of-range elements are
-        computed but never stored."""
-        return t[cutlass.min(row(), M - 1), cutlass.min(col(), N - 1), l()].to(cutlass.Float32)
+            res[r.name] = cutlass.select_(r.spec.inside(lazy, v), cutlass.Float32(res[r.name]), self._neutral(r.op))
