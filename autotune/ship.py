@@ -1,27 +1,8 @@
-"""Shipped tuned configs: one JSON file per GPU model in ``coda/autotune/shipped/`` (package data). Reading and
-looking them up is :mod:`coda.runtime.shipped` (re-exported here); this module builds the files.
-
-A file::
-
-    {"schema": 1, "gpu": {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132, "arch": "sm_90a"},
-     "cutlass_dsl": "4.8.1", "provenance": {...}, "entries": {key: entry}}
-
-An entry is one tuning result: ``problem`` (M, N, K, L as the kernel sees them -- a weight shared by every batch
-folds L into M, as in the tuning store --, dtypes, operand layouts ``a_major`` / ``b_major``), ``epilogue``
-(``name``, ``id`` = sha256 of ``repr(epilogue.key())`` -- the epilogue's declared structure and, for
-``@coda.epilogue`` functions, its traced math; not the code fingerprint of the store's keys, which depends on the
-Python version --, and ``ref``, an importable ``module:attribute`` when the library defines it), ``config``, the
-timings (``ms``, ``default``, ``default_ms``) and ``source``. The key is :func:`entry_key` of those fields.
-
-Which file: the one whose ``gpu.name`` and ``gpu.sm_count`` are this GPU's, made with this cutlass-dsl version;
-a file of another patch release of the same major.minor is used when no exact one exists (a config is a set of
-compile-time knobs; ``tests/test_first_use_tuning.py`` compiles every shipped entry with the installed DSL).
-
-Which entry (the nearest shape bucket): same dtypes, layouts, N, K, L bucket (power of two) and epilogue id; among
-those, the M nearest in log distance (``|log2 M - log2 M_entry|``; a tie goes to the larger M), and only within
-:data:`MAX_M_RATIO` of it (farther, a tile choice made for other wave counts is no better than the heuristic).
-
-Nothing here imports torch or cutlass, except :func:`epilogue_ref` / :func:`resolve_ref` (the library's epilogues).
+"""Building the shipped tuned-config files (one JSON file per GPU model in ``coda/autotune/shipped/``, package
+data): entries from tuning tables or a user's tuning store, validated, with their provenance. The file format, the
+choice of file and of entry (nearest shape bucket) and the lookup are :mod:`coda.runtime.shipped`'s (re-exported
+here). Nothing here imports torch or cutlass, except :func:`epilogue_ref` / :func:`resolve_ref` (the library's
+epilogues).
 """
 from __future__ import annotations
 

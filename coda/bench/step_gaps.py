@@ -66,23 +66,8 @@ def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from .step import PRESETS, build_model, make_batches
-    cfg = dict(PRESETS[args.model])
-    if args.layers:
-        cfg["layers"] = args.layers
-    torch.manual_seed(0)
-    model = build_model(cfg, args.seq)[0].to("cuda", torch.bfloat16)
-    if not args.stock:
-        import coda
-        coda.fuse(model)
-    fn = torch.compile(model) if args.compile else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids = make_batches(cfg["vocab"], args.batch, args.seq, 1, 1)[0].to("cuda")
-
-    def step():
-        fn(ids, labels=ids).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    from .step_ops import one_step
+    step = one_step(args.model, args.layers, args.batch, args.seq, stock=args.stock, compile=args.compile)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -94,7 +79,8 @@ def main(argv=None) -> int:
     with open(path) as f:
         res = analyse(json.load(f), args.top)
     res.update(device=torch.cuda.get_device_name(), mode=("stock" if args.stock else "fused")
-               + ("+compile" if args.compile else ""), model=args.model, layers=cfg["layers"])
+               + ("+compile" if args.compile else ""), model=args.model,
+               layers=args.layers or "the preset's")
     print(json.dumps(res, indent=1))
     return 0
 

@@ -9,6 +9,31 @@ import argparse
 import sys
 
 
+def one_step(model: str, layers, batch: int, seq: int, *, stock: bool = False, compile: bool = False):
+    """A function running one training step (forward with the loss, backward, fused AdamW) of a preset of
+    :mod:`coda.bench.step` on the GPU in bf16 (``layers``: fewer decoder layers; None: the preset's), stock or
+    ``coda.fuse``'d, optionally under torch.compile; shared by the step benchmarks that profile one step."""
+    import torch
+
+    cfg = dict(PRESETS[model])
+    if layers:
+        cfg["layers"] = layers
+    torch.manual_seed(0)
+    m = build_model(cfg, seq)[0].to("cuda", torch.bfloat16)
+    if not stock:
+        import coda
+        coda.fuse(m)
+    fn = torch.compile(m) if compile else m
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+    ids = make_batches(cfg["vocab"], batch, seq, 1, 1)[0].to("cuda")
+
+    def step():
+        fn(ids, labels=ids).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-1b")
@@ -21,20 +46,7 @@ def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from .step import PRESETS, build_model, make_batches
-    cfg = dict(PRESETS[args.model], layers=args.layers)
-    torch.manual_seed(0)
-    model = build_model(cfg, args.seq)[0].to("cuda", torch.bfloat16)
-    if not args.stock:
-        import coda
-        coda.fuse(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids = make_batches(cfg["vocab"], args.batch, args.seq, 1, 1)[0].to("cuda")
-
-    def step():
-        model(ids, labels=ids).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = one_step(args.model, args.layers, args.batch, args.seq, stock=args.stock)
     for _ in range(2):
         step()
     torch.cuda.synchronize()
