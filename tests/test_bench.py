@@ -439,3 +439,17 @@ def test_step_gaps_analyse_finds_idle_time_and_the_syncing_op():
     assert got["gaps"] == [{"next_kernel": "b", "count": 2, "ms": 0.02}]
     assert got["syncs"] == [{"call": "cudaStreamSynchronize", "op": "aten::_local_scalar_dense", "count": 1,
                              "ms": 0.03}]
+
+
+def test_one_step_trains_the_fused_tiny_preset_on_the_cpu():
+    """bench.step_ops.one_step (the setup of step_ops / step_gaps): a step runs and updates the weights."""
+    import torch
+
+    from coda.bench.step_ops import one_step
+    step = one_step("tiny", 1, 1, 16, device="cpu")
+    owner = step.__closure__  # the model is reachable through the optimizer in the closure
+    opt = next(c.cell_contents for c in owner if isinstance(c.cell_contents, torch.optim.Optimizer))
+    before = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    step()
+    after = [p.detach() for g in opt.param_groups for p in g["params"]]
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))

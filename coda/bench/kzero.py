@@ -125,3 +125,33 @@ def fused_sweep(M=8192, H=2048, I=8192, variants=None):
                   flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"  {name:34s} {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
+
+
+def unrotate_sweep(M=8192, N=3072):
+    """RoPE's backward pass (``ops.rope.unrotate``: dy's even / odd columns deinterleaved, then the K = 0 rotation
+    by -theta) against the two strided ``.contiguous()`` copies it used before session 20 and a plain clone of dy.
+    ``python -c 'from coda.bench.kzero import unrotate_sweep; unrotate_sweep()'``; ms, one GPU."""
+    import torch
+
+    import coda
+    from coda.autodiff import grad_name
+    from coda.epilogues.rope import rope
+    from coda.ops._common import epilogue_pass
+    from coda.ops.linear import backward_of
+    from coda.ops.rope import ODD_OUT, unrotate
+
+    from .gemm import median_of_runs as bench
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(M, device="cuda", dtype=torch.float32) % 4096
+    freqs = torch.rand(N // 2, device="cuda", dtype=torch.float32)
+    bwd = backward_of(rope, ("out",), ())
+
+    def two_copies():
+        grads = {grad_name("out"): dy[:, 0::2].contiguous(), grad_name(ODD_OUT): dy[:, 1::2].contiguous()}
+        return epilogue_pass(coda.gemm, dy, M, N, epilogue=bwd, out_dtype=dy.dtype, pos=pos, freq=freqs, **grads)
+
+    assert torch.equal(two_copies(), unrotate(coda.gemm, dy, pos, freqs))
+    out = {"unrotate (one deinterleaving copy)": bench(lambda: unrotate(coda.gemm, dy, pos, freqs)),
+           "two strided copies + pass": bench(two_copies), "clone of dy": bench(dy.clone)}
+    print(torch.cuda.get_device_name(), f"{M}x{N}", {k: round(v, 4) for k, v in out.items()})
+    return out

@@ -9,23 +9,26 @@ import argparse
 import sys
 
 
-def one_step(model: str, layers, batch: int, seq: int, *, stock: bool = False, compile: bool = False):
+def one_step(model: str, layers, batch: int, seq: int, *, stock: bool = False, compile: bool = False,
+             device: str = "cuda"):
     """A function running one training step (forward with the loss, backward, fused AdamW) of a preset of
     :mod:`coda.bench.step` on the GPU in bf16 (``layers``: fewer decoder layers; None: the preset's), stock or
     ``coda.fuse``'d, optionally under torch.compile; shared by the step benchmarks that profile one step."""
     import torch
 
+    from .step import PRESETS, build_model, make_batches
+
     cfg = dict(PRESETS[model])
     if layers:
         cfg["layers"] = layers
     torch.manual_seed(0)
-    m = build_model(cfg, seq)[0].to("cuda", torch.bfloat16)
+    m = build_model(cfg, seq)[0].to(device, torch.bfloat16)
     if not stock:
         import coda
         coda.fuse(m)
     fn = torch.compile(m) if compile else m
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
-    ids = make_batches(cfg["vocab"], batch, seq, 1, 1)[0].to("cuda")
+    ids = make_batches(cfg["vocab"], batch, seq, 1, 1)[0].to(device)
 
     def step():
         fn(ids, labels=ids).backward()
@@ -42,6 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--stock", action="store_true", help="the stock model (default: coda.fuse)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--stack", type=int, default=0, help="group by this many Python frames (0: by input shapes)")
     args = ap.parse_args(argv)
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -50,14 +54,16 @@ def main(argv=None) -> int:
     for _ in range(2):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
+                 with_stack=args.stack > 0) as prof:
         step()
         torch.cuda.synchronize()
     print(f"{torch.cuda.get_device_name()} {args.model} with {args.layers} layers, "
           f"{'stock' if args.stock else 'fused'}: ops by self CUDA time (one step)")
-    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=args.top,
-                                                             max_name_column_width=40,
-                                                             max_shapes_column_width=70))
+    avg = (prof.key_averages(group_by_stack_n=args.stack) if args.stack
+           else prof.key_averages(group_by_input_shape=True))
+    print(avg.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=40,
+                    max_shapes_column_width=70))
     return 0
 
 
