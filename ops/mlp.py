@@ -103,7 +103,7 @@ def fold_grads(acc, gamma: coda.VecN, w: coda.TileMN):
 
 
 @functools.lru_cache(maxsize=None)
-def _dacc_on_da(which: tuple):
+def dacc_on_da(which: tuple):
     """rms_swiglu's backward ``which`` on the saved pre-activation, fused into the GEMM da = dy W_down: the 1 -> 2
     epilogue (``coda.autodiff.on_acc``) whose accumulator is da; per element j it reads g_j, u_j and writes the
     pair (dg_j, du_j) of dacc at columns 2j, 2j + 1, plus d_r's row partials."""
@@ -204,7 +204,7 @@ def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, 
     fused = (down and need_gate_up and preact is not None
              and (x.device.type == "cpu" or (x.dtype in IN_DTYPES and kernel_aligned(dy, w_down.t()))))
     if fused:  # dacc and d_r straight out of da's GEMM (da = dy W_down is never written): the 1 -> 2 epilogue
-        res = gemm(dy, w_down.t(), epilogue=_dacc_on_da(which), out_dtype=x.dtype, r=r, **preact)
+        res = gemm(dy, w_down.t(), epilogue=dacc_on_da(which), out_dtype=x.dtype, r=r, **preact)
         res = res if isinstance(res, dict) else {"out": res}
         dw_down = linear_grads(dy, a, w_down, False, need_down, _ENTRY)[1]
     else:

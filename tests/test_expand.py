@@ -9,7 +9,7 @@ from coda.autodiff import grad_name, on_acc
 from coda.dsl import ODD_OUT, DslEpilogue, EpilogueError
 from coda.ops._common import epilogue_pass
 from coda.ops.linear import backward_of
-from coda.ops.mlp import _dacc_on_da, rms_swiglu
+from coda.ops.mlp import dacc_on_da, rms_swiglu
 
 WHICH = (("out",), ("r",), False)
 
@@ -26,7 +26,7 @@ def test_on_acc_equals_the_k0_program_on_da():
     dy, wd, gp, up, r = _inputs()
     M, I = gp.shape
     prog = backward_of(rms_swiglu, *WHICH, preact=True)
-    fused = _dacc_on_da(WHICH)
+    fused = dacc_on_da(WHICH)
     assert fused.expand and fused.pair_mode is None and fused.name.endswith("_on_acc")
     assert [o.name for o in fused.operands] == [o.name for o in prog.operands if o.name != grad_name("out")]
     da = dy.double() @ wd.double()
@@ -43,7 +43,7 @@ def test_expand_output_shape_and_nan():
     NaN in g reaches both values of its pair and its row's d_r only."""
     dy, wd, gp, up, r = _inputs()
     M, I = gp.shape
-    prog = _dacc_on_da(WHICH)
+    prog = dacc_on_da(WHICH)
     ops = dict(r=r, _preact_even=gp, _preact_odd=up)
     res = coda.reference.gemm(dy, wd.t(), epilogue=prog, **ops)
     assert res["out"].shape == (M, 2 * I) and res["d_r"].shape == (M,)
@@ -77,7 +77,7 @@ def test_builds_for_sm90a_without_spills():
     import coda.autotune as at
     from coda._validate import check_gemm_args
     from coda.check import compile_variant
-    prog = _dacc_on_da(WHICH)
+    prog = dacc_on_da(WHICH)
     a = torch.empty(8192, 2048, dtype=torch.bfloat16, device="meta")
     b = torch.empty(2048, 8192, dtype=torch.bfloat16, device="meta").t()
     prob = check_gemm_args(a, b, wide_out=True)

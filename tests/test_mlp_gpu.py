@@ -43,12 +43,12 @@ def test_swiglu_backward_in_da_gemm(M, H, I):
     """The 1 -> 2 epilogue alone (coda.gemm): dy W_down with rms_swiglu's backward on the saved g, u as its epilogue
     equals the reference evaluation of the same program (fp32 math) on every element of dacc (M x 2I, interleaved)
     and d_r; outputs allocated from NaN-poisoned memory, M, I not multiples of the tile."""
-    from coda.ops.mlp import _dacc_on_da
+    from coda.ops.mlp import dacc_on_da
     g = torch.Generator().manual_seed(1)
     rnd = lambda *s: torch.randn(*s, generator=g).to(DEV, torch.bfloat16)  # noqa: E731
     dy, wd, gp, up = rnd(M, H), rnd(H, I) * H ** -0.5, rnd(M, I), rnd(M, I)
     r = (0.5 + torch.rand(M, generator=g)).to(DEV)
-    prog = _dacc_on_da((("out",), ("r",), False))
+    prog = dacc_on_da((("out",), ("r",), False))
     ops = dict(r=r, _preact_even=gp, _preact_odd=up)
     _poison()
     got = coda.gemm(dy, wd.t(), epilogue=prog, **ops)

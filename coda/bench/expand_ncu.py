@@ -7,7 +7,7 @@ import torch
 
 import coda
 from coda.config import GemmConfig
-from coda.ops.mlp import _dacc_on_da
+from coda.ops.mlp import dacc_on_da
 
 
 def main(argv):
@@ -15,7 +15,7 @@ def main(argv):
     bf = dict(device="cuda", dtype=torch.bfloat16)
     dy, wd, g, u = torch.randn(M, H, **bf), torch.randn(H, I, **bf), torch.randn(M, I, **bf), torch.randn(M, I, **bf)
     ops = dict(r=torch.rand(M, device="cuda") + 0.5, _preact_even=g, _preact_odd=u)
-    prog = _dacc_on_da((("out",), ("r",), False))
+    prog = dacc_on_da((("out",), ("r",), False))
     cfgs = []
     for text in argv:
         tm, tn, pp, cm, sched, en, st = text.split(",")

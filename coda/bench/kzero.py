@@ -83,7 +83,7 @@ if __name__ == "__main__":
 def fused_sweep(M=8192, H=2048, I=8192, variants=None):
     """``python -c 'from coda.bench.kzero import fused_sweep; fused_sweep()'`` (``variants``: [(tile_m, tile_n,
     pingpong, cluster_m, sched, epi_n, stages)], default a grid): the SwiGLU backward fused into da's
-    GEMM (``ops.mlp._dacc_on_da``) under tile / epi_n / stage variants (each with its TileMN ring depth and stages
+    GEMM (``ops.mlp.dacc_on_da``) under tile / epi_n / stage variants (each with its TileMN ring depth and stages
     from ``smem_plan``), against cuBLAS's da GEMM + the K = 0 pass it replaces."""
     import itertools
 
@@ -95,13 +95,13 @@ def fused_sweep(M=8192, H=2048, I=8192, variants=None):
     from coda.kernels.epilogue import smem_plan
     from coda.ops._common import epilogue_pass
     from coda.ops.linear import backward_of
-    from coda.ops.mlp import _dacc_on_da, rms_swiglu
+    from coda.ops.mlp import dacc_on_da, rms_swiglu
 
     bf = dict(device="cuda", dtype=torch.bfloat16)
     dy, wd, g, u = torch.randn(M, H, **bf), torch.randn(H, I, **bf), torch.randn(M, I, **bf), torch.randn(M, I, **bf)
     r = torch.rand(M, device="cuda") + 0.5
     which = (("out",), ("r",), False)
-    prog, k0 = _dacc_on_da(which), backward_of(rms_swiglu, *which, preact=True)
+    prog, k0 = dacc_on_da(which), backward_of(rms_swiglu, *which, preact=True)
     ops = dict(r=r, _preact_even=g, _preact_odd=u)
     t_mm = bench(lambda: torch.mm(dy, wd))
     da = torch.mm(dy, wd)
