@@ -9,8 +9,8 @@ What is swapped (duck-typed on class names, so it works on Hugging Face ``LlamaF
   with the stock module); the layer's ``forward`` is patched (an instance attribute) so that the MLP adds the
   residual in its down projection's epilogue (``add_residual=True``; its backward adds the residual gradient in the
   dX GEMM's epilogue); a Hugging Face layer of transformers < 5 keeps its forward and the MLP ``add_residual=False``;
-- every ``LlamaDecoderLayer``'s ``input_layernorm`` + ``self_attn`` (``LlamaAttention``: no biases, no QK-norm, the
-  model's RoPE ``inv_freq`` buffer): the norm becomes a ``DeferredRMSNorm`` and the attention a
+- every ``LlamaDecoderLayer``'s ``input_layernorm`` + ``self_attn`` (``LlamaAttention``: no biases, the model's RoPE
+  ``inv_freq`` buffer; a per-head RMSNorm on q and k as Qwen3's is kept, applied between the GEMM and RoPE): the norm becomes a ``DeferredRMSNorm`` and the attention a
   :class:`coda.nn_attention.FusedAttention` (norm + QKV + RoPE in one GEMM, SDPA with grouped-query heads as they
   are, ``o_proj`` shared);
 - the final norm (``model.norm``) + ``lm_head`` + loss of the top module (it has ``lm_head`` and ``model.norm``): the
@@ -28,8 +28,9 @@ the stock keys, order and values (``coda.nn``'s state-dict hooks), and ``load_st
 checkpoints. Note: after fusing, the backbone's last hidden state is the one before the final norm.
 
 Mistral, Qwen2 and Qwen3 models (Hugging Face classes ``Mistral*``, ``Qwen2*``, ``Qwen3*``) fuse the same way: their
-decoder layers are Llama's; their attention blocks fuse where ``attention_fusable`` allows (not Qwen2's q/k/v biases,
-Qwen3's QK-norm, or a Mistral sliding window shorter than the maximum position). Models it does not recognise
+decoder layers are Llama's; their attention blocks fuse where ``attention_fusable`` allows (not Qwen2's q/k/v biases or a
+Mistral sliding window shorter than the maximum position; Qwen3's QK-norm fuses: norm + QKV in one GEMM, then the
+head norms and RoPE in torch). Models it does not recognise
 (Gemma, GPT-2, ...: any other decoder layer, any other final norm) are left stock with a warning naming what was not
 fused; a model in which nothing was fused is not marked fused.
 
@@ -53,7 +54,8 @@ __all__ = ["fuse", "unfuse", "stock_grads"]
 
 # Llama and the families whose decoder layer is Llama's (pre-norm RMSNorm, SwiGLU MLP without biases, RoPE
 # attention): the MLP and the LM head fuse in each; the attention where attention_fusable allows (Qwen2 has q/k/v
-# biases, Qwen3 a QK-norm, Mistral may use a sliding window: those attention blocks stay stock, with the reason)
+# biases and Mistral may use a sliding window: those attention blocks stay stock, with the reason; Qwen3's QK-norm
+# is kept inside FusedAttention)
 _FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
 LAYER_CLASSES = {f"{f}DecoderLayer" for f in _FAMILIES}
 MLP_CLASSES = {f"{f}MLP" for f in _FAMILIES}

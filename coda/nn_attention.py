@@ -12,6 +12,10 @@ RoPE uses the model's own ``inv_freq`` (fp32; angles formed in extended precisio
 W_q / W_k rows are kept in the adjacent-pairs order (``permute_half_split``: attention scores are unchanged); the
 state dict is the stock one (``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight``, ``o_proj.weight``).
 Grouped-query heads go to SDPA as they are (``enable_gqa``), never repeated.
+
+QK-norm (Qwen3: ``q_norm`` / ``k_norm``, an RMSNorm over each head of q and k before RoPE): the norm sits between
+the GEMM and the rotation, so the block runs ``coda.ops.rmsnorm_linear`` (input norm + QKV in one GEMM), then the
+head norms (the stock modules, weights permuted like the W_q / W_k rows) and RoPE on the column pairs in torch.
 """
 from __future__ import annotations
 
@@ -42,14 +46,38 @@ def attention_fusable(attn: nn.Module) -> Optional[str]:
         return "needs an even head_dim"
     if any(lin.weight.shape[0] % 8 or lin.weight.shape[1] % 8 for lin in lins):
         return "sizes must be multiples of 8"
-    if getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:
-        return "QK-norm is not supported yet"
+    qk = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+    if any(m is not None for m in qk) and not all(_head_rms_norm(m, d) for m in qk):
+        return "QK-norm other than an RMSNorm over head_dim on both q and k is not supported"
     cfg = getattr(attn, "config", None)
     # Qwen2 / Qwen3 set attn.sliding_window per layer (None on full-attention layers); Mistral only in its config
     window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(cfg, "sliding_window", None)
     if window is not None and window < getattr(cfg, "max_position_embeddings", float("inf")):
         return f"sliding-window attention (window {window}) is not supported yet"
     return None
+
+
+def _head_rms_norm(m, d: int) -> bool:
+    """Whether ``m`` is a per-head RMSNorm (Qwen3's ``q_norm`` / ``k_norm``: a ``*RMSNorm`` with a (d,) weight)."""
+    w = getattr(m, "weight", None)
+    return (type(m).__name__.endswith("RMSNorm") and isinstance(w, torch.Tensor) and tuple(w.shape) == (d,)
+            and _norm_eps(m) is not None)
+
+
+def _norm_eps(m) -> Optional[float]:
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) else None
+
+
+def _rotate_pairs(z: Tensor, pos: Tensor, freqs: Tensor, dtype: torch.dtype) -> Tensor:
+    """RoPE on adjacent column pairs (2j, 2j+1) of z (..., T, n) by pos_t * freqs_j, angles in fp32 (fp64 for an
+    fp64 model), cos / sin rounded to ``dtype`` (the hidden states', as the stock model's): the stock math in
+    CODA's pair order (what the fused epilogue computes)."""
+    dt = torch.promote_types(dtype, torch.float32)
+    ang = pos.to(dt).unsqueeze(-1) * freqs.to(dt)
+    c, s = ang.cos().to(dtype), ang.sin().to(dtype)
+    a, b = z[..., 0::2], z[..., 1::2]
+    return torch.stack((a * c - b * s, a * s + b * c), -1).flatten(-2)
 
 
 def _head_dim(attn) -> Optional[int]:
@@ -89,6 +117,7 @@ class FusedAttention(_NormConsumer):
         freqs[:n_heads + n_kv_heads] = inv_freq.detach().float().cpu()
         self.register_buffer("freqs", freqs.flatten().to(inv_freq.device), persistent=False)
         self._set_norm(norm, hidden_size, eps, device, dtype)
+        self.q_norm = self.k_norm = None  # per-head RMSNorms on q and k before RoPE (Qwen3), the stock modules
 
     @classmethod
     def from_stock(cls, attn: nn.Module, inv_freq: Tensor, norm: DeferredRMSNorm) -> "FusedAttention":
@@ -105,6 +134,8 @@ class FusedAttention(_NormConsumer):
         out.weight_qkv = nn.Parameter(w, requires_grad=q.requires_grad)
         out.freqs = out.freqs.to(q.device)
         out.o_proj = attn.o_proj
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3: shared, stock order (permuted when applied)
+            out.q_norm, out.k_norm = attn.q_norm, attn.k_norm
         out.layer_idx = getattr(attn, "layer_idx", None)
         return out
 
@@ -122,24 +153,29 @@ class FusedAttention(_NormConsumer):
         if pos is None:
             pos = torch.arange(T, device=x.device)
         dtype = _compute_dtype(x)
-        if dtype in _FUSED_DTYPES and not (_nn.compiling() and self.inductor_under_compile):
-            y = ops.rmsnorm_linear_rope(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype), pos, self.freqs,
-                                        self.eps)
-        else:  # float32 / float64, or under torch.compile: the stock math (fp32 norm statistics, angles in fp32
-            # or the model's fp64), which inductor fuses around cuBLAS's QKV GEMM
-            z = F.linear(rms_norm(x, self.norm_weight, self.eps), self.weight_qkv)
-            dt = torch.promote_types(x.dtype, torch.float32)
-            ang = pos.to(dt).unsqueeze(-1) * self.freqs.to(dt)
-            c, s = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-            a, b = z[..., 0::2], z[..., 1::2]
-            y = torch.stack((a * c - b * s, a * s + b * c), -1).flatten(-2)
+        fused = dtype in _FUSED_DTYPES and not (_nn.compiling() and self.inductor_under_compile)
         hq, hk, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
-        # one split, not three slices: its backward is one cat into dy, where three slices' backwards each zero a
-        # full-size buffer and add it (H100 llama-1b eager: ~0.15 ms a layer of fills and adds)
-        q, k, v = torch.split(y, [hq, hk, hk], dim=-1)
-        q = q.view(B, T, self.n_heads, d).transpose(1, 2)
-        k = k.view(B, T, self.n_kv, d).transpose(1, 2)
-        v = v.view(B, T, self.n_kv, d).transpose(1, 2)
+        if self.q_norm is not None:  # QK-norm between the GEMM and RoPE: norm + QKV fused, then the head norms
+            # (in CODA's pair order: the weights permuted like W_q / W_k rows) and RoPE, in torch
+            z = (ops.rmsnorm_linear(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype), self.eps) if fused
+                 else F.linear(rms_norm(x, self.norm_weight, self.eps), self.weight_qkv))
+            q, k, v = torch.split(z, [hq, hk, hk], dim=-1)
+            q = _rotate_pairs(self._head_norm(q, self.q_norm), pos, self.freqs[:hq // 2], x.dtype)
+            k = _rotate_pairs(self._head_norm(k, self.k_norm), pos, self.freqs[hq // 2:(hq + hk) // 2], x.dtype)
+        else:
+            if fused:
+                y = ops.rmsnorm_linear_rope(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype), pos,
+                                            self.freqs, self.eps)
+            else:  # float32 / float64, or under torch.compile: the stock math (fp32 norm statistics, angles in
+                # fp32 or the model's fp64), which inductor fuses around cuBLAS's QKV GEMM
+                y = _rotate_pairs(F.linear(rms_norm(x, self.norm_weight, self.eps), self.weight_qkv), pos,
+                                  self.freqs, x.dtype)
+            # one split, not three slices: its backward is one cat into dy, where three slices' backwards each
+            # zero a full-size buffer and add it (H100 llama-1b eager: ~0.15 ms a layer of fills and adds)
+            q, k, v = torch.split(y, [hq, hk, hk], dim=-1)
+        q = q.reshape(B, T, self.n_heads, d).transpose(1, 2)
+        k = k.reshape(B, T, self.n_kv, d).transpose(1, 2)
+        v = v.reshape(B, T, self.n_kv, d).transpose(1, 2)
         cache = next((kwargs[n] for n in ("cache", "past_key_values", "past_key_value") if kwargs.get(n) is not None),
                      None)  # transformers 5.x: ``cache``; earlier: ``past_key_value(s)``
         if cache is not None:  # Hugging Face generation: keys and values of earlier positions come from the cache
@@ -156,6 +192,12 @@ class FusedAttention(_NormConsumer):
                                            enable_gqa=gqa)
         out = self.o_proj(o.transpose(1, 2).reshape(B, T, hq))
         return (out, None) if self.hf_signature else out
+
+    def _head_norm(self, t: Tensor, norm: nn.Module) -> Tensor:
+        """``norm`` (a per-head RMSNorm, stock weight order) over each head of t (..., heads * d)."""
+        d = self.head_dim
+        w = permute_half_split(norm.weight, d)
+        return rms_norm(t.unflatten(-1, (-1, d)), w, _norm_eps(norm)).flatten(-2)
 
     def _to_stock(self, local):
         w = local.pop("weight_qkv")

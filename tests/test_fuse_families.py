@@ -20,9 +20,12 @@ def fp32_ops(monkeypatch):
     import coda.nn_attention
     import coda.ops.cross_entropy as ce
     import coda.ops.gated as gated
+    import sys
+    rl = sys.modules["coda.ops.rmsnorm_linear"]  # the module (coda.ops.rmsnorm_linear is also the function)
     f32 = (torch.bfloat16, torch.float16, torch.float32)
     monkeypatch.setattr(coda._validate, "IN_DTYPES", f32)
     monkeypatch.setattr(gated, "_IN_DTYPES", f32)
+    monkeypatch.setattr(rl, "_IN_DTYPES", f32)
     monkeypatch.setattr(coda.nn, "_FUSED_DTYPES", f32)
     if hasattr(coda.nn_attention, "_FUSED_DTYPES"):
         monkeypatch.setattr(coda.nn_attention, "_FUSED_DTYPES", f32)
@@ -37,12 +40,16 @@ def _fuse(model):
     return [str(w.message) for w in caught if "coda.fuse" in str(w.message)]
 
 
-@pytest.mark.parametrize("kind,attention", [("Mistral", True), ("Qwen2", False), ("Qwen3", False)])
+@pytest.mark.parametrize("kind,attention", [("Mistral", True), ("Qwen2", False), ("Qwen3", True)])
 def test_family_fuses_and_matches_stock(fp32_ops, kind, attention):
     torch.manual_seed(0)
     stock = _tiny_hf(kind).float()
     if kind == "Mistral":
         stock.config.sliding_window = None  # a full-attention Mistral: its attention fuses too
+    with torch.no_grad():  # norm weights away from ones: a weight applied in the wrong order would show
+        for name, p in stock.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
     fused = copy.deepcopy(stock)
     msgs = _fuse(fused)
     assert fused._coda_fused
@@ -52,7 +59,7 @@ def test_family_fuses_and_matches_stock(fp32_ops, kind, attention):
     # the second residual add runs in the MLP's down projection (the layer's forward patched)
     assert all(layer.mlp.add_residual and "forward" in vars(layer) for layer in layers)
     assert isinstance(fused.lm_head, coda.nn.LMHeadCrossEntropy)
-    why = {"Qwen2": "biases", "Qwen3": "QK-norm"}.get(kind)
+    why = {"Qwen2": "biases"}.get(kind)
     assert (why is None) or any("attention block(s) left stock" in m and why in m for m in msgs), msgs
     g = torch.Generator().manual_seed(1)
     labels = torch.randint(0, 128, (2, 24), generator=g)
@@ -123,14 +130,19 @@ def test_unfuse_restores_the_stock_layer_forward():
     assert all("forward" not in vars(layer) for layer in model.model.layers)
 
 
-def test_generation_with_cache_matches_stock():
+@pytest.mark.parametrize("kind", ["Mistral", "Qwen3"])
+def test_generation_with_cache_matches_stock(kind):
     """Greedy generation with the key/value cache (transformers 5 passes it as ``cache``) through the fused
     attention and the patched decoder layers: the tokens of a greedy loop over the stock model's full forward
     (no cache; stock ``generate`` is not the reference: on these tiny random models transformers 5.24's own
     ``generate`` already disagrees with its forward's argmax)."""
     torch.manual_seed(0)
-    stock = _tiny_hf("Mistral").float().eval()
+    stock = _tiny_hf(kind).float().eval()
     stock.config.sliding_window = None
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
     fused = copy.deepcopy(stock)
     _fuse(fused)
     assert isinstance(fused.model.layers[0].self_attn, FusedAttention)
