@@ -10,7 +10,8 @@ What is swapped (duck-typed on class names, so it works on Hugging Face ``LlamaF
   residual in its down projection's epilogue (``add_residual=True``; its backward adds the residual gradient in the
   dX GEMM's epilogue); a Hugging Face layer of transformers < 5 keeps its forward and the MLP ``add_residual=False``;
 - every ``LlamaDecoderLayer``'s ``input_layernorm`` + ``self_attn`` (``LlamaAttention``: no biases, the model's RoPE
-  ``inv_freq`` buffer; a per-head RMSNorm on q and k as Qwen3's is kept, applied between the GEMM and RoPE): the norm becomes a ``DeferredRMSNorm`` and the attention a
+  ``inv_freq`` buffer; a per-head RMSNorm on q and k as Qwen3's is kept, applied between the GEMM and RoPE): the
+  norm becomes a ``DeferredRMSNorm`` and the attention a
   :class:`coda.nn_attention.FusedAttention` (norm + QKV + RoPE in one GEMM, SDPA with grouped-query heads as they
   are, ``o_proj`` shared);
 - the final norm (``model.norm``) + ``lm_head`` + loss of the top module (it has ``lm_head`` and ``model.norm``): the
@@ -28,11 +29,11 @@ the stock keys, order and values (``coda.nn``'s state-dict hooks), and ``load_st
 checkpoints. Note: after fusing, the backbone's last hidden state is the one before the final norm.
 
 Mistral, Qwen2 and Qwen3 models (Hugging Face classes ``Mistral*``, ``Qwen2*``, ``Qwen3*``) fuse the same way: their
-decoder layers are Llama's; their attention blocks fuse where ``attention_fusable`` allows (not Qwen2's q/k/v biases or a
-Mistral sliding window shorter than the maximum position; Qwen3's QK-norm fuses: norm + QKV in one GEMM, then the
-head norms and RoPE in torch). Models it does not recognise
-(Gemma, GPT-2, ...: any other decoder layer, any other final norm) are left stock with a warning naming what was not
-fused; a model in which nothing was fused is not marked fused.
+decoder layers are Llama's; their attention blocks fuse where ``attention_fusable`` allows (not Qwen2's q/k/v
+biases or a Mistral sliding window shorter than the maximum position; Qwen3's QK-norm fuses: norm + QKV in one
+GEMM, then the head norms and RoPE in torch). Models it does not recognise (Gemma, GPT-2, ...: any other decoder
+layer, any other final norm) are left stock with a warning naming what was not fused; a model in which nothing was
+fused is not marked fused.
 
 ``coda.unfuse(model)`` puts the stock modules back (gate/up de-interleaved into fresh Parameters).
 """

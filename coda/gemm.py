@@ -166,7 +166,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
         split = split_k(prob.M, prob.N, prob.K, prob.out_dtype.itemsize, _device.sm_count(prob.device))
         if split > 1:
             return _split_k(a, b, out, prob, split)
-    cfg = (config or _auto_config(prob, epi, a, b, operands)).validate()
+    cfg = (config or select_config(prob, epi, a, b, operands)).validate()
 
     res, key, views, leads, outs, partials = _kernel_views(prob, epi, cfg, a, b, out, operands)
     if key is None:  # empty result: nothing to launch
@@ -308,12 +308,6 @@ def _compiled(key, cfg: GemmConfig, epi: Epilogue, prob, cute_args):
                                                      device_info(prob.device).arch)
                 _cache[key] = fn
     return fn
-
-
-def _auto_config(prob, epi: Epilogue, a, b, operands) -> GemmConfig:
-    """``config=None``: the runtime's choice (``coda.runtime.select``: memory, the tuning store, a shipped config,
-    the heuristic; a tuning run only with ``CODA_AUTOTUNE=1``)."""
-    return select_config(prob, epi, a, b, operands)
 
 
 def _grad_tracked(a, b, out, operands) -> bool:

@@ -67,6 +67,12 @@ def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float) -> Tensor:
     return y if weight is None else weight * y
 
 
+def norm_eps(norm: nn.Module, default: Optional[float] = None) -> Optional[float]:
+    """A stock RMSNorm's epsilon (``variance_epsilon`` as Llama's, or ``eps``), else ``default``."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else default
+
+
 def _compute_dtype(x: Tensor) -> torch.dtype:
     """The dtype the GEMMs run in: autocast's when it is on for x's device, else x's."""
     if torch.is_autocast_enabled(x.device.type):
@@ -131,8 +137,7 @@ class DeferredRMSNorm(nn.Module):
     @classmethod
     def from_norm(cls, norm: nn.Module) -> "DeferredRMSNorm":
         """Shares ``norm.weight`` (the same Parameter: no copy, optimizer state and ties stay valid)."""
-        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-        return cls(norm.weight.shape[0], 1e-6 if eps is None else eps, weight=norm.weight)
+        return cls(norm.weight.shape[0], norm_eps(norm, 1e-6), weight=norm.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         return x
@@ -206,7 +211,7 @@ class RMSNormLinear(_NormConsumer):
         if any(lin.bias is not None for lin in linears):
             raise ValueError("RMSNormLinear.from_modules: projections with a bias are not supported")
         w0 = linears[0].weight
-        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)) if norm is not None else 1e-6
+        eps = norm_eps(norm, 1e-6) if norm is not None else 1e-6
         deferred = DeferredRMSNorm.from_norm(norm) if share_norm and norm is not None else None
         out = cls(w0.shape[1], [lin.weight.shape[0] for lin in linears] if names else w0.shape[0], eps,
                   names=names, norm=deferred if share_norm else (False if norm is None else None),

@@ -29,7 +29,8 @@ from torch import Tensor, nn
 import coda.nn as _nn
 from coda import ops
 from coda.epilogues.rope import permute_half_split, unpermute_half_split
-from coda.nn import _FUSED_DTYPES, INDUCTOR_UNDER_COMPILE, DeferredRMSNorm, _compute_dtype, _NormConsumer, rms_norm
+from coda.nn import (_FUSED_DTYPES, INDUCTOR_UNDER_COMPILE, DeferredRMSNorm, _compute_dtype, _NormConsumer, norm_eps,
+                     rms_norm)
 
 __all__ = ["FusedAttention", "attention_fusable"]
 
@@ -61,12 +62,7 @@ def _head_rms_norm(m, d: int) -> bool:
     """Whether ``m`` is a per-head RMSNorm (Qwen3's ``q_norm`` / ``k_norm``: a ``*RMSNorm`` with a (d,) weight)."""
     w = getattr(m, "weight", None)
     return (type(m).__name__.endswith("RMSNorm") and isinstance(w, torch.Tensor) and tuple(w.shape) == (d,)
-            and _norm_eps(m) is not None)
-
-
-def _norm_eps(m) -> Optional[float]:
-    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
-    return float(eps) if isinstance(eps, (int, float)) else None
+            and norm_eps(m) is not None)
 
 
 def _rotate_pairs(z: Tensor, pos: Tensor, freqs: Tensor, dtype: torch.dtype) -> Tensor:
@@ -155,24 +151,20 @@ class FusedAttention(_NormConsumer):
         dtype = _compute_dtype(x)
         fused = dtype in _FUSED_DTYPES and not (_nn.compiling() and self.inductor_under_compile)
         hq, hk, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
-        if self.q_norm is not None:  # QK-norm between the GEMM and RoPE: norm + QKV fused, then the head norms
-            # (in CODA's pair order: the weights permuted like W_q / W_k rows) and RoPE, in torch
+        if fused and self.q_norm is None:  # norm + QKV + RoPE: one GEMM
+            q, k, v = torch.split(ops.rmsnorm_linear_rope(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype),
+                                                          pos, self.freqs, self.eps), [hq, hk, hk], dim=-1)
+            # (one split, not three slices: its backward is one cat into dy, where three slices' backwards each
+            # zero a full-size buffer and add it; H100 llama-1b eager: ~0.15 ms a layer of fills and adds)
+        else:  # norm + QKV (fused unless float32 / float64 or under torch.compile, where it is the stock math that
+            # inductor fuses around cuBLAS's GEMM), then Qwen3's head norms (weights in CODA's pair order) and
+            # RoPE on the column pairs in torch
             z = (ops.rmsnorm_linear(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype), self.eps) if fused
                  else F.linear(rms_norm(x, self.norm_weight, self.eps), self.weight_qkv))
-            q, k, v = torch.split(z, [hq, hk, hk], dim=-1)
-            q = _rotate_pairs(self._head_norm(q, self.q_norm), pos, self.freqs[:hq // 2], x.dtype)
-            k = _rotate_pairs(self._head_norm(k, self.k_norm), pos, self.freqs[hq // 2:(hq + hk) // 2], x.dtype)
-        else:
-            if fused:
-                y = ops.rmsnorm_linear_rope(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype), pos,
-                                            self.freqs, self.eps)
-            else:  # float32 / float64, or under torch.compile: the stock math (fp32 norm statistics, angles in
-                # fp32 or the model's fp64), which inductor fuses around cuBLAS's QKV GEMM
-                y = _rotate_pairs(F.linear(rms_norm(x, self.norm_weight, self.eps), self.weight_qkv), pos,
-                                  self.freqs, x.dtype)
-            # one split, not three slices: its backward is one cat into dy, where three slices' backwards each
-            # zero a full-size buffer and add it (H100 llama-1b eager: ~0.15 ms a layer of fills and adds)
-            q, k, v = torch.split(y, [hq, hk, hk], dim=-1)
+            if self.q_norm is not None:
+                q, k, v = torch.split(z, [hq, hk, hk], dim=-1)
+                z = torch.cat((self._head_norm(q, self.q_norm), self._head_norm(k, self.k_norm), v), -1)
+            q, k, v = torch.split(_rotate_pairs(z, pos, self.freqs, x.dtype), [hq, hk, hk], dim=-1)
         q = q.reshape(B, T, self.n_heads, d).transpose(1, 2)
         k = k.reshape(B, T, self.n_kv, d).transpose(1, 2)
         v = v.reshape(B, T, self.n_kv, d).transpose(1, 2)
@@ -197,7 +189,7 @@ class FusedAttention(_NormConsumer):
         """``norm`` (a per-head RMSNorm, stock weight order) over each head of t (..., heads * d)."""
         d = self.head_dim
         w = permute_half_split(norm.weight, d)
-        return rms_norm(t.unflatten(-1, (-1, d)), w, _norm_eps(norm)).flatten(-2)
+        return rms_norm(t.unflatten(-1, (-1, d)), w, norm_eps(norm)).flatten(-2)
 
     def _to_stock(self, local):
         w = local.pop("weight_qkv")

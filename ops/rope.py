@@ -147,15 +147,10 @@ def unrotate(gemm, dy: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
     pairs epilogue without acc, reading dy as even / odd tiles) on a K = 0 GEMM: CODA's kernel running only the
     epilogue."""
     bwd = backward_of(rope, ("out",), ())
-    M, N = dy.shape
-    # the even and odd columns as two M x N/2 tiles, deinterleaved by one copy (two strided .contiguous() copies
-    # read dy twice). H100, 8192 x 3072 (bench.kzero.unrotate_sweep): 0.187 ms with the pass, 0.189 with two
-    # copies; a clone of dy 0.039: the K = 0 pass itself (angles per element, one CTA per SM) is the cost
-    half = M * (N // 2)
-    step = -(-half // 8) * 8  # the odd tile starts 16-byte aligned (an operand's data pointer must be)
-    pairs = dy.new_empty(2 * step).as_strided((2, M, N // 2), (step, N // 2, 1))
-    pairs.copy_(dy.reshape(M, N // 2, 2).permute(2, 0, 1))
-    grads = {grad_name("out"): pairs[0], grad_name(ODD_OUT): pairs[1]}
+    # the even and odd columns as two M x N/2 tiles. H100, 8192 x 3072 (bench.kzero.unrotate_sweep): the K = 0 pass
+    # (angles per element, one CTA per SM) is most of the 0.19 ms, a clone of dy 0.04; one deinterleaving copy
+    # instead of these two measured 1 % faster (session 20): not worth its alignment bookkeeping
+    grads = {grad_name("out"): dy[:, 0::2].contiguous(), grad_name(ODD_OUT): dy[:, 1::2].contiguous()}
     return epilogue_pass(gemm, dy, dy.shape[0], dy.shape[1], epilogue=bwd, out_dtype=dy.dtype, pos=positions,
                          freq=freqs, **grads)
 
@@ -172,9 +167,6 @@ def _backward_op(dy: Tensor, x: Tensor, weight: Tensor, positions: Tensor, freqs
     dacc = unrotate(gemm, dy.to(x.dtype), positions, freqs)
     gx, gw = linear_grads(dacc, x, weight, need_x, need_w, ENTRY)
     return (dx if gx is None else gx), (dw if gw is None else gw)
-
-
-
 
 
 # ------------------------------------------------------------------------------------------------ public entry

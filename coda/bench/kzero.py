@@ -128,8 +128,8 @@ def fused_sweep(M=8192, H=2048, I=8192, variants=None):
 
 
 def unrotate_sweep(M=8192, N=3072):
-    """RoPE's backward pass (``ops.rope.unrotate``: dy's even / odd columns deinterleaved, then the K = 0 rotation
-    by -theta) against the two strided ``.contiguous()`` copies it used before session 20 and a plain clone of dy.
+    """RoPE's backward pass (``ops.rope.unrotate``: dy's even / odd columns copied out, then the K = 0 rotation by
+    -theta) against the K = 0 pass alone (the copies made beforehand) and a plain clone of dy: where its time goes.
     ``python -c 'from coda.bench.kzero import unrotate_sweep; unrotate_sweep()'``; ms, one GPU."""
     import torch
 
@@ -145,13 +145,13 @@ def unrotate_sweep(M=8192, N=3072):
     pos = torch.arange(M, device="cuda", dtype=torch.float32) % 4096
     freqs = torch.rand(N // 2, device="cuda", dtype=torch.float32)
     bwd = backward_of(rope, ("out",), ())
+    grads = {grad_name("out"): dy[:, 0::2].contiguous(), grad_name(ODD_OUT): dy[:, 1::2].contiguous()}
 
-    def two_copies():
-        grads = {grad_name("out"): dy[:, 0::2].contiguous(), grad_name(ODD_OUT): dy[:, 1::2].contiguous()}
+    def pass_only():
         return epilogue_pass(coda.gemm, dy, M, N, epilogue=bwd, out_dtype=dy.dtype, pos=pos, freq=freqs, **grads)
 
-    assert torch.equal(two_copies(), unrotate(coda.gemm, dy, pos, freqs))
-    out = {"unrotate (one deinterleaving copy)": bench(lambda: unrotate(coda.gemm, dy, pos, freqs)),
-           "two strided copies + pass": bench(two_copies), "clone of dy": bench(dy.clone)}
+    assert torch.equal(pass_only(), unrotate(coda.gemm, dy, pos, freqs))
+    out = {"unrotate": bench(lambda: unrotate(coda.gemm, dy, pos, freqs)), "K = 0 pass alone": bench(pass_only),
+           "clone of dy": bench(dy.clone)}
     print(torch.cuda.get_device_name(), f"{M}x{N}", {k: round(v, 4) for k, v in out.items()})
     return out

@@ -13,5 +13,6 @@ where compiled kernels and measured facts are kept.
   :mod:`coda.runtime.shipped` (the per-GPU tuned-config files and their lookup).
 
 ``coda.autotune`` searches configs and calls down into these; nothing here imports ``coda.autotune``, ``coda.ops``
-or ``coda.epilogues`` (tests/test_package.py); the default tuner is the package root's ``coda._tune_on_miss``. Importing this package imports neither torch nor cutlass.
+or ``coda.epilogues`` (tests/test_package.py); the default tuner is the package root's ``coda._tune_on_miss``.
+Importing this package imports neither torch nor cutlass.
 """

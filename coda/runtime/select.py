@@ -9,9 +9,9 @@ runtime; the autotuner only searches configs and registers itself here with :fun
   :mod:`coda.runtime.store`), then a config shipped for this GPU model (:mod:`coda.runtime.shipped`, nearest shape
   bucket), else the heuristic ``coda.config.default_config``. A new shape costs a file read, never a tuning run;
 - ``CODA_AUTOTUNE=1``: memory, the store, then on a miss the tuner (``coda.autotune.tuner.tune`` through the package
-  root's ``coda._tune_on_miss``, imported when first run; :func:`set_tuner` replaces it) and store the winner -- unless the problem is too small
-  to be worth it (< ``MIN_TUNE_FLOP``) or the stream is being captured into a CUDA graph, where the default chain
-  above is used (not remembered);
+  root's ``coda._tune_on_miss``, imported when first run; :func:`set_tuner` replaces it) and store the winner --
+  unless the problem is too small to be worth it (< ``MIN_TUNE_FLOP``) or the stream is being captured into a CUDA
+  graph, where the default chain above is used (not remembered);
 - ``CODA_AUTOTUNE=0``: the heuristic, no timing, nothing read or written.
 
 Visibility: :func:`counts` / :func:`summary` (how many distinct shapes used tuned, shipped or heuristic configs;
