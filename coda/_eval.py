@@ -274,16 +274,26 @@ class CuteOps:
     def cos(self, x): return self._sincos(x)[1]
 
     def _sincos(self, x):
-        """Full-precision sin and cos (libdevice sincosf, not sin.approx), computed once per argument: the two
-        share one range reduction (half the code of separate sin / cos calls)."""
+        """sin and cos, computed once per argument. Of an angle :meth:`angle` reduced to [-pi, pi] (RoPE's):
+        the SFU's ``sin.approx`` / ``cos.approx`` (absolute error <= 2^-20.9 there, PTX ISA; two instructions);
+        of any other argument full precision (libdevice sincosf, one shared range reduction: ~40 instructions,
+        which made RoPE's K = 0 backward pass instruction-bound at 836 GB/s on the H100, session 20)."""
         memo = self.__dict__.setdefault("_sincos_memo", {})
         hit = memo.get(id(x))
         if hit is None or hit[0] is not x:
-            hit = memo[id(x)] = (x, *self.cute.math.sincos(x))
+            red = self.__dict__.get("_reduced", {}).get(id(x))
+            if red is not None and red is x:
+                m = self.cute.math
+                hit = (x, m.sin(x, approx=True), m.cos(x, approx=True))
+            else:
+                hit = (x, *self.cute.math.sincos(x))
+            memo[id(x)] = hit
         return hit[1:]
 
     def angle(self, coef: float, factors):
-        return reduce_angle(self, coef, factors)  # see reduce_angle: two-float product + Cody-Waite reduction
+        r = reduce_angle(self, coef, factors)  # see reduce_angle: two-float product + Cody-Waite reduction
+        self.__dict__.setdefault("_reduced", {})[id(r)] = r  # |r| <= pi + 1e-6: sin / cos take the SFU
+        return r
 
     def mul_rn(self, a, b): return self.cute.math.mul(a, b, rounding=self.cute.math.RoundingMode.NEAREST_EVEN)
     def add_rn(self, a, b): return self.cute.math.add(a, b, rounding=self.cute.math.RoundingMode.NEAREST_EVEN)
@@ -313,7 +323,8 @@ def reduce_angle(B, coef: float, factors):
        a few 1e-7 rad for |angle| up to ~1e6 rad. Measured on every position 0..131072 x Llama's 64 frequencies
        (tests/test_rope.py, float32 emulation of this code): max |error| of cos / sin 2.4e-7, vs 3.9e-3 for sin /
        cos of the plain fp32 product.
-    ``sin`` / ``cos`` (full precision) then get r. A non-finite product gives NaN, as sin(inf) does."""
+    ``sin`` / ``cos`` then get r (the SFU approximations, ``CuteOps._sincos``). A non-finite product gives NaN,
+    as sin(inf) does."""
     hi, lo = factors[0], None
     neg1 = B.const(-1.0)
     for f in factors[1:]:

@@ -173,21 +173,22 @@ def tune_key(dev: DeviceInfo, in_dtype: Any, out_dtype: Any, M: int, N: int, K: 
 
 
 # ----------------------------------------------------------------------------------------------- kernel cache
-_SOURCE_FILES = ("coda/kernels/*.py", "coda/config.py", "coda/runtime/compile_cache.py")
+# the code that emits a kernel's instructions: the kernels, their configs, the compile cache's host entry, and the
+# lowering of an epilogue's math (``coda/dsl.py`` traces and simplifies it, ``coda/_eval.py`` emits it: before
+# session 21 those two were missing, so a changed lowering kept serving the kernels compiled by the old one)
+_SOURCE_FILES = ("coda/kernels/*.py", "coda/config.py", "coda/runtime/compile_cache.py", "coda/dsl.py",
+                 "coda/_eval.py")
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_source_hash(root: Optional[str] = None) -> str:
-    """sha256 of CODA's kernel sources (``coda/kernels/*.py``, ``coda/config.py`` and the compile cache's host
-    entry): any edit there invalidates every cached compiled kernel."""
+    """sha256 of the sources in :data:`_SOURCE_FILES` (under ``root``, default: the installed package's
+    checkout): any edit there invalidates every cached compiled kernel."""
     if root is None:
         import coda
-        pkg = pathlib.Path(coda.__file__).resolve().parent
-        files = sorted(pkg.joinpath("kernels").glob("*.py")) + [pkg / "config.py",
-                                                               pkg / "runtime" / "compile_cache.py"]
-    else:
-        base = pathlib.Path(root)
-        files = sorted(p for pat in _SOURCE_FILES for p in base.glob(pat))
+        root = pathlib.Path(coda.__file__).resolve().parent.parent
+    base = pathlib.Path(root)
+    files = sorted(p for pat in _SOURCE_FILES for p in base.glob(pat))
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
