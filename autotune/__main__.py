@@ -74,13 +74,18 @@ def main(argv=None) -> int:
     ap.add_argument("--epilogue", default="identity", metavar="NAME")
     ap.add_argument("--dtype", default="bfloat16", help="input dtype: bfloat16 or float16")
     ap.add_argument("--out-dtype", default=None, help="output dtype (default: the input dtype)")
-    ap.add_argument("--level", choices=("quick", "full"), default="quick")
+    ap.add_argument("--level", choices=("quick", "full", "near"), default="quick",
+                    help="quick: ~50 first-order configs a problem; full: then the best 3 refined; near: the "
+                         "heuristic's config one knob away (~10 a problem)")
     ap.add_argument("--clear", action="store_true", help="empty the result and compiled-kernel caches first")
     ap.add_argument("--space", action="store_true", help="print the pruned config space (no GPU needed)")
     ap.add_argument("--model", default=None, metavar="PRESET",
                     help="tune every GEMM of one fused training step of this coda.bench.step preset")
     ap.add_argument("--batch", type=int, default=2, help="--model: sequences per step (default 2)")
     ap.add_argument("--seq", type=int, default=4096, help="--model: tokens per sequence (default 4096)")
+    ap.add_argument("--only", default=None,
+                    help="--model: tune only the problems whose label (MxNxK epilogue) contains one of these "
+                         "comma-separated strings")
     ap.add_argument("--retune", action="store_true", help="--model: also tune problems the store already has")
     ap.add_argument("--show", action="store_true", help="table of the store's and shipped entries (this GPU)")
     ap.add_argument("--ship-from", action="append", default=[], metavar="FILE",
@@ -154,6 +159,8 @@ def tune_model(args) -> None:
     print(f"coda.autotune: recording one fused training step of {args.model} (batch {args.batch}, seq {args.seq})",
           file=sys.stderr, flush=True)
     problems = model.record_model_step(args.model, args.batch, args.seq, dtype_name(args.dtype))
+    if args.only:  # problems whose label ("MxNxK epilogue") contains one of the comma-separated strings
+        problems = [r for r in problems if any(o in r.label for o in args.only.split(","))]
     src = collections.Counter(r.source for r in problems)
     print(f"coda.autotune: {len(problems)} GEMM problems ({', '.join(f'{n} {k}' for k, n in src.items())}); "
           f"tuning ({args.level} level)", file=sys.stderr, flush=True)

@@ -15,10 +15,13 @@ into kept configs and ``(config, reason)`` pairs; every rule states its reason:
 - the epilogue needs more than 12 kernel tensors (operands + extra outputs + reduction partials).
 
 :func:`shape_reasons` adds the rules that depend on the problem (a cluster dimension of 2 over a single tile, a
-reduction partial buffer too large for int32 indexing). Nothing here imports torch or cutlass.
+reduction partial buffer too large for int32 indexing). :func:`neighbours` and :func:`combine` give the ``near``
+tuning level: the heuristic's choice one knob away, then the improving knobs together. Nothing here imports torch
+or cutlass.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Iterable, Iterator, Optional
 
@@ -81,3 +84,52 @@ def candidates(epi: Any, in_dtype: Any, out_dtype: Any, M: int, N: int, L: int =
     return out, pruned
 
 
+
+
+# -- the "near" level: one knob away from the heuristic's choice ----------------------------------------------------
+# a fused step's problems mostly want the heuristic's tile with another tile order, epilogue sub-tile or cluster
+# (H100, llama-1b, session 21: the RMSNorm + SwiGLU forward 0.880 -> 0.841 ms static, the norm backward's dX
+# 0.786 -> 0.731 at epi_n 16, the SwiGLU backward's da 0.577 -> 0.546 on 64 x 256 ping-pong): ~10 configs a problem
+# where the quick level times ~50
+NEAR_EPI_N = (16, 32, 64)
+NEAR_CLUSTERS = ((1, 1), (2, 1), (1, 2))
+NEAR_TILES = ((128, 256, False), (128, 128, False), (128, 128, True), (64, 256, True))  # (tile_m, tile_n, pingpong)
+KNOBS = (("sched",), ("epi_n",), ("cluster_m", "cluster_n"), ("tile_m", "tile_n", "pingpong", "sched"))
+
+
+def neighbours(d: GemmConfig) -> list:
+    """Configs one knob of :data:`KNOBS` away from ``d``: the other tile order (static / dynamic), each other
+    epilogue sub-tile width, each other cluster shape, each other tile shape and schedule of :data:`NEAR_TILES`
+    (ping-pong with the static order, the only one it has). Unvalidated: the caller prunes them."""
+    out = [dataclasses.replace(d, sched="static" if d.sched == "dynamic" else "dynamic")]
+    out += [dataclasses.replace(d, epi_n=e) for e in NEAR_EPI_N if e != d.epi_n]
+    out += [dataclasses.replace(d, cluster_m=cm, cluster_n=cn) for cm, cn in NEAR_CLUSTERS
+            if (cm, cn) != (d.cluster_m, d.cluster_n)]
+    out += [dataclasses.replace(d, tile_m=tm, tile_n=tn, pingpong=pp, sched="static" if pp else d.sched)
+            for tm, tn, pp in NEAR_TILES if (tm, tn, pp) != (d.tile_m, d.tile_n, d.pingpong)]
+    return [c for c in dict.fromkeys(out) if c != d]
+
+
+def combine(d: GemmConfig, better: Iterable[GemmConfig]) -> Optional[GemmConfig]:
+    """``d`` with the knobs in which each config of ``better`` (best first) differs from it, an earlier config
+    winning a knob group; None if that is ``d`` or one of ``better`` itself (nothing new to time)."""
+    better = list(better)
+    fields: dict = {}
+    for c in better:
+        for group in KNOBS:
+            if any(getattr(c, f) != getattr(d, f) for f in group) and not any(f in fields for f in group):
+                fields.update({f: getattr(c, f) for f in group})
+    out = dataclasses.replace(d, **fields)
+    return None if out == d or out in better else out
+
+
+def near_candidates(epi: Any, in_dtype: Any, out_dtype: Any, M: int, N: int, L: int, configs: Iterable[GemmConfig]):
+    """``(kept, pruned)`` of ``configs`` under every rule (validity, the built variants, shared memory, the
+    problem's shape), as :func:`candidates` prunes the space."""
+    kept, pruned = [], []
+    for cfg in configs:
+        bad = cfg.problems()
+        reason = "; ".join(bad) if bad else (config_reason(cfg, epi, in_dtype, out_dtype)
+                                             or shape_reasons(cfg, epi, M, N, L))
+        (pruned.append((cfg, reason)) if reason else kept.append(cfg))
+    return kept, pruned

@@ -4,6 +4,8 @@ For one problem (the caller's ``a``, ``b``, epilogue and operands):
 
 - candidates: :func:`coda.autotune.space.candidates` (quick level: tile / schedule / cluster / raster; ``level=
   "full"`` then refines the best 3 over swizzle, stages and epilogue sub-tile), the heuristic default first;
+  ``level="near"``: the default's one-knob neighbours (:func:`coda.autotune.space.neighbours`, ~10), then the
+  knobs that beat the default by more than 1 % combined into one more config;
 - each candidate is run once (compiling it, or loading it from the compile cache), its result checked against
   ``coda.reference.gemm`` (relative error <= ``CHECK_TOL`` per output, same non-finite pattern: a config that
   computes garbage is rejected, with the reason), then timed with ``triton.testing.do_bench`` (median; an
@@ -254,8 +256,8 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
     from coda._device import require_hopper
     from coda._validate import check_gemm_args
     from coda.kernels.epilogue import check_epilogue
-    if level not in ("quick", "full"):
-        raise ValueError(f"level must be 'quick' or 'full', got {level!r}")
+    if level not in ("quick", "full", "near"):
+        raise ValueError(f"level must be 'quick', 'full' or 'near', got {level!r}")
     t_start = time.perf_counter()
     operands = dict(operands or {})
     epi = check_epilogue(epi)
@@ -264,7 +266,11 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
     from . import _kernel_view, heuristic
     M, L = _kernel_view(prob)
     default = heuristic(prob)
-    cands, pruned = space.candidates(epi, prob.in_dtype, prob.out_dtype, M, prob.N, L, "quick")
+    if level == "near":
+        cands, pruned = space.near_candidates(epi, prob.in_dtype, prob.out_dtype, M, prob.N, L,
+                                              [default] + space.neighbours(default))
+    else:
+        cands, pruned = space.candidates(epi, prob.in_dtype, prob.out_dtype, M, prob.N, L, "quick")
     if default in cands:
         cands.remove(default)
         cands.insert(0, default)
@@ -330,6 +336,19 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
                 if bar.bar is not None:
                     bar.bar.total = bar.total
             run(more)
+        elif level == "near":
+            d_ms = next((r.ms for r in rows if r.config == default and r.ms is not None), None)
+            better = [r.config for r in sorted((r for r in rows if r.ms is not None), key=lambda r: r.ms)
+                      if d_ms is not None and r.ms < d_ms / (1 + RUNOFF_MARGIN)]
+            combo = space.combine(default, better)
+            if combo is not None and all(r.config != combo for r in rows):
+                kept, bad = space.near_candidates(epi, prob.in_dtype, prob.out_dtype, M, prob.N, L, [combo])
+                pruned += bad
+                if bar is not None:
+                    bar.total += len(kept)
+                    if bar.bar is not None:
+                        bar.bar.total = bar.total
+                run(kept)
     finally:
         if bar is not None:
             bar.close()

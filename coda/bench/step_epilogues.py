@@ -5,6 +5,9 @@ strides (do_bench medians, same process, interleaved): the fused call, our plain
 and cuBLAS (``torch.matmul``); a K = 0 pass (an epilogue over a zero accumulator: norm backwards, RoPE
 un-rotation) has no GEMM to compare with and is reported with its bytes moved. Prints one row per problem, times
 per step (x calls) and the totals: what the epilogues add over our plain GEMMs and over cuBLAS.
+``--only A,B`` keeps the problems whose label contains A or B; ``--configs "F=V,F=V;F=V"`` (``;`` between configs,
+fields as in ``coda.bench.ncu``) also times each kept problem's fused call under those configs (K = 0 passes run
+one all-zero k-tile: ``stages`` as the heuristic sets it).
 """
 from __future__ import annotations
 
@@ -39,12 +42,27 @@ def time_problem(rec, bench) -> dict:
     return row
 
 
+def time_config(rec, cfg, bench) -> float:
+    """ms of one problem's fused call under ``cfg`` (stages 2 for a K = 0 pass, as the heuristic has it)."""
+    import dataclasses
+
+    import coda
+    from coda.autotune.model import inputs_for
+    a, b, ops = inputs_for(rec)
+    p = rec.prob
+    if p.zero_k:
+        cfg = dataclasses.replace(cfg, stages=2)
+    return bench(lambda: coda.gemm(a, b, epilogue=rec.epi, out_dtype=p.out_dtype, config=cfg, **ops))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=3, help="do_bench runs per timing (median)")
+    ap.add_argument("--only", default=None, help="keep the problems whose label contains one of these (comma separated)")
+    ap.add_argument("--configs", default=None, help="configs to time the fused call under, ';' between them")
     args = ap.parse_args(argv)
     import torch
     from coda.autotune.model import record_model_step
@@ -54,7 +72,10 @@ def main(argv=None) -> int:
     def bench(fn):
         return median_of_runs(fn, args.reps, rep_ms=40)
 
-    problems = record_model_step(args.model, args.batch, args.seq)
+    problems = [p for p in record_model_step(args.model, args.batch, args.seq)
+                if args.only is None or any(o in p.label for o in args.only.split(","))]
+    from .ncu import parse_config
+    configs = [parse_config(c) for c in args.configs.split(";")] if args.configs else []
     print(f"{torch.cuda.get_device_name()}  {args.model} batch {args.batch} x {args.seq}: {len(problems)} problems")
     print(f"{'problem':58s} {'calls':>5s} {'fused':>8s} {'plain':>8s} {'cuBLAS':>8s} {'f/p':>6s} {'f/cb':>6s} "
           f"{'+ms/step':>8s}  source")
@@ -62,6 +83,8 @@ def main(argv=None) -> int:
     for rec in problems:
         try:
             r = time_problem(rec, bench)
+            for label, cfg in configs:
+                print(f"  {rec.label[:40]:40s} {label:46s} {time_config(rec, cfg, bench):8.3f} ms", flush=True)
         except Exception as e:  # one problem failing must not lose the others
             print(f"{rec.label[:58]:58s} failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
             continue
