@@ -255,13 +255,15 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
     import coda.reference
     from coda._device import require_hopper
     from coda._validate import check_gemm_args
-    from coda.kernels.epilogue import check_epilogue
+    from coda.kernels.epilogue import check_epilogue, out_flags
     if level not in ("quick", "full", "near"):
         raise ValueError(f"level must be 'quick', 'full' or 'near', got {level!r}")
     t_start = time.perf_counter()
     operands = dict(operands or {})
     epi = check_epilogue(epi)
-    prob = check_gemm_args(a, b, out_dtype=out_dtype)
+    # the output's width as the epilogue writes it (N/2 for a pairs epilogue, 2N for a 1 -> 2 one): before session
+    # 21 the tuner allocated N columns, so every config of such an epilogue failed ("no config could be timed")
+    prob = check_gemm_args(a, b, out_dtype=out_dtype, **out_flags(epi))
     require_hopper(prob.device, "coda.autotune")
     from . import _kernel_view, heuristic
     M, L = _kernel_view(prob)

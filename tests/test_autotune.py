@@ -762,17 +762,23 @@ def test_near_level_neighbours_and_combination():
     assert space.combine(d, [a]) is None and space.combine(d, []) is None
 
 
-def test_near_level_times_the_neighbours_then_their_combination(monkeypatch):
+@pytest.mark.parametrize("epi_name", ["identity", "swiglu"])
+def test_near_level_times_the_neighbours_then_their_combination(monkeypatch, epi_name):
     """tuner.tune(level="near") on the CPU with the GPU parts replaced: the heuristic's config first, every valid
-    neighbour once, then the combination of the improving knobs; the winner is the fastest after the runoff."""
+    neighbour once, then the combination of the improving knobs; the winner is the fastest after the runoff. The
+    output handed to coda.gemm has the epilogue's width (N/2 for SwiGLU's pairs: before session 21 it had N, and
+    every config of a pairs epilogue failed)."""
     from coda.autotune import tuner
+    from coda.epilogues.gated import swiglu
+    epi = IDENTITY if epi_name == "identity" else swiglu
     d = default_config(8192, 16384, 2048)
     fast = {dataclasses.replace(d, sched="static"): 0.9, dataclasses.replace(d, epi_n=16): 0.95}
     combo = dataclasses.replace(d, sched="static", epi_n=16)
     fast[combo] = 0.8
     timed = []
 
-    def fake_gemm(*args, config=None, **kw):
+    def fake_gemm(*args, config=None, out=None, **kw):
+        assert out.shape == (8192, 16384 // 2 if epi is swiglu else 16384)
         timed.append(config)
         return None
 
@@ -785,10 +791,11 @@ def test_near_level_times_the_neighbours_then_their_combination(monkeypatch):
     monkeypatch.setattr("coda.autotune.heuristic", lambda prob: d)
     a, b = torch.randn(8192, 2048, dtype=BF16, device="meta"), torch.randn(16384, 2048, dtype=BF16, device="meta")
     monkeypatch.setattr(tuner, "rotating_copies", lambda t, n: [t])
-    res = tuner.tune(a, b, level="near", check=False, progress=False)
+    res = tuner.tune(a, b, epi, level="near", check=False, progress=False)
+    assert all(r.status == "ok" for r in res.rows), [r.status for r in res.rows]
     firsts = list(dict.fromkeys(r.config for r in res.rows))
     assert firsts[0] == d and firsts[-1] == combo
-    assert set(firsts[1:-1]) == set(space.near_candidates(IDENTITY, "bfloat16", "bfloat16", 8192, 16384, 1,
+    assert set(firsts[1:-1]) == set(space.near_candidates(epi, "bfloat16", "bfloat16", 8192, 16384, 1,
                                                           space.neighbours(d))[0])
     assert res.best == combo and res.default == d and res.level == "near"
 
