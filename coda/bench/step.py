@@ -253,7 +253,8 @@ def main(argv=None) -> int:
         modes = parse_modes(args.modes)
     except ValueError as e:
         ap.error(str(e))
-    os.environ.setdefault("CODA_AUTOTUNE", "0")
+    # CODA_AUTOTUNE as the user set it: unset is the library's default (the tuning store, the shipped configs of
+    # this GPU, else the heuristic; never tunes); 0 is the heuristic alone (the step reports before session 21)
     from . import _git, _version
     commit, dirty = _git()
     common = ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
