@@ -5,15 +5,12 @@ Each: the median over ``--rounds`` interleaved rounds of a do_bench median, ms, 
 the inputs prints its error. Also checks each backend's output and gradients against the math backend in float32."""
 from __future__ import annotations
 
-import argparse
 import statistics
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama-1b")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=4096)
+    from .step import shape_parser
+    ap = shape_parser()
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
     import torch

@@ -5,7 +5,6 @@ stock; fused as ``coda.fuse`` builds it; without the residual moved into the MLP
 SDPA's ``enable_gqa``. Each: the median over ``--rounds`` interleaved rounds of a do_bench median, ms, on one GPU."""
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import statistics
@@ -13,10 +12,8 @@ import warnings
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama-1b")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=4096)
+    from .step import shape_parser
+    ap = shape_parser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="also print each fused variant's kernels")
     args = ap.parse_args(argv)

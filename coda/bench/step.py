@@ -41,6 +41,16 @@ RESULT = "CODA_STEP_RESULT "
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def shape_parser(description=None) -> argparse.ArgumentParser:
+    """An argument parser with the step's problem: ``--model`` (a preset, default llama-1b), ``--batch`` (2) and
+    ``--seq`` (4096): the benchmarks that take one part of the step report's model at its shapes."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--model", default="llama-1b", choices=sorted(PRESETS))
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=4096)
+    return ap
+
+
 def _model_module():
     """The stock model: examples/llama_model.py of the checkout, else Hugging Face's."""
     path = os.path.join(ROOT, "examples", "llama_model.py")

@@ -11,7 +11,6 @@ one all-zero k-tile: ``stages`` as the heuristic sets it).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 
@@ -56,10 +55,8 @@ def time_config(rec, cfg, bench) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="llama-1b")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=4096)
+    from .step import shape_parser
+    ap = shape_parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3, help="do_bench runs per timing (median)")
     ap.add_argument("--only", default=None, help="keep the problems whose label contains one of these (comma separated)")
     ap.add_argument("--configs", default=None, help="configs to time the fused call under, ';' between them")

@@ -7,7 +7,6 @@ ended them (its launch came late), and the host-device synchronisations (``cudaS
 device-to-host copies) with the innermost torch op that issued each."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -54,11 +53,9 @@ def analyse(trace: dict, top: int = 15, min_gap_us: float = 3.0) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama-1b")
+    from .step import shape_parser
+    ap = shape_parser()
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's)")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--stock", action="store_true", help="the stock model (default: coda.fuse)")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--top", type=int, default=15)

@@ -5,7 +5,6 @@ torch.profiler, after two warm-up steps; prints the ops by self CUDA time with t
 an add in the step report's "other" class can be traced to the code that launched it."""
 from __future__ import annotations
 
-import argparse
 import sys
 
 
@@ -38,11 +37,9 @@ def one_step(model: str, layers, batch: int, seq: int, *, stock: bool = False, c
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama-1b")
+    from .step import shape_parser
+    ap = shape_parser()
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--stock", action="store_true", help="the stock model (default: coda.fuse)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--stack", type=int, default=0, help="group by this many Python frames (0: by input shapes)")
