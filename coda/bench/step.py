@@ -98,15 +98,25 @@ def make_batches(vocab: int, batch: int, seq: int, n: int, seed: int) -> list:
 def run_mode(args) -> dict:
     import torch
     t_start = float(os.environ.get("CODA_STEP_T0", time.time()))
+    phases, t_last = {}, [t_start]
+
+    def phase(name):  # seconds since the previous phase ended (the first: since the process was spawned)
+        now = time.time()
+        phases[name], t_last[0] = round(now - t_last[0], 2), now
+
+    phase("start + import torch")
     cfg, dev = PRESETS[args.model], torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(args.seed)
     model, source = build_model(cfg, args.seq)
+    phase("build the model (CPU)")
     model = model.to(dev, dtype)
+    phase("to the device")
     mode = args.worker
     if mode.startswith("fused"):
         import coda
         coda.fuse(model, attention="-noattn" not in mode)
+        phase("import coda + fuse")
     step_fn = model
     if "+compile" in mode:
         step_fn = torch.compile(model, mode="reduce-overhead" if mode.endswith("-ro") else "default")
@@ -116,6 +126,7 @@ def run_mode(args) -> dict:
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
+    phase("batches + optimizer")
 
     def step(i):
         if mode.endswith("-ro"):
@@ -130,6 +141,7 @@ def run_mode(args) -> dict:
     loss = step(0)
     first_loss = loss.item()
     first_step_s = time.time() - t_start
+    phase("first step (compiles, or loads cached kernels)")
     print(f"  [{mode}] first step done at {first_step_s:.1f} s (loss {first_loss:.3f})", flush=True)
     for i in range(1, args.warmup):
         step(i)
@@ -152,7 +164,7 @@ def run_mode(args) -> dict:
     else:
         step_ms = [1e3 * s for s in events]
     res = dict(mode=mode, model_source=source, step_ms_all=step_ms, loss=loss.item(), first_loss=first_loss,
-               first_step_s=first_step_s,
+               first_step_s=first_step_s, first_step_phases=phases,
                peak_bytes=torch.cuda.max_memory_allocated(dev) if cuda else 0, kernels={})
     if cuda and args.profile_steps > 0:
         res["kernels"] = profile_kernels(lambda i: step(args.warmup + args.steps + i), args.profile_steps)

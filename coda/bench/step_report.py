@@ -154,6 +154,11 @@ def render_markdown(report: dict, image: Optional[str] = "step.png") -> str:
             f"{_f(m['mfu_datasheet'] and 100 * m['mfu_datasheet'], '{:.1f}')} % | {m['peak_bytes'] / 1e9:.1f} | "
             f"{_f(m.get('loss'), '{:.3f}')} | {_f(m.get('first_step_s'), '{:.0f}')} | {cl['gemm']:.1f} | "
             f"{cl['attention']:.1f} | {cl['optimizer']:.1f} | {cl['other']:.1f} |")
+    phased = [m for m in r["modes"] if not m.get("error") and m.get("first_step_phases")]
+    if phased:  # where the time to the first step went (seconds, from the mode's process start)
+        lines += ["", "Time to the first step, by phase (s): " + "; ".join(
+            f"**{m['mode']}** " + ", ".join(f"{k} {v:.1f}" for k, v in m["first_step_phases"].items())
+            for m in phased) + "."]
     lines += ["", "GPU time per step from torch.profiler (kernel time, summed by class; the class rule is "
                   "`coda.bench.step_report.RULES`). Largest kernels of the *other* class:"]
     for m in r["modes"]:
