@@ -83,7 +83,7 @@ def _fake_report():
                 modes=[dict(mode="stock+compile", step_ms_all=[130.0, 125.0, 128.0], loss=5.0, first_step_s=60.0,
                             peak_bytes=21.5e9, kernels=kernels_stock),
                        dict(mode="fused", step_ms_all=[120.0, 118.0, 500.0], loss=5.0, first_step_s=20.0,
-                            first_step_phases={"build the model (CPU)": 7.5, "first step": 9.25},
+                            first_step_phases={"build the model": 7.5, "first step": 9.25},
                             peak_bytes=19e9, kernels=kernels_fused),
                        dict(mode="fused+compile", error="exit 1: boom")])
 
@@ -114,7 +114,7 @@ def test_from_renders_without_gpu(tmp_path):
     assert "| fused | 68.3k | 1.067x | 120.0 |" in md
     assert "failed: exit 1: boom" in md
     assert "`triton_poi_fused_add_0`" in md
-    assert "by phase (s): **fused** build the model (CPU) 7.5, first step 9.2" in md
+    assert "by phase (s): **fused** build the model 7.5, first step 9.2" in md
     saved = json.loads((out / "report.json").read_text())
     assert saved["sol"]["ms"] == pytest.approx(SR.summarize(_fake_report())["sol"]["ms"])
     try:
