@@ -147,3 +147,20 @@ def test_tiny_cpu_run_end_to_end(tmp_path):
     assert [m["mode"] for m in rep["modes"]] == ["stock", "fused"]
     losses = [m["loss"] for m in rep["modes"]]
     assert all(math.isfinite(x) for x in losses) and losses[0] == pytest.approx(losses[1], rel=0.05)
+
+
+def test_tiny_cpu_run_on_two_processes_with_fsdp2(tmp_path):
+    """--nproc 2 on the CPU (gloo): each mode under torch.distributed.run, FSDP2 over the (fused) model, rank 0's
+    numbers reported, tokens/s over both processes in the rendered report; the loss is rank 0's batch's."""
+    proc = subprocess.run([sys.executable, "-m", "coda.bench", "--model", "tiny", "--device", "cpu", "--seq", "16",
+                           "--steps", "2", "--warmup", "1", "--profile-steps", "0", "--modes", "stock,fused",
+                           "--nproc", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["meta"]["nproc"] == 2
+    assert [(m["mode"], m["nproc"], m["rank"]) for m in rep["modes"]] == [("stock", 2, 0), ("fused", 2, 0)]
+    losses = [m["loss"] for m in rep["modes"]]
+    assert all(math.isfinite(x) for x in losses) and losses[0] == pytest.approx(losses[1], rel=0.05)
+    assert all("FSDP2" in m["first_step_phases"] for m in rep["modes"])
+    md = (tmp_path / "report.md").read_text()
+    assert "2 processes, one GPU each, FSDP2" in md and "tokens/s and MFU are per GPU" in md

@@ -106,6 +106,13 @@ def run_mode(args) -> dict:
 
     phase("start + import torch")
     cfg, dev = PRESETS[args.model], torch.device(args.device)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world > 1:  # --nproc: one process per GPU (torch.distributed.run), FSDP2 below
+        import torch.distributed as dist
+        if dev.type == "cuda":
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(args.seed)
     with dev:  # parameters initialised where they train: on the CPU, 1.5 B of them took 15-17 s (H100 machine, s21)
@@ -119,11 +126,23 @@ def run_mode(args) -> dict:
         coda.fuse(model, attention="-noattn" not in mode)
         phase("import coda + fuse")
     step_fn = model
-    if "+compile" in mode:
-        step_fn = torch.compile(model, mode="reduce-overhead" if mode.endswith("-ro") else "default")
+    compile_kw = dict(mode="reduce-overhead" if mode.endswith("-ro") else "default")
+    if world > 1:  # FSDP2 (fully_shard per decoder layer, then the root), each layer compiled first (torchtitan's
+        # order: whole-model compile would trace FSDP's hooks)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(dev.type, (world,))
+        for layer in model.model.layers:
+            if "+compile" in mode:
+                layer.compile(**compile_kw)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        phase("FSDP2")
+    elif "+compile" in mode:
+        step_fn = torch.compile(model, **compile_kw)
     kw = {"fused": True} if args.optimizer == "adamw-fused" else {"foreach": True}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **kw)
-    batches = [b.to(dev) for b in make_batches(cfg["vocab"], args.batch, args.seq, 4, args.seed + 1)]
+    batches = [b.to(dev) for b in make_batches(cfg["vocab"], args.batch, args.seq, 4, args.seed + 1 + rank)]
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
@@ -164,7 +183,7 @@ def run_mode(args) -> dict:
         step_ms = [a.elapsed_time(b) for a, b in events]
     else:
         step_ms = [1e3 * s for s in events]
-    res = dict(mode=mode, model_source=source, step_ms_all=step_ms, loss=loss.item(), first_loss=first_loss,
+    res = dict(mode=mode, model_source=source, nproc=world, rank=rank, step_ms_all=step_ms, loss=loss.item(), first_loss=first_loss,
                first_step_s=first_step_s, first_step_phases=phases,
                peak_bytes=torch.cuda.max_memory_allocated(dev) if cuda else 0, kernels={})
     if cuda and args.profile_steps > 0:
@@ -203,9 +222,11 @@ def measure_peak() -> dict:
 
 
 # -- the parent ----------------------------------------------------------------------------------------------------
-def _spawn(worker_argv: list, timeout: float) -> dict:
+def _spawn(worker_argv: list, timeout: float, nproc: int = 1) -> dict:
     env = dict(os.environ, CODA_STEP_T0=repr(time.time()))
-    proc = subprocess.Popen([sys.executable, "-m", "coda.bench.step", *worker_argv], stdout=subprocess.PIPE,
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+              if nproc > 1 else [sys.executable])
+    proc = subprocess.Popen([*launch, "-m", "coda.bench.step", *worker_argv], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=os.getcwd())
     result, tail = None, []
     t0 = time.time()
@@ -237,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="processes (GPUs) per mode: FSDP2 over them, via torch.distributed.run; --batch is per "
+                         "process, tokens/s per GPU (compare with an --nproc 1 report for the scaling)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mode")
     ap.add_argument("--out", default="bench-results/step")
     ap.add_argument("--from", dest="from_", metavar="REPORT_JSON", help="re-render a saved report (no GPU)")
@@ -270,7 +294,9 @@ def main(argv=None) -> int:
         print(RESULT + json.dumps(measure_peak()), flush=True)
         return 0
     if args.worker:
-        print(RESULT + json.dumps(run_mode(args)), flush=True)
+        res = run_mode(args)
+        if res["rank"] == 0:  # the report's numbers are rank 0's (every rank steps in lockstep)
+            print(RESULT + json.dumps(res), flush=True)
         return 0
     try:
         modes = parse_modes(args.modes)
@@ -284,7 +310,10 @@ def main(argv=None) -> int:
               "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--optimizer", args.optimizer,
               "--dtype", args.dtype, "--device", args.device, "--seed", str(args.seed)]
     peak = _spawn(["--model", args.model, "--peak"], 120) if args.device == "cuda" else {}
+    if args.nproc < 1:
+        ap.error("--nproc must be >= 1")
     meta = dict(model=args.model, config=PRESETS[args.model], batch=args.batch, seq=args.seq, steps=args.steps,
+                nproc=args.nproc,
                 warmup=args.warmup, optimizer=args.optimizer, dtype=args.dtype, commit=commit, dirty=dirty,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 autotune=os.environ.get("CODA_AUTOTUNE"), cutlass_dsl=_version("nvidia-cutlass-dsl"),
@@ -295,7 +324,7 @@ def main(argv=None) -> int:
           f"{SR._f(report['gemm_peak_tflops'], '{:.0f}')} TFLOP/s; modes {', '.join(modes)}", flush=True)
     for mode in modes:
         t0 = time.time()
-        res = _spawn(common + ["--worker", mode], args.timeout)
+        res = _spawn(common + ["--worker", mode], args.timeout, args.nproc)
         res.setdefault("mode", mode)
         res["wall_s"] = time.time() - t0
         report["modes"].append(res)

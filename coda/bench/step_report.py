@@ -140,6 +140,12 @@ def render_markdown(report: dict, image: Optional[str] = "step.png") -> str:
         lines += ["", f"Speed of light: {s['ms']:.1f} ms per step = GEMM FLOPs / peak {s['gemm_ms']:.1f} + attention "
                       f"{s['attention_ms']:.1f} + optimizer {s['optimizer_ms']:.1f} (the step with every "
                       "memory-bound kernel gone; attention and optimizer: the fastest mode's)."]
+    n = meta.get("nproc") or 1
+    if n > 1:
+        lines += ["", f"{n} processes, one GPU each, FSDP2 (`fully_shard` per decoder layer and the root; under "
+                      f"compile each layer compiled): tokens/s and MFU are per GPU, over all GPUs "
+                      + ", ".join(f"{m['mode']} {n * m['tok_s'] / 1e3:.1f}k" for m in r["modes"] if not m.get("error"))
+                      + " tokens/s."]
     lines += ["", "| mode | tokens/s | vs stock+compile | step ms | % of SoL | MFU (meas. / sheet) | peak GB | loss | "
                   "first step s | GEMM ms | attention ms | optimizer ms | other ms |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
