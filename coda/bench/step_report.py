@@ -104,7 +104,7 @@ def summarize(report: dict) -> dict:
         m["gpu_ms"] = sum(m["classes"].values())
         m["top_other"] = top_kernels(m.get("kernels", {}))
     sol = None
-    if peak and modes:
+    if peak and modes and all(m.get("kernels") for m in modes):  # not without a profile (--profile-steps 0)
         attn = min(m["classes"]["attention"] for m in modes)
         opt = min(m["classes"]["optimizer"] for m in modes)
         sol = {"gemm_ms": flops["gemm"] / (peak * 1e12) * 1e3, "attention_ms": attn, "optimizer_ms": opt}
