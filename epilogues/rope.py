@@ -21,8 +21,9 @@ per pair, hence per row: the RMSNorm backward's ZdZ_m = (1/D) sum_k z_mk dz_mk o
 computed before or after RoPE (e.g. from the attention's q, k, v and their gradients).
 
 Angles are accurate at positions up to 131072 and beyond: ``coda.sin`` / ``coda.cos`` of a product form the
-product and its reduction modulo 2 pi in extended precision (``coda._eval.reduce_angle``); ``pos`` must hold
-integers below 2^24 (exact in fp32) and ``freq`` fp32 values.
+product and its reduction modulo 2 pi in extended precision (``coda._eval.reduce_angle``), then the SFU's
+``sin.approx`` / ``cos.approx`` of the reduced angle (max |error| of cos / sin below 1e-6 at every position
+0..131072, tests/test_rope_gpu.py); ``pos`` must hold integers below 2^24 (exact in fp32) and ``freq`` fp32 values.
 """
 from __future__ import annotations
 
