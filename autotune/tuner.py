@@ -211,6 +211,12 @@ class Progress:
             what = "configs, best so far" if self.unit == "cfg" else f"{self.unit}s;"
             print(f"{self.desc}: {self.done}/{self.total} {what} {best}", file=self.stream, flush=True)
 
+    def grow(self, n: int) -> None:
+        """``n`` more steps than announced (a later round of candidates)."""
+        self.total += n
+        if self.bar is not None:
+            self.bar.total = self.total
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -334,9 +340,7 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
             seen = {c for c, _ in pruned}
             pruned += [(c, r) for c, r in pruned2 if c not in seen]
             if bar is not None:
-                bar.total += len(more)
-                if bar.bar is not None:
-                    bar.bar.total = bar.total
+                bar.grow(len(more))
             run(more)
         elif level == "near":
             d_ms = next((r.ms for r in rows if r.config == default and r.ms is not None), None)
@@ -347,9 +351,7 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
                 kept, bad = space.near_candidates(epi, prob.in_dtype, prob.out_dtype, M, prob.N, L, [combo])
                 pruned += bad
                 if bar is not None:
-                    bar.total += len(kept)
-                    if bar.bar is not None:
-                        bar.bar.total = bar.total
+                    bar.grow(len(kept))
                 run(kept)
     finally:
         if bar is not None:

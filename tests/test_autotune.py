@@ -425,6 +425,8 @@ def test_tuner_helpers():
     assert stream.getvalue() == ""  # quiet while tuning is short
     bar.after_s = 0
     bar.update("b 1.000 ms")
+    bar.grow(2)  # a later round of candidates (levels full / near)
+    assert bar.total == 5 and (bar.bar is None or bar.bar.total == 5)
     bar.close()
     assert "coda.autotune test" in stream.getvalue()
 
