@@ -164,3 +164,19 @@ def test_tiny_cpu_run_on_two_processes_with_fsdp2(tmp_path):
     assert all("FSDP2" in m["first_step_phases"] for m in rep["modes"])
     md = (tmp_path / "report.md").read_text()
     assert "2 processes, one GPU each, FSDP2" in md and "tokens/s and MFU are per GPU" in md
+
+
+@pytest.mark.parametrize("mod", ["attention", "layer", "step_ops", "step_epilogues", "step_gaps"])
+def test_step_benches_share_the_shape_arguments(mod, capsys):
+    """The benches of one part of the step take the step's --model / --batch / --seq (one parser, S.shape_parser):
+    --help works without a GPU and lists them; an unknown preset is refused by name."""
+    import importlib
+    m = importlib.import_module(f"coda.bench.{mod}")
+    with pytest.raises(SystemExit) as e:
+        m.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert all(f"--{a}" in out for a in ("model", "batch", "seq")), out
+    with pytest.raises(SystemExit) as e:
+        m.main(["--model", "no-such-model"])
+    assert e.value.code == 2 and "no-such-model" in capsys.readouterr().err
