@@ -78,10 +78,11 @@ def _node(e, leaves, B, memo):
         return B.log(ev(e.args[0]))
     if isinstance(e, sp.tanh):
         return B.tanh(ev(e.args[0]))
-    if isinstance(e, sp.sin):
-        return B.sin(ev(e.args[0]))
-    if isinstance(e, sp.cos):
-        return B.cos(ev(e.args[0]))
+    if isinstance(e, (sp.sin, sp.cos)):
+        a = e.args[0]
+        if isinstance(a, ProductAngle):  # an angle B.angle reduced to [-pi, pi]: the backend's reduced-range form
+            return (B.sin_reduced if isinstance(e, sp.sin) else B.cos_reduced)(ev(a))
+        return (B.sin if isinstance(e, sp.sin) else B.cos)(ev(a))
     if isinstance(e, ProductAngle):  # the reduced angle of sin / cos of a product (coda.dsl.with_product_angles)
         # numbers merged into the coefficient (exactly: 1/3, 2*pi); a constant expression without a finite float in
         # sympy (tanh(sigmoid(0.0)), built unevaluated; 1 / 0.0) is a factor evaluated as written, like a traced one
@@ -194,6 +195,7 @@ class TorchOps:
     def tanh(self, x): return self.t.tanh(x)
     def sin(self, x): return self.t.sin(x)
     def cos(self, x): return self.t.cos(x)
+    sin_reduced, cos_reduced = sin, cos  # of an angle already reduced to [-pi, pi] (``angle``)
     def erf(self, x): return self.t.erf(x)
     def sigmoid(self, x): return self.t.sigmoid(x)
     def abs(self, x): return self.t.abs(x)
@@ -274,26 +276,22 @@ class CuteOps:
     def cos(self, x): return self._sincos(x)[1]
 
     def _sincos(self, x):
-        """sin and cos, computed once per argument. Of an angle :meth:`angle` reduced to [-pi, pi] (RoPE's):
-        the SFU's ``sin.approx`` / ``cos.approx`` (absolute error <= 2^-20.9 there, PTX ISA; two instructions);
-        of any other argument full precision (libdevice sincosf, one shared range reduction: ~40 instructions,
-        which made RoPE's K = 0 backward pass instruction-bound at 836 GB/s on the H100, session 20)."""
+        """Full-precision sin and cos (libdevice sincosf, not sin.approx), computed once per argument: the two
+        share one range reduction (half the code of separate sin / cos calls)."""
         memo = self.__dict__.setdefault("_sincos_memo", {})
         hit = memo.get(id(x))
         if hit is None or hit[0] is not x:
-            red = self.__dict__.get("_reduced", {}).get(id(x))
-            if red is not None and red is x:
-                m = self.cute.math
-                hit = (x, m.sin(x, approx=True), m.cos(x, approx=True))
-            else:
-                hit = (x, *self.cute.math.sincos(x))
-            memo[id(x)] = hit
+            hit = memo[id(x)] = (x, *self.cute.math.sincos(x))
         return hit[1:]
 
+    # of an angle :meth:`angle` reduced to [-pi, pi] (RoPE's): the SFU's sin.approx / cos.approx (absolute error
+    # <= 2^-20.9 there, PTX ISA; one instruction each) instead of sincosf's ~40, which made RoPE's K = 0 backward
+    # pass instruction-bound (836 GB/s on the H100, session 20)
+    def sin_reduced(self, x): return self.cute.math.sin(x, approx=True)
+    def cos_reduced(self, x): return self.cute.math.cos(x, approx=True)
+
     def angle(self, coef: float, factors):
-        r = reduce_angle(self, coef, factors)  # see reduce_angle: two-float product + Cody-Waite reduction
-        self.__dict__.setdefault("_reduced", {})[id(r)] = r  # |r| <= pi + 1e-6: sin / cos take the SFU
-        return r
+        return reduce_angle(self, coef, factors)  # see reduce_angle: two-float product + Cody-Waite reduction
 
     def mul_rn(self, a, b): return self.cute.math.mul(a, b, rounding=self.cute.math.RoundingMode.NEAREST_EVEN)
     def add_rn(self, a, b): return self.cute.math.add(a, b, rounding=self.cute.math.RoundingMode.NEAREST_EVEN)
@@ -323,7 +321,7 @@ def reduce_angle(B, coef: float, factors):
        a few 1e-7 rad for |angle| up to ~1e6 rad. Measured on every position 0..131072 x Llama's 64 frequencies
        (tests/test_rope.py, float32 emulation of this code): max |error| of cos / sin 2.4e-7, vs 3.9e-3 for sin /
        cos of the plain fp32 product.
-    ``sin`` / ``cos`` then get r (the SFU approximations, ``CuteOps._sincos``). A non-finite product gives NaN,
+    ``sin`` / ``cos`` then get r (the SFU approximations, ``CuteOps.sin_reduced``). A non-finite product gives NaN,
     as sin(inf) does."""
     hi, lo = factors[0], None
     neg1 = B.const(-1.0)
