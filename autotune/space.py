@@ -63,27 +63,33 @@ def candidates(epi: Any, in_dtype: Any, out_dtype: Any, M: int, N: int, L: int =
     """Configs worth timing for one problem: ``(kept, pruned)``.
 
     ``level="quick"``: the first-order knobs (tile, schedule, cluster, raster, static / dynamic tile order) at the
-    default swizzle, stages and epilogue sub-tile. ``level="refine"``: every kept config (any swizzle, stages, sub-tile) that shares its
-    first-order knobs with one of ``around`` (the tuner's best quick configs), except ``around`` themselves."""
-    if level not in ("quick", "refine"):
-        raise ValueError(f"level must be 'quick' or 'refine', got {level!r}")
-    kept, pruned = prune(epi, in_dtype, out_dtype)
+    default swizzle, stages and epilogue sub-tile. ``level="refine"``: every kept config (any swizzle, stages,
+    sub-tile) that shares its first-order knobs with one of ``around`` (the tuner's best quick configs), except
+    ``around`` themselves. ``level="near"``: ``around`` (the heuristic's config) and their :func:`neighbours`."""
+    if level not in ("quick", "refine", "near"):
+        raise ValueError(f"level must be 'quick', 'refine' or 'near', got {level!r}")
     around = list(around)
+    if level == "near":
+        return near_candidates(epi, in_dtype, out_dtype, M, N, L, [c for a in around for c in (a, *neighbours(a))])
+    kept, pruned = prune(epi, in_dtype, out_dtype)
     firsts = {_first_order(c) for c in around}
+    if level == "quick":
+        kept = [c for c in kept if all(getattr(c, k) == v for k, v in QUICK_DEFAULTS.items())]
+    else:
+        kept = [c for c in kept if _first_order(c) in firsts and c not in around]
+    return _shape_filter(kept, pruned, epi, M, N, L)
+
+
+def _shape_filter(kept: list, pruned: list, epi: Any, M: int, N: int, L: int):
+    """``(kept, pruned)`` with the configs :func:`shape_reasons` rules out for this problem moved to ``pruned``."""
     out = []
     for cfg in kept:
-        if level == "quick" and any(getattr(cfg, k) != v for k, v in QUICK_DEFAULTS.items()):
-            continue  # not pruned: outside the quick level
-        if level == "refine" and (_first_order(cfg) not in firsts or cfg in around):
-            continue
         reason = shape_reasons(cfg, epi, M, N, L)
         if reason is None:
             out.append(cfg)
         else:
             pruned.append((cfg, reason))
     return out, pruned
-
-
 
 
 # -- the "near" level: one knob away from the heuristic's choice ----------------------------------------------------
@@ -124,12 +130,7 @@ def combine(d: GemmConfig, better: Iterable[GemmConfig]) -> Optional[GemmConfig]
 
 
 def near_candidates(epi: Any, in_dtype: Any, out_dtype: Any, M: int, N: int, L: int, configs: Iterable[GemmConfig]):
-    """``(kept, pruned)`` of ``configs`` under every rule (validity, the built variants, shared memory, the
-    problem's shape), as :func:`candidates` prunes the space."""
-    kept, pruned = [], []
-    for cfg in configs:
-        bad = cfg.problems()
-        reason = "; ".join(bad) if bad else (config_reason(cfg, epi, in_dtype, out_dtype)
-                                             or shape_reasons(cfg, epi, M, N, L))
-        (pruned.append((cfg, reason)) if reason else kept.append(cfg))
-    return kept, pruned
+    """``(kept, pruned)`` of exactly ``configs`` (duplicates dropped) under every rule: :func:`prune`'s, then the
+    problem's shape."""
+    kept, pruned = prune(epi, in_dtype, out_dtype, list(dict.fromkeys(configs)))
+    return _shape_filter(kept, pruned, epi, M, N, L)

@@ -274,11 +274,8 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
     from . import _kernel_view, heuristic
     M, L = _kernel_view(prob)
     default = heuristic(prob)
-    if level == "near":
-        cands, pruned = space.near_candidates(epi, prob.in_dtype, prob.out_dtype, M, prob.N, L,
-                                              [default] + space.neighbours(default))
-    else:
-        cands, pruned = space.candidates(epi, prob.in_dtype, prob.out_dtype, M, prob.N, L, "quick")
+    cands, pruned = space.candidates(epi, prob.in_dtype, prob.out_dtype, M, prob.N, L,
+                                     "near" if level == "near" else "quick", [default])
     if default in cands:
         cands.remove(default)
         cands.insert(0, default)
