@@ -27,9 +27,12 @@ def main(argv=None) -> int:
     packed = torch.randn(B, T, (nh + 2 * nkv) * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(B, nh, T, d, device="cuda", dtype=torch.bfloat16)
 
+    def heads(t):  # q, k, v of a packed projection as FusedAttention hands them to SDPA: strided (B, H, T, d)
+        q, k, v = torch.split(t, [nh * d, nkv * d, nkv * d], dim=-1)
+        return tuple(x.reshape(B, T, -1, d).transpose(1, 2) for x in (q, k, v))
+
     def qkv(layout):
-        q, k, v = torch.split(packed, [nh * d, nkv * d, nkv * d], dim=-1)
-        q, k, v = (t.reshape(B, T, -1, d).transpose(1, 2) for t in (q, k, v))
+        q, k, v = heads(packed)
         return (q, k, v) if layout == "views" else tuple(t.contiguous() for t in (q, k, v))
 
     def run(backend, gqa, layout):
@@ -50,8 +53,7 @@ def main(argv=None) -> int:
     ref_in = packed.detach().float().requires_grad_(True)
 
     def ref():
-        q, k, v = torch.split(ref_in, [nh * d, nkv * d, nkv * d], dim=-1)
-        q, k, v = (t.reshape(B, T, -1, d).transpose(1, 2) for t in (q, k, v))
+        q, k, v = heads(ref_in)
         k, v = (t.repeat_interleave(nh // nkv, dim=1) for t in (k, v))
         with sdpa_kernel([SDPBackend.MATH]):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)

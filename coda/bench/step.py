@@ -98,11 +98,12 @@ def make_batches(vocab: int, batch: int, seq: int, n: int, seed: int) -> list:
 def run_mode(args) -> dict:
     import torch
     t_start = float(os.environ.get("CODA_STEP_T0", time.time()))
-    phases, t_last = {}, [t_start]
+    phases, t_last = {}, t_start
 
     def phase(name):  # seconds since the previous phase ended (the first: since the process was spawned)
+        nonlocal t_last
         now = time.time()
-        phases[name], t_last[0] = round(now - t_last[0], 2), now
+        phases[name], t_last = round(now - t_last, 2), now
 
     phase("start + import torch")
     cfg, dev = PRESETS[args.model], torch.device(args.device)
@@ -183,8 +184,8 @@ def run_mode(args) -> dict:
         step_ms = [a.elapsed_time(b) for a, b in events]
     else:
         step_ms = [1e3 * s for s in events]
-    res = dict(mode=mode, model_source=source, nproc=world, rank=rank, step_ms_all=step_ms, loss=loss.item(), first_loss=first_loss,
-               first_step_s=first_step_s, first_step_phases=phases,
+    res = dict(mode=mode, model_source=source, nproc=world, rank=rank, step_ms_all=step_ms, loss=loss.item(),
+               first_loss=first_loss, first_step_s=first_step_s, first_step_phases=phases,
                peak_bytes=torch.cuda.max_memory_allocated(dev) if cuda else 0, kernels={})
     if cuda and args.profile_steps > 0:
         res["kernels"] = profile_kernels(lambda i: step(args.warmup + args.steps + i), args.profile_steps)
@@ -297,11 +298,16 @@ def main(argv=None) -> int:
         res = run_mode(args)
         if res["rank"] == 0:  # the report's numbers are rank 0's (every rank steps in lockstep)
             print(RESULT + json.dumps(res), flush=True)
+        if res["nproc"] > 1:
+            import torch.distributed as dist
+            dist.destroy_process_group()
         return 0
     try:
         modes = parse_modes(args.modes)
     except ValueError as e:
         ap.error(str(e))
+    if args.nproc < 1:
+        ap.error("--nproc must be >= 1")
     # CODA_AUTOTUNE as the user set it: unset is the library's default (the tuning store, the shipped configs of
     # this GPU, else the heuristic; never tunes); 0 is the heuristic alone (the step reports before session 21)
     from . import _git, _version
@@ -310,11 +316,9 @@ def main(argv=None) -> int:
               "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--optimizer", args.optimizer,
               "--dtype", args.dtype, "--device", args.device, "--seed", str(args.seed)]
     peak = _spawn(["--model", args.model, "--peak"], 120) if args.device == "cuda" else {}
-    if args.nproc < 1:
-        ap.error("--nproc must be >= 1")
     meta = dict(model=args.model, config=PRESETS[args.model], batch=args.batch, seq=args.seq, steps=args.steps,
-                nproc=args.nproc,
-                warmup=args.warmup, optimizer=args.optimizer, dtype=args.dtype, commit=commit, dirty=dirty,
+                nproc=args.nproc, warmup=args.warmup, optimizer=args.optimizer, dtype=args.dtype, commit=commit,
+                dirty=dirty,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 autotune=os.environ.get("CODA_AUTOTUNE"), cutlass_dsl=_version("nvidia-cutlass-dsl"),
                 device=peak.get("device", args.device), torch=peak.get("torch"), argv=argv)

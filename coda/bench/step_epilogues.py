@@ -18,17 +18,27 @@ def _bytes(t) -> int:
     return t.numel() * t.element_size() if hasattr(t, "numel") else 0
 
 
-def time_problem(rec, bench) -> dict:
-    """{fused, plain, cublas (ms; None where not applicable), moved (bytes of a K = 0 pass)} of one problem."""
+def time_problem(rec, bench, configs=()) -> dict:
+    """{fused, plain, cublas (ms; None where not applicable), moved (bytes of a K = 0 pass), configs ({label: ms
+    of the fused call under that config; stages 2 for a K = 0 pass, as the heuristic has it})} of one problem, all
+    on one set of inputs."""
+    import dataclasses
+
     import torch
 
     import coda
     from coda.autotune.model import inputs_for
     a, b, ops = inputs_for(rec)
     p = rec.prob
-    fused = lambda: coda.gemm(a, b, epilogue=rec.epi, out_dtype=p.out_dtype, **ops)  # noqa: E731
+
+    def fused(cfg=None):
+        return coda.gemm(a, b, epilogue=rec.epi, out_dtype=p.out_dtype, config=cfg, **ops)
+
     res = fused()
-    row = dict(fused=bench(fused), plain=None, cublas=None, moved=0)
+    row = dict(fused=bench(fused), plain=None, cublas=None, moved=0, configs={})
+    for label, cfg in configs:
+        cfg = dataclasses.replace(cfg, stages=2) if p.zero_k else cfg
+        row["configs"][label] = bench(lambda: fused(cfg))
     if p.zero_k:
         outs = res.values() if isinstance(res, dict) else [res]
         row["moved"] = sum(_bytes(t) for t in ops.values()) + sum(_bytes(t) for t in outs)
@@ -41,24 +51,12 @@ def time_problem(rec, bench) -> dict:
     return row
 
 
-def time_config(rec, cfg, bench) -> float:
-    """ms of one problem's fused call under ``cfg`` (stages 2 for a K = 0 pass, as the heuristic has it)."""
-    import dataclasses
-
-    import coda
-    from coda.autotune.model import inputs_for
-    a, b, ops = inputs_for(rec)
-    p = rec.prob
-    if p.zero_k:
-        cfg = dataclasses.replace(cfg, stages=2)
-    return bench(lambda: coda.gemm(a, b, epilogue=rec.epi, out_dtype=p.out_dtype, config=cfg, **ops))
-
-
 def main(argv=None) -> int:
     from .step import shape_parser
     ap = shape_parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3, help="do_bench runs per timing (median)")
-    ap.add_argument("--only", default=None, help="keep the problems whose label contains one of these (comma separated)")
+    ap.add_argument("--only", default=None,
+                    help="keep the problems whose label contains one of these (comma separated)")
     ap.add_argument("--configs", default=None, help="configs to time the fused call under, ';' between them")
     args = ap.parse_args(argv)
     import torch
@@ -79,9 +77,9 @@ def main(argv=None) -> int:
     tot = dict(fused=0.0, plain=0.0, cublas=0.0, passes=0.0, moved=0)
     for rec in problems:
         try:
-            r = time_problem(rec, bench)
-            for label, cfg in configs:
-                print(f"  {rec.label[:40]:40s} {label:46s} {time_config(rec, cfg, bench):8.3f} ms", flush=True)
+            r = time_problem(rec, bench, configs)
+            for label, ms in r["configs"].items():
+                print(f"  {rec.label[:40]:40s} {label:46s} {ms:8.3f} ms", flush=True)
         except Exception as e:  # one problem failing must not lose the others
             print(f"{rec.label[:58]:58s} failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
             continue

@@ -131,7 +131,8 @@ def render_markdown(report: dict, image: Optional[str] = "step.png") -> str:
              f"{meta.get('device')}, commit {meta.get('commit')}{' (dirty)' if meta.get('dirty') else ''}, "
              f"{meta.get('date')}; batch {meta['batch']} x {meta['seq']} tokens, {meta['dtype']}, optimizer "
              f"{meta['optimizer']}, {meta['steps']} timed steps after {meta['warmup']} warm-up (median), "
-             f"CODA_AUTOTUNE={meta.get('autotune') or 'unset (stored / shipped configs, else the heuristic)'}; torch {meta.get('torch')}, cutlass-dsl {meta.get('cutlass_dsl')}.",
+             f"CODA_AUTOTUNE={meta.get('autotune') or 'unset (stored / shipped configs, else the heuristic)'}; "
+             f"torch {meta.get('torch')}, cutlass-dsl {meta.get('cutlass_dsl')}.",
              "", f"Model FLOPs per step: GEMM {r['flops']['gemm'] / 1e12:.2f} T, attention (causal) "
                  f"{r['flops']['attention'] / 1e12:.2f} T; measured GEMM peak {_f(r.get('gemm_peak_tflops'), '{:.0f}')}"
                  f" TFLOP/s (cuBLAS bf16 8192^3)."]
