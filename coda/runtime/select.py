@@ -119,15 +119,18 @@ def key_for(prob, epi: Any) -> str:
     return tune_key(device_info(prob.device), prob.in_dtype, prob.out_dtype, M, prob.N, prob.K, L, epi)
 
 
+def _from_store(key: str, prob, epi: Any) -> Optional[Any]:
+    """The store's usable config for ``key`` (remembered in this process's memory), or None."""
+    cfg = _config_of(store.get(key), epi, prob)
+    if cfg is not None:
+        _memory[key] = cfg
+    return cfg
+
+
 def lookup(prob, epi: Any) -> Optional[Any]:
     """The remembered config for this problem (memory, then the store), or None. Never tunes."""
     key = key_for(prob, epi)
-    cfg = _memory.get(key)
-    if cfg is None:
-        cfg = _config_of(store.get(key), epi, prob)
-        if cfg is not None:
-            _memory[key] = cfg
-    return cfg
+    return _memory.get(key) or _from_store(key, prob, epi)
 
 
 def shipped(prob, epi: Any, default: Any = None) -> Optional[Any]:
@@ -159,9 +162,8 @@ def _default_chain(prob, epi: Any, key: str, default: Any) -> tuple:
     hit = _served.get(key)
     if hit is not None:
         return hit
-    cfg = _config_of(store.get(key), epi, prob)
+    cfg = _from_store(key, prob, epi)
     if cfg is not None:
-        _memory[key] = cfg
         return cfg, "tuned"
     cfg = shipped(prob, epi, default)
     hit = (cfg, "shipped") if cfg is not None else (default, "heuristic")
@@ -194,9 +196,7 @@ def select_config(prob, epi: Any, a: Any, b: Any, operands: dict) -> Any:
         _note(prob, epi, cfg, source, a, b, operands)
         return cfg
     with _tune_lock:
-        cfg = _memory.get(key)
-        if cfg is None:
-            cfg = _config_of(store.get(key), epi, prob)
+        cfg = _memory.get(key) or _from_store(key, prob, epi)
         if cfg is None:
             M, L = _kernel_view(prob)
             if 2 * M * prob.N * prob.K * L < MIN_TUNE_FLOP or _capturing():
