@@ -161,10 +161,12 @@ class FusedAttention(_NormConsumer):
             # RoPE on the column pairs in torch
             z = (ops.rmsnorm_linear(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype), self.eps) if fused
                  else F.linear(rms_norm(x, self.norm_weight, self.eps), self.weight_qkv))
+            q, k, v = torch.split(z, [hq, hk, hk], dim=-1)
             if self.q_norm is not None:
-                q, k, v = torch.split(z, [hq, hk, hk], dim=-1)
-                z = torch.cat((self._head_norm(q, self.q_norm), self._head_norm(k, self.k_norm), v), -1)
-            q, k, v = torch.split(_rotate_pairs(z, pos, self.freqs, x.dtype), [hq, hk, hk], dim=-1)
+                q, k = self._head_norm(q, self.q_norm), self._head_norm(k, self.k_norm)
+            # q and k rotated (v's frequencies are 0: left as it is, not copied)
+            q = _rotate_pairs(q, pos, self.freqs[:hq // 2], x.dtype)
+            k = _rotate_pairs(k, pos, self.freqs[hq // 2:(hq + hk) // 2], x.dtype)
         q = q.reshape(B, T, self.n_heads, d).transpose(1, 2)
         k = k.reshape(B, T, self.n_kv, d).transpose(1, 2)
         v = v.reshape(B, T, self.n_kv, d).transpose(1, 2)
