@@ -25,6 +25,7 @@ _LAZY = {
     "nn": ("coda.nn", None),
     "ops": ("coda.ops", None),
     "autotune": ("coda.autotune", None),
+    "optim": ("coda.optim", None),
     "fuse": ("coda.fuse", "fuse"),
     "unfuse": ("coda.fuse", "unfuse"),
     "stock_grads": ("coda.fuse", "stock_grads"),

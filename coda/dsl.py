@@ -571,6 +571,10 @@ class DslEpilogue(Epilogue):
         self.red_specs = dict(reductions)
         self.outputs = tuple(k for k in outputs if k not in ("out", ODD_OUT))
         self.stores_out = "out" in outputs  # no "out": nothing M x N stored but the extra outputs
+        for o in self.operands:  # an extra output named like a TileMN operand updates it in place (Epilogue.inplace)
+            if o.name in self.outputs and o.kind != "tile":
+                raise EpilogueError(f"epilogue {name!r}: output {o.name!r} has the name of a {o.kind} operand; only "
+                                    "a TileMN operand can be updated in place")
         self.reductions = tuple(Reduction(k, axis, op) for k, (axis, op, _) in reductions.items())
         keys = list(self.exprs) + list(self.red_specs)
         exprs = [self.exprs[k] for k in self.exprs] + [e for (_, _, e) in self.red_specs.values()]

@@ -185,6 +185,9 @@ def _fuse_head(model: nn.Module) -> bool:
     if head.bias is not None or not _aligned(head.weight.shape[1]):
         warnings.warn("coda.fuse: lm_head left stock (needs no bias, hidden size a multiple of 8)")
         return False
+    if any(p is head.weight for m in model.modules() if m is not head for p in m.parameters(recurse=False)):
+        # tied to the input embedding: its gradient has two parts, so coda.optim never updates it in backward
+        head.weight._coda_no_in_backward = True
     deferred = DeferredRMSNorm.from_norm(norm)
     fused = LMHeadCrossEntropy.from_linear(head, norm=deferred)
     fused._coda_stock = (head, norm)

@@ -101,8 +101,12 @@ def epilogue_tensors(epi: Epilogue, prob, operands: dict, out3: torch.Tensor, cf
     args = [op.spec.host_arg(operands[op.name], L, M, epi.operand_cols(prob.N), out3.device) for op in epi.operands]
     outs = {}
     for name in epi.outputs:
-        o = torch.empty((L, M, N), dtype=out3.dtype, device=out3.device)
-        outs[name] = o
+        if name in epi.inplace:  # written back into its TileMN operand (Epilogue.inplace)
+            o = operands[name]
+            outs[name] = o
+            o = o.reshape(L, M, N)  # a view: the operand is (M, N) / (L, M, N) with a contiguous last dim
+        else:
+            o = outs[name] = torch.empty((L, M, N), dtype=out3.dtype, device=out3.device)
         args.append((_mnl(o), 1))
     partials = {}
     for r in epi.kernel_reductions():
@@ -231,7 +235,8 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
     if prob.b_broadcast:
         out3 = out3.reshape(1, L * prob.M, prob.out_shape[-1])
     if prob.empty_result:  # nothing to launch: empty extra outputs, reductions over nothing
-        outs = {k: torch.empty(prob.out_shape, dtype=prob.out_dtype, device=a.device) for k in epi.outputs}
+        outs = {k: operands[k] if k in epi.inplace else torch.empty(prob.out_shape, dtype=prob.out_dtype,
+                                                                     device=a.device) for k in epi.outputs}
         return res, None, [], [], outs, empty_reductions(epi, prob)
     if prob.zero_k:
         # the kernel needs rows of >= 16 bytes: K = 0 becomes one all-zero K-tile of 8 columns (cached zeros)
@@ -419,7 +424,7 @@ def _package(epi: Epilogue, res, outs, reds, prob):
         return res
     shape = prob.out_shape
     result = {"out": res} if epi.stores_out else {}
-    result.update({k: v.reshape(shape) for k, v in outs.items()})
+    result.update({k: v if k in epi.inplace else v.reshape(shape) for k, v in outs.items()})  # in place: the operand
     for k, v in reds.items():
         if prob.b_broadcast:  # the batch was folded into M: (1, L*M) -> (L, M)
             v = v.reshape(prob.L, prob.M)

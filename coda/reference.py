@@ -149,6 +149,8 @@ def _compute_plain(a, b, epilogue, out, out_dtype, acc_dtype, operands):
             # each output its own memory, as the kernel's (an fp32 result may otherwise be a view of acc)
             extras = {k: (v.to(out_dtype, memory_format=torch.contiguous_format, copy=True)
                           if k in epilogue.outputs else v) for k, v in res.items()}
+            for k in getattr(epilogue, "inplace", ()):  # written back into the operand, as the kernel does
+                extras[k] = operands[k].copy_(res[k])
             if not epilogue.stores_out:  # no main output: only the extra outputs and reductions
                 return extras
         else:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Union
 
-from ._common import call, custom_op, register_autograd
+from ._common import call, custom_op, grad_of, register_autograd
 
 
 def backward_op(name: str, *, fake: Callable, eager=None):
@@ -66,7 +66,8 @@ def forward_op(name: str, *, fake: Callable, backward: Union[str, Callable], sav
                 return (None,) * n_in
             rest = arrange(ctx.coda_extra, needs) if arrange is not None else (*ctx.coda_extra, *needs)
             out = call(backward, dy, *ctx.saved_tensors, *rest, ctx=ctx)
-            return tuple(g if need else None for g, need in zip(out, needs)) + (None,) * (n_in - grads)
+            # an empty gradient: not needed, or a weight updated in its dW GEMM (coda.optim): no gradient
+            return tuple(grad_of(g) if need else None for g, need in zip(out, needs)) + (None,) * (n_in - grads)
 
         register_autograd(name, backward if callable(backward) else autograd_backward, setup_context)
         return op

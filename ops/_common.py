@@ -14,6 +14,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from coda import _device
+from coda.optim import eager_backward
 
 
 def gemm_for(device: torch.device, entry: str = "coda.ops"):
@@ -82,10 +83,47 @@ def backward_gemm(a: torch.Tensor, b: torch.Tensor, entry: str = "coda.ops") -> 
 def linear_grads(dacc: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool,
                  entry: str = "coda.ops"):
     """(dX, dW) of a linear layer from the gradient of its accumulator: dX = dacc W (W^T an MN-major view) and
-    dW = dacc^T X (both operands transposed views), each through :func:`backward_gemm`; None where not needed."""
+    dW = dacc^T X (both operands transposed views), each through :func:`backward_gemm` (dW: :func:`weight_grad`);
+    None where not needed. dX first: it reads the weight that dW's GEMM may update."""
     dx = backward_gemm(dacc, weight.t(), entry) if need_x else None
-    dw = backward_gemm(dacc.t(), x.t(), entry) if need_w else None
+    dw = weight_grad(dacc, x, weight, entry) if need_w else None
     return dx, dw
+
+
+def update_in_backward(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, entry: str, fold=None):
+    """The optimizer step of ``weight`` in the epilogue of its gradient's GEMM ``a @ b.T`` (``coda.optim``), when
+    this is an eager backward, an optimizer registered ``weight`` and the GEMM runs on CODA's kernel (or the CPU
+    reference): returns the epilogue's results (``fold``: the norm weight gamma of a folded weight, see
+    ``epilogues.adamw.adamw_fold``), else None (the caller forms dW). The weight's caller must have finished every
+    product that reads it (dX)."""
+    from coda.optim import in_backward_operands
+    if not (weight.device.type == "cpu" or (a.dtype in IN_DTYPES and weight.dtype in IN_DTYPES
+                                            and kernel_aligned(a, b))):
+        return None
+    ops = in_backward_operands(weight)
+    if ops is None:
+        return None
+    from coda.epilogues.adamw import adamw, adamw_fold
+    from coda.optim import update_config
+    if fold is not None:
+        ops["gamma"] = fold
+    cfg = {"config": update_config()} if weight.is_cuda else {}  # the reference path takes no config
+    return gemm_for(weight.device, entry)(a, b, epilogue=adamw if fold is None else adamw_fold, out=ops["p"],
+                                          **cfg, **ops)
+
+
+def weight_grad(dacc: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, entry: str = "coda.ops"):
+    """dW = dacc^T X, or -- updated in its GEMM's epilogue (:func:`update_in_backward`) -- the empty 1-D tensor
+    that :func:`grad_of` turns into no gradient."""
+    if update_in_backward(weight, dacc.t(), x.t(), entry) is not None:
+        return weight.new_empty(0)
+    return backward_gemm(dacc.t(), x.t(), entry)
+
+
+def grad_of(g):
+    """A backward op's result as autograd's gradient: None for the empty 1-D tensor an op returns for a weight
+    updated in backward (or a gradient not needed); a tensor of an empty 2-D input keeps its shape."""
+    return None if g is None or (g.dim() == 1 and g.numel() == 0) else g
 
 
 def save_preact_for(entry: str, save_preact, *tensors) -> bool:
@@ -202,6 +240,9 @@ def call(name: str, *args, ctx=None):
             or (ctx is not None and not getattr(ctx, "coda_eager", False))):
         return getattr(torch.ops.coda, name)(*args)
     if name not in _eager:
+        if ctx is not None:  # an eager backward: weights may be updated in place (coda.optim)
+            with eager_backward():
+                return _impls[name][0](*args)
         return _impls[name][0](*args)
     spec = _spec(args)
     return _function(name, spec).apply(*_flatten(spec, args))

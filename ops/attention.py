@@ -25,7 +25,7 @@ from coda.epilogues.rope import rope_rmsnorm
 from coda.epilogues.rmsnorm import rmsnorm_dgrad, row_dot
 
 from ._builder import backward_op, forward_op
-from ._common import backward_gemm, call, check_inputs, check_last_dim_contiguous, epilogue_pass, gemm_for
+from ._common import call, check_inputs, check_last_dim_contiguous, epilogue_pass, gemm_for, weight_grad
 from .rmsnorm_linear import check_eps, check_norm_weight, normed_operands
 from .rope import unrotate
 
@@ -67,7 +67,7 @@ def _backward_op(dy: Tensor, h: Tensor, norm_weight: Tensor, weight: Tensor, r: 
     dacc = unrotate(gemm, dy, positions, freqs)
     c = epilogue_pass(gemm, h, *dy.shape, epilogue=row_dot, dy=dy, y=y)["dot"] / K
     res = gemm(dacc, weight.t(), epilogue=rmsnorm_dgrad, out_dtype=h.dtype, gamma=norm_weight, h=h, r=r, c=c)
-    dw = backward_gemm(dacc.t(), res["normed"].t(), ENTRY) if need_weight else weight.new_empty(0)
+    dw = weight_grad(dacc, res["normed"], weight, ENTRY) if need_weight else weight.new_empty(0)
     return res["out"], res["dgamma"].to(norm_weight.dtype), dw
 
 

@@ -59,8 +59,10 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from coda.epilogues.adamw import adamw_scaled
 from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_general, ce_forward,
                                           ce_forward_smooth, scale_by)
+from coda.optim import eager_backward, in_backward_operands, update_config
 
 from ._builder import backward_op, forward_op
 from ._common import IN_DTYPES, call, check_inputs, check_tensors, epilogue_pass, gemm_for, kernel_aligned
@@ -348,24 +350,43 @@ def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return t.mul_(g)
 
 
+def _update_in_backward(weight: torch.Tensor, dw: torch.Tensor, g: torch.Tensor) -> bool:
+    """``coda.optim``'s AdamW step of ``weight`` on the gradient dw * g, as one K = 0 pass (``adamw_scaled``)
+    instead of the scaling pass plus the optimizer's; False where it does not apply (the caller scales dw)."""
+    if not (dw.device.type == "cpu" or (dw.dim() == 2 and dw.dtype in IN_DTYPES and dw.is_contiguous()
+                                         and dw.shape[1] % 8 == 0)):
+        return False
+    with eager_backward():
+        ops = in_backward_operands(weight)
+    if ops is None:
+        return False
+    cfg = {"config": update_config()} if dw.is_cuda else {}  # the reference path takes no config
+    epilogue_pass(gemm_for(dw.device, ENTRY), dw, *dw.shape, epilogue=adamw_scaled, out=ops["p"], t=dw, s=g, **cfg,
+                  **ops)
+    return True
+
+
 def _backward_fast(ctx, grad_loss, grad_dx, grad_dw):
     """The gradients formed by the forward, times the upstream gradient: in place in eager mode (the saved tensors
     are this call's own and are released after this node; no second V x H buffer), out of place under
     torch.compile (its graphs are functional)."""
-    dx, dw = ctx.saved_tensors
+    dx, dw, weight = ctx.saved_tensors
     g = grad_loss.to(torch.float32)
     if getattr(ctx, "coda_eager", False):
         # a second backward through this graph (retain_graph=True) then fails autograd's version check of the
         # saved tensors (tests/test_cross_entropy.py): an error, never g1 * g2 * grad; mode="lean" allows it
-        grads = [_scale_in_place(t, g) if need else None for t, need in zip((dx, dw), ctx.coda_extra)]
+        need_x, need_w = ctx.coda_extra
+        if need_w and _update_in_backward(weight, dw, g):
+            need_w, dw = False, None  # coda.optim updated the weight: no gradient
+        grads = [_scale_in_place(t, g) if need else None for t, need in zip((dx, dw), (need_x, need_w))]
     else:
         grads = [(t * g).to(t.dtype) if need else None for t, need in zip((dx, dw), ctx.coda_extra)]
     return (*grads, None, None, None, None, None, None, None, None, None)
 
 
-# saved: the forward's dx, dw (non-differentiable outputs); extra: need_x, need_w
+# saved: the forward's dx, dw (non-differentiable outputs), the weight (coda.optim); extra: need_x, need_w
 @forward_op("linear_cross_entropy_fast", fake=_op_fast_fake, backward=_backward_fast,
-            saved=lambda i, out: out[1:], extra=lambda i: i[-2:])
+            saved=lambda i, out: (*out[1:], i[1]), extra=lambda i: i[-2:])
 def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
              z_loss: float, rows: int, check: str, need_x: bool, need_w: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(loss, dx, dw) with dx, dw the gradients for an upstream gradient of 1 (empty where not needed); see

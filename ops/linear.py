@@ -50,7 +50,7 @@ from coda.autodiff import (DGRAD, backward_epilogue, grad_name, on_preact, pair_
 from coda.dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, by_op_name, operand_symbol
 
 from ._builder import backward_op, forward_op
-from ._common import IN_DTYPES, call, check_inputs, epilogue_pass, gemm_for, linear_grads
+from ._common import IN_DTYPES, call, check_inputs, epilogue_pass, gemm_for, grad_of, linear_grads
 
 __all__ = ["linear"]  # also used across coda.ops: backward_of, evaluate, saved_preact (see their docstrings)
 ENTRY = "coda.ops.linear"
@@ -216,7 +216,7 @@ def _backward(ctx, grads):
         return nothing
     d = call("linear_backward", grads, x2, weight, epilogue, save_preact, names, tensors, scalar_names,
              scalar_values, list(saved[2 + n_tensors:]), needs, ctx=ctx)
-    pick = [t if need else None for t, need in zip(d, needs)]
+    pick = [grad_of(t) if need else None for t, need in zip(d, needs)]  # empty 1-D: updated in backward
     return (pick[0], pick[1], None, None, None, pick[2:], None, no_scalars, None)[:n_inputs]
 
 

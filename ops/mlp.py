@@ -54,7 +54,7 @@ from coda.autodiff import DGRAD, grad_name, on_acc
 
 from ._builder import backward_op, forward_op
 from ._common import (IN_DTYPES, call, check_last_dim_contiguous, check_tensors, gemm_for, kernel_aligned,
-                      linear_grads, save_preact_for)
+                      linear_grads, save_preact_for, update_in_backward)
 from .gated import check_x_weight_gu
 from .gated import fake_preact, forward_preact
 from .linear import backward_of, evaluate, saved_preact
@@ -226,7 +226,10 @@ def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, 
         grads[0] = gemm(dacc, w_gate_up.t(), epilogue=rms_radial_residual if residual else rms_radial,
                         out_dtype=x.dtype, **ops)
     if need_gamma or need_gu:  # dW' = dacc^T x; its epilogue forms dW = dW' gamma and dgamma
-        if kernel_aligned(dacc.t(), x.t()):
+        upd = update_in_backward(w_gate_up, dacc.t(), x.t(), _ENTRY, fold=norm_weight) if need_gu else None
+        if upd is not None:  # coda.optim: w_gate_up updated in place by the same epilogue (no dW)
+            dw, dgamma = w_gate_up.new_empty(0), upd["dgamma"]
+        elif kernel_aligned(dacc.t(), x.t()):
             res = gemm(dacc.t(), x.t(), epilogue=fold_grads, out_dtype=w_gate_up.dtype, gamma=norm_weight,
                        w=w_gate_up)
             dw, dgamma = res["out"], res["dgamma"]

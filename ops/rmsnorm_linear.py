@@ -23,7 +23,7 @@ Backward (the incoming dy; dh_out, the gradient arriving on the returned residua
     2. dX GEMM: acc = dy W (``weight.t()``, an MN-major view: no copy), epilogue ``rmsnorm_dgrad`` (or
        ``rmsnorm_dgrad_residual``, which adds dh_out): dh = r (acc gamma - h r c), the normed activation
        n = h r gamma (M x K extra output) and dgamma = sum_m acc h r (per-column partials, no atomics).
-    3. dW GEMM: dweight = dy^T n on transposed views (``ops._common.backward_gemm``: CODA's kernel, or
+    3. dW GEMM: dweight = dy^T n on transposed views (``ops._common.weight_grad``: CODA's kernel, or
        ``torch.matmul`` when M is not a multiple of 8), skipped when weight needs no gradient.
     Wide linears (N > 2.5 K, :func:`split_backward`) skip step 1: c = (r / K) sum_k h (acc gamma)_k comes from the
     dX GEMM itself (``rmsnorm_dgrad_split``: acc as fp32 M x K and row partials of sum h acc gamma), then one
@@ -53,7 +53,8 @@ from coda.epilogues.rmsnorm import (fold_gamma, rmsnorm_dgrad, rmsnorm_dgrad_fin
                                     rmsnorm_dgrad_residual, rmsnorm_dgrad_split, rmsnorm_scale, row_dot, scale_sumsq)
 
 from ._builder import backward_op, forward_op
-from ._common import backward_gemm, call, check_last_dim_contiguous, check_tensors, epilogue_pass, gemm_for
+from ._common import (call, check_last_dim_contiguous, check_tensors, epilogue_pass, gemm_for, grad_of,
+                      weight_grad)
 
 __all__ = ["rmsnorm_linear"]
 
@@ -193,7 +194,7 @@ def _rmsnorm_linear_backward_op(dy: torch.Tensor, dh_out: Optional[torch.Tensor]
         c = epilogue_pass(gemm, h, *dy.shape, epilogue=row_dot, dy=dy, y=y)["dot"] / K  # one pass over dy and y
         res = gemm(dy, weight.t(), epilogue=rmsnorm_dgrad_residual if dres else rmsnorm_dgrad, out_dtype=h.dtype,
                    gamma=norm_weight, h=h, r=r, c=c, **dres)  # acc = dy W
-    dw = backward_gemm(dy.t(), res["normed"].t(), _ENTRY) if need_weight else weight.new_empty(0)
+    dw = weight_grad(dy, res["normed"], weight, _ENTRY) if need_weight else weight.new_empty(0)
     return res["out"], res["dgamma"].to(norm_weight.dtype), dw
 
 
@@ -221,7 +222,7 @@ def _backward(ctx, dy, dh_out, _dr):
     if not has_residual:
         dh_out = None
     dh, dgamma, dw = call("rmsnorm_linear_backward", dy, dh_out, h, norm_weight, weight, r, y, need_w, ctx=ctx)
-    return (dh if need_x else None, dgamma if need_gamma else None, dw if need_w else None,
+    return (dh if need_x else None, dgamma if need_gamma else None, grad_of(dw) if need_w else None,
             dh if need_res else None, None)
 
 

@@ -13,6 +13,9 @@ KERNELS = {
     # ours (CuTeDSL) and cuBLAS
     "kernel_cutlass_kernel_coda_kernels_gemm_sm90_GemmSm90_object_at__tensorptrbf16gmemalign16": "gemm",
     "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNT": "gemm",
+    "kernel_cutlass_kernel_codakernelsgemm_sm90GemmSm90_rms_swiglu_tensorptrbf16gmemalign16": "gemm",
+    "kernel_cutlass_kernel_codakernelsgemm_sm90GemmSm90_adamw_fold_tensorptrbf16gmemalign16": "gemm",
+    "kernel_cutlass_kernel_codakernelsgemm_sm90GemmSm90_adamw_scaled_tensorptrbf16gmemalign16": "optimizer",
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel"
     "__5x_cublas": "gemm",
     "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>(T1::Params)": "gemm",

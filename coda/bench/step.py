@@ -141,8 +141,13 @@ def run_mode(args) -> dict:
         phase("FSDP2")
     elif "+compile" in mode:
         step_fn = torch.compile(model, **compile_kw)
-    kw = {"fused": True} if args.optimizer == "adamw-fused" else {"foreach": True}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **kw)
+    kw = {"foreach": True} if args.optimizer == "adamw-foreach" else {"fused": True}
+    if args.optimizer == "coda-adamw" and mode.startswith("fused") and world == 1:
+        # coda.optim.AdamW: CODA-fused weights updated inside the backward (eager; under compile step() does it)
+        import coda.optim
+        opt = coda.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **kw)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **kw)
     batches = [b.to(dev) for b in make_batches(cfg["vocab"], args.batch, args.seq, 4, args.seed + 1 + rank)]
     cuda = dev.type == "cuda"
     if cuda:
@@ -255,7 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (the first compiles)")
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    ap.add_argument("--optimizer", default="adamw-fused", choices=["adamw-fused", "adamw-foreach"])
+    ap.add_argument("--optimizer", default="adamw-fused",
+                    choices=["adamw-fused", "adamw-foreach", "coda-adamw"],
+                    help="coda-adamw: the fused modes run coda.optim.AdamW (fused=True; the update of CODA-fused "
+                         "weights inside the backward), stock modes torch's fused AdamW")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)

@@ -23,6 +23,10 @@ DATASHEET_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "GH200": 989.4}
 # memory-bound CuTeDSL kernels carry "cutlass" in their names but are not GEMMs.
 RULES = (
     ("other", r"ce_grad|softmax_grad"),
+    # coda.optim's AdamW as a K = 0 pass of our kernel (its epilogue's name is in the kernel's); in a dW GEMM's
+    # epilogue (in_backward=True) it is GEMM time
+    ("optimizer", r"GemmSm90_adamw_scaled"),
+    ("gemm", r"GemmSm90_adamw"),
     ("optimizer", r"multi_tensor_apply|fused_?adam|adamw|_fused_sgd|FusedAdam"),
     ("attention", r"flash|fmha|sdpa|attention|_mha_|mha_fwd|mha_bwd"),
     ("gemm", r"nvjet|gemm|gemv|xmma|splitkreduce|cutlass|triton_tem_\w*mm"),

@@ -130,6 +130,13 @@ class Epilogue:
         with reductions already finished (VecM / VecN tensors)."""
         return {"out": acc}
 
+    @property
+    def inplace(self) -> tuple:
+        """Extra outputs written back into the TileMN operand of the same name (e.g. an optimizer's moments): the
+        kernel stores them into the operand's memory; each element is read by the thread that later stores it."""
+        tiles = {o.name for o in self.operands if o.spec is TILE}
+        return tuple(k for k in self.outputs if k in tiles)
+
     def out_cols(self, N: int) -> int:
         """Columns of the main / extra outputs for an accumulator of N columns."""
         return N // 2 if self.pair_mode == "half" else 2 * N if self.expand else N
@@ -312,6 +319,8 @@ def check_call(epi: Epilogue, prob, out, operands: Mapping[str, Any]) -> None:
                 raise ValueError(f"out: must not share memory with operand {name!r} (the kernel reads operands "
                                  "while it writes out); only a TileMN operand that is exactly out (add-to-output) "
                                  "may")
+    for name in epi.inplace:
+        _check_inplace(epi, prob, name, operands, out)
     n_tensors = len(epi.operands) + len(epi.outputs) + len(epi.reductions)
     if n_tensors > MAX_EPI_TENSORS:
         raise ValueError(f"epilogue {epi.name!r} needs {n_tensors} tensors (operands + extra outputs + reductions); "
@@ -319,6 +328,35 @@ def check_call(epi: Epilogue, prob, out, operands: Mapping[str, Any]) -> None:
     if prob.b_broadcast and any(r.axis == "m" for r in epi.reductions):
         raise ValueError(f"b: an epilogue with a per-column (axis m) reduction needs b batched like a; b of shape "
                          f"(N, K) = ({prob.N}, {prob.K}) is shared by every batch of a (L={prob.L})")
+
+
+def _check_inplace(epi: Epilogue, prob, name: str, operands, out) -> None:
+    """An in-place extra output (``Epilogue.inplace``): its TileMN operand (the output's shape, checked with the
+    operands) must be of an epilogue of one value per element (no pairs or 1 -> 2), of a stored dtype, and share
+    memory with nothing else the kernel reads or writes, nor between its own elements."""
+    import torch
+
+    from coda._validate import _overlaps
+    v = operands[name]
+    if epi.pair_mode or epi.expand:
+        raise ValueError(f"operand {name!r}: in-place outputs need an epilogue of one value per element (no "
+                         "coda.pairs / 1 -> 2)")
+    if v.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"operand {name!r}: updated in place, so it must be bfloat16, float16 or float32, got "
+                        f"{v.dtype}")
+    if prob.in_dtype in (torch.bfloat16, torch.float16) and v.dtype != prob.out_dtype:
+        # the kernel stores every tile output in the main output's dtype (the reference path stores any)
+        raise TypeError(f"operand {name!r}: updated in place, so it must have the output's dtype "
+                        f"{str(prob.out_dtype).replace('torch.', '')}, got {str(v.dtype).replace('torch.', '')}")
+    if torch._debug_has_internal_overlap(v) != 0:  # e.g. an expanded (stride-0) view: one element, many stores
+        raise ValueError(f"operand {name!r}: updated in place, so its elements must not share memory (got strides "
+                         f"{tuple(v.stride())})")
+    others = [(k, t) for k, t in operands.items() if k != name and isinstance(t, torch.Tensor)]
+    if out is not None:
+        others.append(("out", out))
+    for k, t in others:
+        if _overlaps(v, t):
+            raise ValueError(f"operand {name!r}: updated in place, so it must not share memory with {k!r}")
 
 
 def empty_reductions(epi: Epilogue, prob) -> dict:

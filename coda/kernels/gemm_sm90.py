@@ -77,6 +77,11 @@ class GemmSm90:
             raise ValueError(f"tile_aligned: {len(self.tile_aligned)} flags for {len(self.tiles)} TileMN operands")
         self.op_tile = (cfg.tile_m, tile_operand_cols(epi, cfg))
 
+    def __str__(self):
+        """What CuTeDSL's name mangling puts into the kernel's name: the epilogue's, so that profiles tell the
+        kernels apart (e.g. the optimizer's K = 0 pass, ``coda.bench.step_report.RULES``)."""
+        return "coda.kernels.gemm_sm90.GemmSm90_" + "".join(c if c.isalnum() else "_" for c in self.epi.name)
+
     # ------------------------------------------------------------------------------------------------ phase 0: host
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor, max_active_clusters: cutlass.Constexpr,

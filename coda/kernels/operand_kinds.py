@@ -159,6 +159,9 @@ class _Scalar(OperandKind):
             raise ValueError(f"operand {name!r} (Scalar): expected 1 element, got shape {tuple(v.shape)}")
         if isinstance(v, torch.Tensor) and v.device != device:
             raise ValueError(f"operand {name!r}: on {v.device}, expected {device} (the device of a)")
+        if isinstance(v, torch.Tensor) and v.is_cuda and v.dtype == torch.float32 and v.data_ptr() % 16:
+            raise ValueError(f"operand {name!r} (Scalar): a float32 device tensor passed as it is must start at a "
+                             "16-byte aligned address (e.g. h[i, :1] of an (n, 4) tensor, not h[i] of an (n,) one)")
 
     def host_arg(self, t, L, M, N, device):
         import torch

@@ -1,0 +1,186 @@
+"""``coda.optim.AdamW``: torch's AdamW whose update of each CODA-fused weight runs inside the backward, where that
+weight's gradient is formed, so that the gradient is never stored (the optimizer in the backward's epilogue).
+
+A weight's gradient dW = dY^T X is a GEMM of CODA's kernel; its epilogue holds a dW tile in registers. There the
+epilogue (``epilogues/adamw.py``) reads the weight and its two moments, applies torch's fused AdamW update in fp32
+and writes them back in place; the cross entropy's fast mode, which forms the LM head's dW in the forward, applies the
+update in the K = 0 pass that scales dW by the upstream gradient. Parameters whose gradient no CODA op forms
+(embeddings, norm weights, anything stock) are updated by ``step()`` exactly as ``torch.optim.AdamW`` (same ``fused``
+/ ``foreach`` options), with the same state (``exp_avg``, ``exp_avg_sq``, ``step``): ``state_dict()`` is torch's.
+
+What it buys, measured on the H100 (``python -m coda.bench.optim``, llama-1b shapes, T = 8192 tokens): memory -- no
+gradient is allocated for those weights (2 bytes a parameter; for llama-1b 2.5 GB, though its step's peak is in the
+activations) -- and about the time of the GEMM plus torch's step, not less: the epilogue's 12 bytes a parameter are
+not hidden under the mainloop (gate/up dW + update 1.02 ms vs dW 0.74 + torch's step 0.28; the open hidden-epilogue
+issue is what would make it cheaper). The dW GEMMs with the update use 128 x 128 tiles (``UPDATE_CONFIG``: the
+heuristic's 128 x 256 leaves the three TileMN operands without TMA buffers, 1.34 ms there).
+
+When it applies: in eager mode (a compiled graph is functional: there the ops return gradients and ``step()``
+updates the weights), for weights of ``coda.ops`` / ``coda.nn`` / ``coda.fuse`` ops whose dW runs on CODA's kernel
+(bf16 / fp16 weights, moments of the weight's dtype, the token count a multiple of 8; on CPU tensors the reference
+path does the same). An LM head tied to the input embedding is never updated in backward (``coda.fuse`` marks it:
+its gradient has two parts). The training loop is unchanged (``loss.backward(); opt.step(); opt.zero_grad()``; the
+updated weights have no ``.grad``); what such an update cannot do, as with torchtune's ``optimizer_in_bwd`` --
+gradient accumulation over several backward passes, clipping by the global norm, reading those ``.grad`` -- needs
+``in_backward=False`` (plain torch AdamW). A second in-backward update of a weight before ``step()`` raises, and so
+does a weight updated in backward that also received a ``.grad``.
+
+Hyper-parameters are read from ``param_groups`` at each update (a learning-rate scheduler works as with torch): they
+reach the kernels as run-time device scalars, one small host-to-device copy per group and step.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import weakref
+from typing import Optional
+
+import torch
+
+__all__ = ["AdamW", "in_backward_operands", "eager_backward"]
+
+_local = threading.local()
+_registry: dict = {}  # (data_ptr, shape) -> (weakref to the Parameter, optimizer weakref, group index)
+
+
+@contextlib.contextmanager
+def eager_backward():
+    """Marks the eager backward of a CODA op (``ops._common.call``): only there may a weight be updated in place."""
+    prev = getattr(_local, "on", False)
+    _local.on = True
+    try:
+        yield
+    finally:
+        _local.on = prev
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.device)
+
+
+def in_backward_operands(weight: torch.Tensor) -> Optional[dict]:
+    """The epilogue operands of an in-backward AdamW step of ``weight`` (p, m, v and the hyper-parameters, as
+    ``epilogues.adamw`` takes them), or None: not in an eager CODA backward, or no :class:`AdamW` with
+    ``in_backward=True`` registered the weight. ``weight`` may be a detached view of the Parameter (same memory). A
+    non-None result commits to the update: the optimizer counts it."""
+    if not getattr(_local, "on", False) or not _registry:
+        return None
+    entry = _registry.get(_key(weight))
+    if entry is None:
+        return None
+    pref, oref, group = entry
+    p, opt = pref(), oref()
+    if p is None or opt is None or p.data_ptr() != weight.data_ptr():
+        return None
+    return opt._in_backward(p, group)
+
+
+# the configs of the update's launches (coda.bench.optim, H100, llama-1b shapes): a dW GEMM with the AdamW epilogue
+# (three TileMN operands: 128 x 128 tiles keep TMA buffers for all three and 4 stages; the heuristic's 128 x 256 loads
+# one of them element by element: gate/up 1.34 ms vs 1.02) and the LM head's K = 0 pass (1.47 ms vs the K = 0
+# heuristic's 3.76)
+def update_config():
+    """The config of an in-backward update's GEMM or K = 0 pass."""
+    from coda.config import GemmConfig
+    return GemmConfig(tile_m=128, tile_n=128, cluster_m=2, sched="dynamic", epi_n=32)
+
+
+class AdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` (same arguments) with ``in_backward`` (default True): update CODA-fused weights inside
+    the backward (module docstring). Create it after ``coda.fuse`` (it registers the Parameters it holds)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 *, in_backward: bool = True, **kwargs):
+        if not isinstance(in_backward, bool):
+            raise TypeError(f"coda.optim.AdamW: in_backward must be True or False, got {in_backward!r}")
+        if in_backward and any(kwargs.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable")):
+            raise ValueError("coda.optim.AdamW: in_backward=True supports neither amsgrad, maximize, capturable nor "
+                             "differentiable; pass in_backward=False")
+        if isinstance(lr, bool) or not isinstance(lr, (float, int)):
+            raise TypeError(f"coda.optim.AdamW: lr must be a float, got {type(lr).__name__}")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
+        self.in_backward = in_backward
+        self._done: dict = {}  # id(p) -> p: updated in backward since the last step()
+        self._steps: dict = {}  # id(p) -> host step count of the parameters updated in backward
+        self._hyper: dict = {}  # (group, step, device, hyper-parameters) -> (8, 4) fp32 device tensor
+        if in_backward:
+            me = weakref.ref(self)
+            for gi, group in enumerate(self.param_groups):
+                for p in group["params"]:
+                    if p.requires_grad and not getattr(p, "_coda_no_in_backward", False):
+                        _registry[_key(p)] = (weakref.ref(p), me, gi)
+
+    # -- the in-backward update ----------------------------------------------------------------------------------
+    def _in_backward(self, p: torch.Tensor, gi: int) -> Optional[dict]:
+        state = self.state[p]
+        if state and (state["exp_avg"].dtype != p.dtype or not state["exp_avg"].is_contiguous()
+                      or not state["exp_avg_sq"].is_contiguous()):
+            return None  # e.g. float32 moments loaded from a state dict: the kernel stores p's dtype only
+        if id(p) in self._done:
+            raise RuntimeError("coda.optim.AdamW: a weight was updated in backward twice without optimizer.step() "
+                               "(gradient accumulation or a second backward): pass in_backward=False")
+        if not state:  # torch's AdamW state layout (fused: a float32 step tensor on the parameter's device)
+            fused = self.defaults.get("fused")
+            state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
+                             else torch.tensor(0.0, dtype=torch.float32))
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if id(p) not in self._steps:  # first in-backward update (or resumed from a state dict): one host read
+            self._steps[id(p)] = int(state["step"].item())
+        from coda.epilogues.adamw import HYPER
+        hyper = self._hyper_tensor(gi, self.param_groups[gi], self._steps[id(p)] + 1, p.device)
+        self._done[id(p)] = p
+        ops = dict(p=p.detach(), m=state["exp_avg"], v=state["exp_avg_sq"])
+        ops.update({name: hyper[i, :1] for i, name in enumerate(HYPER)})
+        return ops
+
+    def _hyper_tensor(self, gi: int, group: dict, t: int, device) -> torch.Tensor:
+        lr, (b1, b2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
+        key = (gi, t, device, lr, b1, b2, eps, wd)
+        h = self._hyper.get(key)
+        if h is None:
+            vals = [b1, 1.0 - b1, b2, 1.0 - b2, 1.0 / math.sqrt(1.0 - b2 ** t), eps, lr / (1.0 - b1 ** t),
+                    1.0 - lr * wd]
+            # one 16-byte row per value: each Scalar operand h[i, :1] starts 16-byte aligned, as the kernel's
+            # tensor arguments must
+            host = torch.tensor(vals, dtype=torch.float32).unsqueeze(1).repeat(1, 4)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            h = self._hyper[key] = host.to(device, non_blocking=True)
+        return h
+
+    # -- step ------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """torch's AdamW step for every parameter with a ``.grad``; the parameters updated in backward since the
+        last step only have their ``step`` counts advanced."""
+        done = list(self._done.values())
+        for p in done:
+            if p.grad is not None:
+                raise RuntimeError(f"coda.optim.AdamW: a weight of shape {tuple(p.shape)} was updated in backward "
+                                   "and also received a gradient (used outside the CODA op too, e.g. tied "
+                                   "weights): pass in_backward=False")
+        loss = super().step(closure)
+        if done:
+            steps = [self.state[p]["step"] for p in done]
+            if steps[0].is_cuda:
+                torch._foreach_add_(steps, 1.0)
+            else:
+                for s in steps:
+                    s.add_(1.0)
+            for p in done:
+                self._steps[id(p)] += 1
+        mine = {id(p) for p in done}
+        for group in self.param_groups:  # torch's step advanced these: their host counts are re-read if needed
+            for p in group["params"]:
+                if p.grad is not None and id(p) in self._steps and id(p) not in mine:
+                    del self._steps[id(p)]
+        self._done.clear()
+        self._hyper.clear()
+        return loss
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self._steps.clear()  # re-read from the loaded state at the next in-backward update
+        self._hyper.clear()

@@ -1,0 +1,189 @@
+"""coda.optim.AdamW: the optimizer step in the dW GEMM's epilogue (CPU reference path; the GPU kernels in
+tests/test_optim_gpu.py)."""
+import copy
+
+import pytest
+import torch
+
+import coda
+import coda.ops._common as common
+from coda.epilogues.adamw import HYPER, adamw, adamw_fold, adamw_scaled
+from coda.reference import gemm as ref_gemm
+from test_fuse_families import _fuse, fp32_ops  # noqa: F401 (fixture)
+from test_first_use import _tiny_hf
+
+IN_BWD = ("mlp.weight_gu", "mlp.down_proj.weight", "self_attn.weight_qkv", "lm_head.weight")
+
+
+def _hyper(t=3, lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, wd=0.1):
+    vals = [b1, 1 - b1, b2, 1 - b2, 1 / (1 - b2 ** t) ** 0.5, eps, lr / (1 - b1 ** t), 1 - lr * wd]
+    return dict(zip(HYPER, [torch.tensor(v, dtype=torch.float64) for v in vals]))
+
+
+def _torch_adamw(g, p, m, v, t=3, lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, wd=0.1):
+    """torch's single-tensor AdamW step in float64: (p, m, v) after it."""
+    p, m, v = p.double().clone(), m.double().clone(), v.double().clone()
+    p.mul_(1 - lr * wd)
+    m.lerp_(g.double(), 1 - b1)
+    v.mul_(b2).addcmul_(g.double(), g.double(), value=1 - b2)
+    denom = (v.sqrt() / (1 - b2 ** t) ** 0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+    return p, m, v
+
+
+@pytest.mark.parametrize("kind", ["plain", "fold", "scaled"])
+def test_epilogues_are_torch_adamw(kind):
+    """Each program writes p, m, v in place (out=p, m and v in-place outputs) and equals torch's AdamW step on the
+    gradient it forms (float64 reference; fresh random data)."""
+    torch.manual_seed(0)
+    M, N, K = 40, 24, 16
+    a, b = torch.randn(M, K, dtype=torch.float64), torch.randn(N, K, dtype=torch.float64)
+    p, m = torch.randn(M, N, dtype=torch.float64), torch.randn(M, N, dtype=torch.float64) * 0.1
+    v = torch.rand(M, N, dtype=torch.float64) * 0.01
+    gamma, t, s = torch.rand(N, dtype=torch.float64) + 0.5, torch.randn(M, N, dtype=torch.float64), 0.37
+    g = {"plain": a @ b.T, "fold": (a @ b.T) * gamma, "scaled": t * s}[kind]
+    want = _torch_adamw(g, p, m, v)
+    ops = dict(p=p, m=m, v=v, **_hyper())
+    if kind == "plain":
+        res = common.gemm_for(p.device)(a, b, epilogue=adamw, out=p, **ops)
+    elif kind == "fold":
+        res = common.gemm_for(p.device)(a, b, epilogue=adamw_fold, out=p, gamma=gamma, **ops)
+    else:
+        res = common.gemm_for(p.device)(a[:, :0], b[:, :0], epilogue=adamw_scaled, out=p, t=t, s=s, **ops)
+    assert res["out"] is p and res["m"] is m and res["v"] is v  # in place
+    for got, ref in zip((p, m, v), want):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
+    if kind == "fold":
+        assert res["dgamma"].shape[-1] == N
+
+
+def test_inplace_output_rules():
+    @coda.epilogue
+    def upd(acc, q: coda.TileMN, s: coda.Scalar):
+        return {"out": acc, "q": q + s * acc}
+    assert upd.inplace == ("q",)
+    a, b = torch.randn(8, 8, dtype=torch.bfloat16), torch.randn(16, 8, dtype=torch.bfloat16)
+    q = torch.randn(8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'q'.*share memory with 'out'"):
+        ref_gemm(a, b, epilogue=upd, out=q.view(8, 16)[:, :], q=q, s=1.0)
+    with pytest.raises(ValueError, match="must not share memory"):
+        ref_gemm(a, b, epilogue=upd, q=torch.randn(1, 16, dtype=torch.bfloat16).expand(8, 16), s=1.0)
+    with pytest.raises(TypeError, match="'q': updated in place, so it must have the output's dtype bfloat16"):
+        ref_gemm(a, b, epilogue=upd, q=q.float(), s=1.0)
+    with pytest.raises(coda.EpilogueError, match="only a TileMN operand"):
+        @coda.epilogue
+        def bad(acc, s: coda.VecN):
+            return {"out": acc, "s": acc}
+
+
+def _models(kind="Llama", tie=False):
+    torch.manual_seed(0)
+    stock = _tiny_hf(kind).float()
+    stock.config.tie_word_embeddings = tie
+    if not tie:
+        stock.lm_head.weight = torch.nn.Parameter(stock.lm_head.weight.detach().clone())
+    else:
+        stock.lm_head.weight = stock.model.embed_tokens.weight
+    fused = copy.deepcopy(stock)
+    _fuse(fused)
+    return fused, copy.deepcopy(fused)
+
+
+def _train(model, opt, batches):
+    for ids in batches:
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_in_backward_training_matches_torch_adamw(fp32_ops):
+    """Three steps of a fused tiny Llama: coda.optim.AdamW (weights updated inside their dW GEMMs) against
+    torch.optim.AdamW on the same fused model (gradients, then the optimizer): every parameter agrees, the in-backward
+    ones have no .grad after backward and have already moved when backward returns."""
+    a, b = _models()
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt_a, opt_b = coda.optim.AdamW(a.parameters(), **kw), torch.optim.AdamW(b.parameters(), **kw)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 128, (2, 24), generator=g) for _ in range(3)]
+    _train(b, opt_b, batches)
+    before = {n: p.detach().clone() for n, p in a.named_parameters()}
+    a(batches[0], labels=batches[0]).loss.backward()
+    moved = {n for n, p in a.named_parameters() if not torch.equal(p, before[n])}
+    no_grad = {n for n, p in a.named_parameters() if p.grad is None}
+    assert moved == no_grad and moved, (moved, no_grad)
+    assert all(any(k in n for k in IN_BWD) for n in moved), moved
+    assert any("embed_tokens" in n for n, p in a.named_parameters() if p.grad is not None)
+    opt_a.step()
+    opt_a.zero_grad(set_to_none=True)
+    _train(a, opt_a, batches[1:])
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(pa, pb, rtol=2e-5, atol=2e-6, msg=n)
+    sa, sb = opt_a.state_dict(), opt_b.state_dict()  # torch's state layout: loads into torch.optim.AdamW
+    assert sa["state"].keys() == sb["state"].keys()
+    for k in sb["state"]:
+        assert float(sa["state"][k]["step"]) == float(sb["state"][k]["step"]) == 3.0
+        torch.testing.assert_close(sa["state"][k]["exp_avg"], sb["state"][k]["exp_avg"], rtol=1e-4, atol=1e-7)
+
+
+def test_dispatcher_path_returns_gradients(fp32_ops, monkeypatch):
+    """Under the dispatcher (what torch.compile runs) the ops return gradients and step() updates the weights:
+    the same parameters as in-backward updates."""
+    a, b = _models()
+    kw = dict(lr=1e-2, weight_decay=0.0)
+    opt_a = coda.optim.AdamW(a.parameters(), **kw)
+    opt_b = coda.optim.AdamW(b.parameters(), **kw)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    _train(a, opt_a, [ids, ids])
+    monkeypatch.setattr(common, "EAGER_FUNCTIONS", False)
+    b(ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in b.parameters())
+    opt_b.step()
+    opt_b.zero_grad(set_to_none=True)
+    monkeypatch.setattr(common, "EAGER_FUNCTIONS", True)
+    _train(b, opt_b, [ids])  # then in backward again: the step counts agree
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(pa, pb, rtol=2e-5, atol=2e-6, msg=n)
+
+
+def test_second_backward_without_step_raises(fp32_ops):
+    a, _ = _models()
+    opt = coda.optim.AdamW(a.parameters(), lr=1e-3)  # noqa: F841 (held: a dropped optimizer does nothing)
+    ids = torch.randint(0, 128, (2, 16))
+    a(ids, labels=ids).loss.backward()
+    with pytest.raises(RuntimeError, match="twice without optimizer.step"):
+        a(ids, labels=ids).loss.backward()
+
+
+def test_tied_lm_head_is_not_updated_in_backward(fp32_ops):
+    a, b = _models(tie=True)
+    assert a.lm_head.weight is a.model.embed_tokens.weight
+    opt_a = coda.optim.AdamW(a.parameters(), lr=1e-2)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    a(ids, labels=ids).loss.backward()
+    assert a.lm_head.weight.grad is not None  # both parts of its gradient, through autograd
+    opt_a.step()
+    _train(b, opt_b, [ids])
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(pa, pb, rtol=2e-5, atol=2e-6, msg=n)
+
+
+def test_in_backward_false_is_torch_adamw(fp32_ops):
+    a, b = _models()
+    opt_a = coda.optim.AdamW(a.parameters(), lr=1e-2, in_backward=False)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    _train(a, opt_a, [ids])
+    _train(b, opt_b, [ids])
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_bad_arguments():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="amsgrad"):
+        coda.optim.AdamW([p], amsgrad=True)
+    with pytest.raises(TypeError, match="lr must be a float"):
+        coda.optim.AdamW([p], lr=torch.tensor(1e-3))
+    with pytest.raises(TypeError, match="in_backward must be True or False"):
+        coda.optim.AdamW([p], in_backward="yes")

@@ -1,0 +1,119 @@
+"""coda.optim.AdamW on the GPU: the AdamW epilogues of the dW GEMMs (in-place p, m, v) against float64 torch AdamW,
+and a fused tiny Llama trained with the in-backward update against the same model with torch's fused AdamW."""
+import copy
+
+import pytest
+import torch
+
+import coda
+from coda.epilogues.adamw import HYPER, adamw, adamw_fold, adamw_scaled
+from test_first_use import _tiny_hf
+from test_optim import _torch_adamw
+
+pytestmark = pytest.mark.gpu
+
+
+def _hyper(t, lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, wd=0.1):
+    vals = [b1, 1 - b1, b2, 1 - b2, 1 / (1 - b2 ** t) ** 0.5, eps, lr / (1 - b1 ** t), 1 - lr * wd]
+    h = torch.tensor(vals, device="cuda").unsqueeze(1).repeat(1, 4)  # 16-byte aligned rows, as coda.optim's
+    return {name: h[i, :1] for i, name in enumerate(HYPER)}
+
+
+def _err(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("kind", ["plain", "fold", "scaled"])
+@pytest.mark.parametrize("shape", [(1000, 776, 520), (2048, 4096, 1024)])
+def test_adamw_epilogue_matches_float64(kind, shape):
+    """dW = dy^T x on transposed views (as the ops call it), the update in its epilogue: p, m, v written in place,
+    every element (compared everywhere), within 2x the error of torch's path (the gradient rounded to bf16, then
+    AdamW in fp32 math on the bf16 tensors) against float64, plus a floor."""
+    torch.manual_seed(0)
+    N, K, T = shape  # weight N x K, T tokens
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    dy, x = torch.randn(T, N, **bf), torch.randn(T, K, **bf)
+    p = torch.randn(N, K, **bf)
+    m = (torch.randn(N, K, device="cuda") * 0.1).to(torch.bfloat16)
+    v = (torch.rand(N, K, device="cuda") * 0.01).to(torch.bfloat16)
+    gamma, tt, s = torch.rand(K, device="cuda") + 0.5, torch.randn(N, K, **bf), 0.37
+    t = 3
+    g64 = {"plain": dy.double().T @ x.double(), "fold": (dy.double().T @ x.double()) * gamma.double(),
+           "scaled": tt.double() * s}[kind]
+    ref = _torch_adamw(g64, p, m, v, t=t)
+    # torch's path: the gradient stored in bf16, then AdamW in fp32 math, each tensor stored in its dtype
+    pt, mt, vt = (w.to(d) for w, d in zip(_torch_adamw(g64.to(torch.bfloat16).float(), p.float(), m.float(),
+                                                       v.float(), t=t), (p.dtype, m.dtype, v.dtype)))
+    ops = dict(p=p, m=m, v=v, **_hyper(t))
+    gemm = coda.gemm
+    if kind == "plain":
+        res = gemm(dy.t(), x.t(), epilogue=adamw, out=p, **ops)
+    elif kind == "fold":
+        res = gemm(dy.t(), x.t(), epilogue=adamw_fold, out=p, gamma=gamma, **ops)
+        assert res["dgamma"].shape[-1] == K and torch.isfinite(res["dgamma"]).all()
+    else:
+        z = torch.zeros(N, 0, **bf)
+        res = gemm(z, torch.zeros(K, 0, **bf), epilogue=adamw_scaled, out=p, t=tt, s=s, **ops)
+    torch.cuda.synchronize()
+    assert res["out"] is p and res["m"] is m and res["v"] is v
+    for name, got, theirs, want in zip("pmv", (p, m, v), (pt, mt, vt), ref):
+        assert torch.isfinite(got).all(), name
+        ours, torch_err = _err(got, want), _err(theirs, want)
+        assert ours <= 2 * torch_err + 1e-6, (name, ours, torch_err)
+
+
+def test_fold_dgamma_uses_the_weight_before_its_update():
+    torch.manual_seed(1)
+    N, K, T = 512, 264, 1000
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    dy, x, p = torch.randn(T, N, **bf), torch.randn(T, K, **bf), torch.randn(N, K, **bf)
+    m, v = torch.zeros(N, K, **bf), torch.zeros(N, K, **bf)
+    gamma = torch.rand(K, device="cuda") + 0.5
+    want = ((dy.double().T @ x.double()) * p.double()).sum(0)
+    res = coda.gemm(dy.t(), x.t(), epilogue=adamw_fold, out=p, gamma=gamma, p=p, m=m, v=v, **_hyper(1))
+    got = res["dgamma"].reshape(-1).double()
+    assert _err(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("in_backward", [True, False])
+def test_fused_llama_trains_like_torch_adamw(in_backward):
+    """A fused tiny Llama in bf16, three steps: coda.optim.AdamW (fused=True; every fused weight updated inside its
+    dW GEMM, the LM head in its cross entropy's backward pass; in_backward=False: torch's step) and
+    torch.optim.AdamW(fused=True) on the same fused model, each against the stock model trained in float64:
+    every parameter's error within 2x torch's, plus a floor."""
+    torch.manual_seed(0)
+    stock = _tiny_hf("Llama")
+    stock.config.tie_word_embeddings = False
+    stock.lm_head.weight = torch.nn.Parameter(stock.lm_head.weight.detach().clone())
+    ref = copy.deepcopy(stock).double().cuda()
+    a = copy.deepcopy(stock).to("cuda", torch.bfloat16)
+    coda.fuse(a)
+    b = copy.deepcopy(a)
+    kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opts = [coda.optim.AdamW(a.parameters(), fused=True, in_backward=in_backward, **kw),
+            torch.optim.AdamW(b.parameters(), fused=True, **kw),
+            torch.optim.AdamW(ref.parameters(), **kw)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 128, (2, 64), generator=g).cuda()
+        for model, opt in zip((a, b, ref), opts):
+            model(ids, labels=ids).loss.backward()
+            if model is a:  # updated in backward (no .grad), or by step()
+                assert (a.model.layers[0].mlp.weight_gu.grad is None) == in_backward
+                assert (a.lm_head.weight.grad is None) == in_backward
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    sa, sb = coda.unfuse(a).state_dict(), coda.unfuse(b).state_dict()
+    for k, want in ref.state_dict().items():
+        if not want.is_floating_point():
+            continue
+        ea, eb = _err(sa[k], want), _err(sb[k], want)
+        assert ea <= 2 * eb + 1e-4, (k, ea, eb)
+
+
+def test_misaligned_scalar_view_is_named():
+    h = torch.ones(8, device="cuda")
+    p = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    ops = dict(p=p, m=torch.zeros_like(p), v=torch.zeros_like(p), **{n: h[i] for i, n in enumerate(HYPER)})
+    with pytest.raises(ValueError, match="'b1c' \\(Scalar\\): .*16-byte aligned"):
+        coda.gemm(torch.randn_like(p), torch.randn_like(p), epilogue=adamw, out=p, **ops)
