@@ -187,3 +187,36 @@ def test_bad_arguments():
         coda.optim.AdamW([p], lr=torch.tensor(1e-3))
     with pytest.raises(TypeError, match="in_backward must be True or False"):
         coda.optim.AdamW([p], in_backward="yes")
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw_fold", "adamw_scaled"])
+def test_adamw_epilogues_compile_for_sm90(name):
+    """The three programs under coda.optim's config (the dW GEMMs read MN-major operands; the K = 0 pass K-major
+    zeros) compile for sm_90a on this CPU: WGMMA issued, no register spills."""
+    pytest.importorskip("cutlass")
+    from coda.check import compile_variant
+    from coda.epilogues import adamw as A
+    from coda.optim import update_config
+    majors = ("k", "k") if name == "adamw_scaled" else ("mn", "mn")
+    row = compile_variant(update_config(), getattr(A, name), majors=majors)
+    assert row["ok"], row
+
+
+def test_kernel_names_carry_the_epilogue():
+    """GemmSm90's str goes into CuTeDSL's kernel name (mangling strips '.'), so the step report can tell the
+    optimizer's K = 0 pass from the dW GEMMs that carry the update."""
+    pytest.importorskip("cutlass")
+    from coda.bench.step_report import classify
+    from coda.kernels.gemm_sm90 import GemmSm90
+    from coda.optim import update_config
+    names = {n: "kernel_cutlass_kernel_" + str(GemmSm90(update_config(), e)).replace(".", "") + "_tensorptrbf16"
+             for n, e in (("scaled", adamw_scaled), ("fold", adamw_fold), ("plain", adamw))}
+    assert all(f"GemmSm90_adamw" in v for v in names.values())
+    assert [classify(names[k]) for k in ("scaled", "fold", "plain")] == ["optimizer", "gemm", "gemm"]
+
+
+def test_bench_optim_config_fields():
+    from coda.bench.optim import parse
+    cfg = parse("128,128,coop,2,dynamic,32,-")
+    assert (cfg.tile_m, cfg.tile_n, cfg.pingpong, cfg.cluster_m, cfg.sched, cfg.epi_n, cfg.stages) == \
+        (128, 128, False, 2, "dynamic", 32, None)
