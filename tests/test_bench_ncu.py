@@ -87,3 +87,20 @@ def test_bad_config_is_a_usage_error(text):
     with pytest.raises(SystemExit) as e:
         bench_ncu.main(["--config", text])
     assert e.value.code == 2
+
+
+def test_expand_ncu_table_from_raw_csv():
+    """coda.bench.expand_ncu --table: one row per NVTX range, the metric cells as ncu printed them."""
+    from coda.bench.expand_ncu import METRICS, table
+    head = ["ID", "Kernel Name", "thread Domain:Push/Pop_Range:PL_Type:PL_Value:CLR_Type:Color:Msg_Type:Msg",
+            *METRICS.values()]
+    units = ["", "", "", "us", *[""] * (len(METRICS) - 1)]
+    row = ["0", "nvjet_x", '"<default domain>:cublas:none:none:none:none:none:none"', "366.5", "87.3", "31.6",
+           "89.8", "3.0", "1.6"]
+    import csv
+    import io
+    buf = io.StringIO()
+    csv.writer(buf).writerows([head, units, row])
+    out = table(buf.getvalue()).splitlines()
+    assert out[0].startswith("| range | time | tensor %") and len(out) == 3
+    assert out[2].startswith("| cublas | 366.5 us | 87.3 | 31.6 | 89.8 |"), out[2]
