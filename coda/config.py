@@ -41,6 +41,10 @@ class GemmConfig:
     stages: Optional[int] = None
     epi_n: int = 32
     sched: str = "static"
+    # epilogue warps (3 of the producer warpgroup) run the epilogue on the accumulator the two MMA warpgroups stage
+    # in shared memory, rounded to bf16, while they start the next tile (kernels/epilogue_wg.py; a prototype);
+    # cooperative 128-row tiles, static schedule, elementwise epilogues with bf16 / fp16 outputs
+    epi_wg: bool = False
 
     # -- derived ---------------------------------------------------------------------------------------------------
     @property
@@ -63,7 +67,7 @@ class GemmConfig:
         st = f"_s{self.stages}" if self.stages else ""
         dyn = "_dyn" if self.sched == "dynamic" else ""
         return (f"{self.tile_m}x{self.tile_n}_{sched}_c{self.cluster_m}x{self.cluster_n}"
-                f"_r{self.raster}{self.swizzle}{st}{dyn}")
+                f"_r{self.raster}{self.swizzle}{st}{dyn}" + ("_ewg" if self.epi_wg else ""))
 
     def problems(self) -> list[str]:
         """Reasons this config cannot be built (empty list: valid)."""
@@ -92,6 +96,8 @@ class GemmConfig:
             out.append(f"sched must be 'static' or 'dynamic', got {self.sched!r}")
         elif self.sched == "dynamic" and self.pingpong:
             out.append("sched='dynamic' is built for the cooperative schedule only")
+        if self.epi_wg and (self.pingpong or self.tile_m != 128 or self.sched != "static"):
+            out.append("epi_wg=True is built for cooperative 128-row tiles with sched='static'")
         return out
 
     def validate(self) -> "GemmConfig":

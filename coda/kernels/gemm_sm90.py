@@ -46,6 +46,7 @@ from ..config import GemmConfig
 from . import lse, schedule
 from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, EpiEnv, staged_operands,  # noqa: F401 (the x-slots)
                        smem_plan, tile_operand_cols)
+from . import epilogue_wg
 from .operand_kinds import SCALAR, TILE
 
 WG_THREADS = 128
@@ -55,7 +56,7 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232
 BAR_EPI, BAR_ORDER = 1, 3
 
 
-class GemmSm90:
+class GemmSm90(epilogue_wg.EpilogueWarpgroup):
     def __init__(self, cfg: GemmConfig, epi: Epilogue, tile_aligned=None):
         """``tile_aligned``: per TileMN operand (in declaration order), whether its address and strides are 16-byte
         aligned (TMA can read it; None: all are); see ``tile_tma_plan`` for which ones are TMA-loaded."""
@@ -70,12 +71,16 @@ class GemmSm90:
         self.epi_threads = WG_THREADS if cfg.pingpong else 2 * WG_THREADS
         self.red_n = [r for r in epi.reductions if r.axis == "n"]
         self.red_m = [r for r in epi.reductions if r.axis == "m"]
-        self.staged = staged_operands(epi, cfg)  # VecN / VecM operands read through shared memory (3b)
+        # VecN / VecM operands read through shared memory (3b; the epilogue warps of epi_wg read global memory)
+        self.staged = [] if cfg.epi_wg else staged_operands(epi, cfg)
         self.tiles = [i for i, o in enumerate(epi.operands) if o.spec is TILE]
         self.tile_aligned = (True,) * len(self.tiles) if tile_aligned is None else tuple(tile_aligned)
         if len(self.tile_aligned) != len(self.tiles):
             raise ValueError(f"tile_aligned: {len(self.tile_aligned)} flags for {len(self.tiles)} TileMN operands")
         self.op_tile = (cfg.tile_m, tile_operand_cols(epi, cfg))
+        self.ewg = cfg.epi_wg  # the epilogue in a fourth warpgroup (kernels/epilogue_wg.py)
+        if self.ewg:
+            epilogue_wg.check(epi, cfg)
 
     def __str__(self):
         """What CuTeDSL's name mangling puts into the kernel's name: the epilogue's, so that profiles tell the
@@ -116,6 +121,8 @@ class GemmSm90:
         self.store_names = (["out"] if self.epi.stores_out else []) + list(self.epi.outputs)
         out_dtypes = [t.element_type for t in store_ts]
         self.out_dtypes = out_dtypes
+        if cutlass.const_expr(self.ewg and any(d.width > 16 for d in out_dtypes)):
+            raise TypeError("epi_wg=True stages the accumulator in bf16: the outputs must be bf16 or fp16")
 
         a_layout = LayoutEnum.from_tensor(mA)
         b_layout = LayoutEnum.from_tensor(mB)
@@ -146,7 +153,8 @@ class GemmSm90:
         a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
         epi_bufs = self.epi_stages * self.num_tiles_in_flight
-        epi_smems = [sm90_utils.make_smem_layout_epi(dt, d_layout, self.store_tile, epi_bufs) for dt in out_dtypes]
+        epi_smems = [] if self.ewg else [sm90_utils.make_smem_layout_epi(dt, d_layout, self.store_tile, epi_bufs)
+                                         for dt in out_dtypes]
 
         # TMA: A is shared by the CTAs of a cluster row (same m): multicast over cluster_n, B over cluster_m
         self.mcast_a, self.mcast_b = cfg.cluster_n, cfg.cluster_m
@@ -173,8 +181,9 @@ class GemmSm90:
 
         self.shared_storage = SharedStorage  # the epilogue buffers (one per tile output) follow the struct
 
-        self.kernel(tma_a, tA, tma_b, tB, mD, [s[0] for s in stores], [s[1] for s in stores], op_tensors,
-                    red_tensors, self.tiled_mma, a_smem, b_smem, epi_smems,
+        # (epi_wg: the epilogue warps store into the tensors themselves, element by element)
+        self.kernel(tma_a, tA, tma_b, tB, mD, [s[0] for s in stores], store_ts if self.ewg else [s[1] for s in stores],
+                    op_tensors, red_tensors, self.tiled_mma, a_smem, b_smem, epi_smems,
                     [x[0] for x in lds], [x[1] for x in lds], ld_smems, counter).launch(
             grid=grid, block=[3 * WG_THREADS, 1, 1], cluster=(cfg.cluster_m, cfg.cluster_n, 1),
             min_blocks_per_mp=1, stream=stream)
@@ -220,6 +229,10 @@ class GemmSm90:
                 for i, sl in zip(self.tma_tiles, ld_smems)]
         sOps = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((n, self.num_tiles_in_flight)),
                                      byte_alignment=16) for _, n in self.staged]
+        sStage = None  # the staged accumulator tile of the epilogue warpgroup
+        if cutlass.const_expr(self.ewg):
+            sl = epilogue_wg.staging_layout(self.cfg)
+            sStage = smem.allocate_tensor(cutlass.BFloat16, sl.outer, byte_alignment=1024, swizzle=sl.inner)
         ld_mbar = None
         if cutlass.const_expr(len(self.tma_tiles) > 0):  # fenced and synced by pipeline_init_arrive / _wait below
             ld_mbar = smem.allocate_array(cutlass.Int64, self.ld_bufs, byte_alignment=8)
@@ -250,8 +263,11 @@ class GemmSm90:
         pipeline_init_wait(cluster_shape_mn=(cfg.cluster_m, cfg.cluster_n))
 
         if wg_idx == 0:
-            # ---- phase 2: producer
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            # ---- phase 2: producer (epi_wg: warps 1-3 run the epilogue, registers as launched; epilogue_wg.py)
+            if cutlass.const_expr(not self.ewg):
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            elif warp_idx > 0:
+                self.ewg_run(tidx - 32, sStage, mD, store_tensors, op_tensors)
             if warp_idx == 0:
                 w = self._work(mD)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
@@ -282,6 +298,9 @@ class GemmSm90:
                         schedule.ring_drain(sched, ring_state)
                         ring_state.advance()
                     schedule.finish(sched[3])
+        elif cutlass.const_expr(self.ewg):  # ---- phase 3a only: the MMA warpgroups hand each tile over
+            self.consumer(tidx, wg_idx - 1, mainloop, sched, k_tiles, sA, sB, sOuts, sOps, tiled_mma, mD,
+                          store_atoms, store_tensors, op_tensors, red_tensors, tile_ld, sStage)
         else:
             # ---- phase 3: consumers
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -290,7 +309,7 @@ class GemmSm90:
 
     @cute.jit
     def consumer(self, tidx, cwg, mainloop, sched, k_tiles, sA, sB, sOuts, sOps, tiled_mma, mD, store_atoms,
-                 store_tensors, op_tensors, red_tensors, tile_ld):
+                 store_tensors, op_tensors, red_tensors, tile_ld, sStage=None):
         cfg = self.cfg
         pp = cfg.pingpong
         # thread index inside the group that shares a tile: the warpgroup (ping-pong) or both warpgroups
@@ -320,20 +339,26 @@ class GemmSm90:
             t = schedule.consumer_next(sched, ring_state)
             ring_state.advance()
 
-        # ---- epilogue partitions (shared by every tile)
-        epi = self._epi_setup(tiled_mma, etidx, cwg, sOuts, mD)
+        # ---- epilogue partitions (shared by every tile; the epilogue warpgroup has its own)
+        epi, scalars = None, {}
+        if cutlass.const_expr(not self.ewg):
+            epi = self._epi_setup(tiled_mma, etidx, cwg, sOuts, mD)
+            # run-time Scalar operands: read once per kernel
+            scalars = {o.name: SCALAR.read(op_tensors[i]) for i, o in enumerate(self.epi.operands)
+                       if o.spec is SCALAR}
         tiles_done = cutlass.Int32(0)
-        # run-time Scalar operands: read once per kernel
-        scalars = {o.name: SCALAR.read(op_tensors[i]) for i, o in enumerate(self.epi.operands) if o.spec is SCALAR}
 
         while t < w["n_tiles"]:  # this consumer's tiles (schedule.py)
             m, n, l = self._tile(w, t)
-            # this tile's VecN / VecM operand values, loaded now so the global-memory latency hides under the
-            # mainloop; the epilogue writes them to shared memory
-            pre = self._prefetch(op_tensors, m, n, l, etidx)
-            # and the TMA loads of its first `ring` TileMN sub-tiles (into buffers the previous tile is done with)
-            for e in cutlass.range_constexpr(min(self.ring, cfg.tile_n // cfg.epi_n)):
-                self._load_tiles(tile_ld, e, m, n, l, tiles_done, cwg, etidx)
+            pre = []
+            if cutlass.const_expr(not self.ewg):
+                # this tile's VecN / VecM operand values, loaded now so the global-memory latency hides under the
+                # mainloop; the epilogue writes them to shared memory
+                pre = self._prefetch(op_tensors, m, n, l, etidx)
+                # and the TMA loads of its first `ring` TileMN sub-tiles (into buffers the previous tile is done
+                # with)
+                for e in cutlass.range_constexpr(min(self.ring, cfg.tile_n // cfg.epi_n)):
+                    self._load_tiles(tile_ld, e, m, n, l, tiles_done, cwg, etidx)
             # ---- 3a mainloop
             if cutlass.const_expr(pp):
                 cute.arch.barrier(barrier_id=BAR_ORDER + cwg, number_of_threads=2 * WG_THREADS)
@@ -366,10 +391,13 @@ class GemmSm90:
                 read.advance(k_tiles)
                 release.advance(k_tiles)
 
-            # ---- 3b epilogue
-            self._epilogue(epi, acc, m, n, l, tiles_done, mD, store_atoms, store_tensors,
-                           op_tensors, red_tensors, cwg, dict(pre=pre, sOps=sOps, scalars=scalars, ld=tile_ld,
-                                                              etidx=etidx))
+            # ---- 3b epilogue (or the hand-off to the epilogue warpgroup)
+            if cutlass.const_expr(self.ewg):
+                self.ewg_stage(acc, tiled_mma, etidx, sStage)
+            else:
+                self._epilogue(epi, acc, m, n, l, tiles_done, mD, store_atoms, store_tensors,
+                               op_tensors, red_tensors, cwg, dict(pre=pre, sOps=sOps, scalars=scalars, ld=tile_ld,
+                                                                  etidx=etidx))
             tiles_done += 1
             if cutlass.const_expr(self.dynamic):
                 t = schedule.consumer_next(sched, ring_state)

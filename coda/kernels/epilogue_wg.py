@@ -1,0 +1,128 @@
+"""The epilogue warps (``GemmConfig(epi_wg=True)``): the epilogue runs in warps 1-3 of the producer warpgroup (idle
+otherwise: one warp issues the TMA loads) while the two MMA warpgroups start the next tile, so that the epilogue's
+memory traffic hides under the mainloop (issue 29; measurements and budgets in docs/NOTES.md, session 22).
+PROTOTYPE: compiled for sm_90a on the CPU, not yet run on a GPU. (A fourth warpgroup would make a 512-thread kernel,
+which ptxas compiles under 128 registers a thread: too few for a 64 x 256 accumulator.)
+
+Hand-off (per tile; named barriers of the two MMA warpgroups and the 3 epilogue warps, 352 threads):
+  MMA warpgroups: wait EMPTY (the epilogue warps have read the previous tile), convert the fp32 accumulator to bf16
+    and stmatrix it into the staging buffer -- tile_n / epi_n sub-tile buffers in the epilogue's swizzled sub-tile
+    layout, 64 KB for 128 x 256 -- arrive FULL, then the next tile's mainloop.
+  Epilogue warps: arrive EMPTY once; per tile wait FULL, run the epilogue, arrive EMPTY unless it was the last.
+The epilogue warps work in a SIMT layout: thread t (of 96) owns rows t and t + 96 (t < 32) of the 128-row tile;
+per sub-tile it reads the row's epi_n staged values, loads its operands straight from global memory (TileMN: the
+row's epi_n contiguous elements; VecN: the sub-tile's columns; VecM: the row's value; Scalars once), evaluates the
+epilogue per element and stores its outputs into global memory (rows of epi_n contiguous elements: whole 32-byte
+sectors), predicated on the problem's bounds. Nothing else of the epilogue lives in shared memory, so the pipeline
+keeps 3 stages (3 x 48 KB + 64 KB). Supported: elementwise epilogues (operands, extra outputs); not yet:
+reductions, pairs, 1 -> 2.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.tensor_utils import LayoutEnum
+
+from .epilogue import EpiEnv
+from .operand_kinds import SCALAR, TILE, VEC_M, VEC_N
+
+BAR_FULL, BAR_EMPTY = 5, 6  # named barriers (1: the shared epilogue, 3-4: ping-pong ordering)
+EPI_THREADS = 96  # warps 1-3 of the producer warpgroup
+HANDOFF_THREADS = 2 * 128 + EPI_THREADS  # the two MMA warpgroups + the epilogue warps
+
+
+def check(epi, cfg) -> None:
+    """ValueError for what the epilogue warpgroup does not run yet."""
+    if epi.reductions or epi.pair_mode or epi.expand:
+        raise ValueError(f"epi_wg=True: epilogue {epi.name!r} has reductions, column pairs or a 1 -> 2 output; the "
+                         "epilogue warpgroup runs elementwise epilogues only")
+
+
+def staging_bytes(cfg) -> int:
+    """Shared memory of the staged bf16 accumulator tile."""
+    return cfg.tile_m * cfg.tile_n * 2
+
+
+def staging_layout(cfg):
+    """(tile_m, epi_n, tile_n / epi_n) bf16 sub-tile buffers in the epilogue's swizzled layout."""
+    return sm90_utils.make_smem_layout_epi(cutlass.BFloat16, LayoutEnum.ROW_MAJOR, (cfg.tile_m, cfg.epi_n),
+                                           cfg.tile_n // cfg.epi_n)
+
+
+class EpilogueWarpgroup:
+    """GemmSm90's part of the hand-off (a mixin: CuTeDSL traces ``self`` of a method as the kernel object)."""
+
+    @cute.jit
+    def ewg_stage(self, acc, tiled_mma, etidx, sStage):
+        """MMA warpgroups (``etidx`` in [0, 256)): hand the tile's accumulator to the epilogue warpgroup."""
+        cfg = self.cfg
+        n_epi = cfg.tile_n // cfg.epi_n
+        atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16)
+        tiled_c = cute.make_tiled_copy_C_atom(atom, tiled_mma)
+        r2s = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, elem_ty_d=cutlass.BFloat16,
+                                           elem_ty_acc=cutlass.Float32)
+        tiled = cute.make_tiled_copy_S(r2s, tiled_c)
+        dst = tiled.get_slice(etidx).partition_D(sStage)
+        sub = cute.make_identity_tensor((cfg.tile_m, cfg.epi_n))
+        rshape = cute.shape(tiled.get_slice(etidx).partition_S(sub))[:3]
+        n_v = cute.size(rshape)
+        c_sub = self._static_coords(tiled.get_slice(0).partition_S(sub), n_v)
+        acc_of = self._acc_map(tiled_mma, c_sub, n_v, n_epi)
+        cute.arch.barrier(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)
+        for e in cutlass.range_constexpr(n_epi):
+            rOut = cute.make_rmem_tensor(rshape, cutlass.BFloat16)
+            for v in cutlass.range_constexpr(n_v):
+                rOut[v] = cutlass.BFloat16(acc[acc_of[e][v]])
+            cute.copy(tiled, rOut, dst[(None, None, None, e)])
+        cute.arch.fence_acq_rel_cta()  # the staged tile is visible to the epilogue warps past FULL
+        cute.arch.barrier_arrive(barrier_id=BAR_FULL, number_of_threads=HANDOFF_THREADS)
+
+    @cute.jit
+    def ewg_run(self, e_tid, sStage, mD, store_tensors, op_tensors):
+        """The epilogue warps' loop over this CTA's tiles (the static schedule's order); ``e_tid`` in [0, 96)."""
+        cfg = self.cfg
+        n_epi = cfg.tile_n // cfg.epi_n
+        M, N = mD.shape[0], mD.shape[1]
+        scalars = self._ewg_scalars(op_tensors)
+        w = self._work(mD)
+        t = w["cluster"]
+        cute.arch.barrier_arrive(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)  # the buffer is free
+        while t < w["n_tiles"]:
+            m, n, l = self._tile(w, t)
+            cute.arch.barrier(barrier_id=BAR_FULL, number_of_threads=HANDOFF_THREADS)
+            for rr in cutlass.range_constexpr(-(-cfg.tile_m // EPI_THREADS)):
+                t_row = e_tid + rr * EPI_THREADS
+                if t_row < cfg.tile_m:
+                    row = m * cfg.tile_m + t_row
+                    rc = cutlass.min(row, M - 1)  # clamped: a padded row is computed, never stored
+                    for e in cutlass.range(n_epi):  # a loop, not unrolled: epi_n evaluations in the IR
+                        for j in cutlass.range_constexpr(cfg.epi_n):
+                            col = n * cfg.tile_n + e * cfg.epi_n + j
+                            res = self._ewg_element(sStage[(t_row, j, e)], op_tensors, scalars, row, rc, col,
+                                                    cutlass.min(col, N - 1), l)
+                            if (row < M) & (col < N):
+                                for k in cutlass.range_constexpr(len(self.store_names)):
+                                    store_tensors[k][row, col, l] = res[k]
+            t += w["n_clusters"]
+            if t < w["n_tiles"]:
+                cute.arch.barrier_arrive(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)
+
+    def _ewg_scalars(self, op_tensors) -> dict:
+        return {o.name: SCALAR.read(op_tensors[i]) for i, o in enumerate(self.epi.operands) if o.spec is SCALAR}
+
+    def _ewg_element(self, staged, op_tensors, scalars, row, rc, col, cc, l) -> list:
+        """The epilogue at one element (traced inline): its stored values, in ``store_names`` order, converted."""
+        vals = {}
+        for i, o in enumerate(self.epi.operands):
+            if o.spec is TILE:
+                vals[o.name] = op_tensors[i][rc, cc, l].to(cutlass.Float32)
+            elif o.spec is VEC_N:
+                vals[o.name] = op_tensors[i][cc].to(cutlass.Float32)
+            elif o.spec is VEC_M:
+                vals[o.name] = op_tensors[i][rc, l].to(cutlass.Float32)
+            else:
+                vals[o.name] = scalars[o.name]
+        env = EpiEnv(row, col, {k: (lambda k=k: vals[k]) for k in vals})
+        res = self.epi.visit(staged.to(cutlass.Float32), env)
+        return [self.out_dtypes[k](res[name]) for k, name in enumerate(self.store_names)]

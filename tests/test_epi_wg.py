@@ -1,0 +1,47 @@
+"""GemmConfig(epi_wg=True), the epilogue warps (kernels/epilogue_wg.py): config rules, the shared-memory plan, what it
+refuses, and that its kernels compile for sm_90a on this CPU (the GPU checks: tests/test_epi_wg_gpu.py)."""
+import pytest
+
+import coda
+from coda.config import GemmConfig
+from coda.kernels.epilogue import IDENTITY, smem_plan
+
+
+def test_config_rules():
+    assert GemmConfig(epi_wg=True).problems() == []
+    assert GemmConfig(epi_wg=True).name.endswith("_ewg")
+    for bad in (dict(pingpong=True), dict(tile_m=256, tile_n=128), dict(sched="dynamic")):
+        assert any("epi_wg" in p for p in GemmConfig(epi_wg=True, **bad).problems()), bad
+
+
+def test_smem_plan_keeps_three_stages():
+    """Only the staged bf16 tile (64 KB at 128 x 256) beside the stages: 3 of 48 KB."""
+    @coda.epilogue
+    def resid(acc, h: coda.TileMN, g: coda.VecN):
+        return acc * g + h
+    plan = smem_plan(resid, GemmConfig(epi_wg=True), [2], [2], [True])
+    assert (plan.stages, plan.extra_smem, plan.tma_flags) == (3, 128 * 256 * 2, (False,))
+
+
+def test_refuses_reductions_and_pairs():
+    from coda.kernels.gemm_sm90 import GemmSm90
+
+    @coda.epilogue
+    def stats(acc):
+        return {"out": acc, "ss": coda.reduce_n(acc * acc)}
+    with pytest.raises(ValueError, match="elementwise epilogues only"):
+        GemmSm90(GemmConfig(epi_wg=True), stats)
+
+
+@pytest.mark.parametrize("tile_n", [256, 128])
+def test_compiles_for_sm90(tile_n):
+    pytest.importorskip("cutlass")
+    from coda.check import compile_variant
+    from coda.epilogues.adamw import adamw
+
+    @coda.epilogue
+    def radial(acc, gamma: coda.VecN, r: coda.VecM, inv_h: coda.Scalar, h: coda.TileMN):
+        return acc * gamma - r * r * r * inv_h * h
+    for epi, majors in ((IDENTITY, ("k", "k")), (radial, ("k", "k")), (adamw, ("mn", "mn"))):
+        row = compile_variant(GemmConfig(tile_n=tile_n, epi_wg=True), epi, majors=majors)
+        assert row["ok"], row
