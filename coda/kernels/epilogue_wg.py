@@ -9,11 +9,11 @@ Hand-off (per tile; named barriers of the two MMA warpgroups and the 3 epilogue 
     and stmatrix it into the staging buffer -- tile_n / epi_n sub-tile buffers in the epilogue's swizzled sub-tile
     layout, 64 KB for 128 x 256 -- arrive FULL, then the next tile's mainloop.
   Epilogue warps: arrive EMPTY once; per tile wait FULL, run the epilogue, arrive EMPTY unless it was the last.
-The epilogue warps work in a SIMT layout: thread t (of 96) owns rows t and t + 96 (t < 32) of the 128-row tile;
-per sub-tile it reads the row's epi_n staged values, loads its operands straight from global memory (TileMN: the
-row's epi_n contiguous elements; VecN: the sub-tile's columns; VecM: the row's value; Scalars once), evaluates the
-epilogue per element and stores its outputs into global memory (rows of epi_n contiguous elements: whole 32-byte
-sectors), predicated on the problem's bounds. Nothing else of the epilogue lives in shared memory, so the pipeline
+The epilogue warps work in a SIMT layout: warp w takes rows w, w + 3, ... of the 128-row tile, its 32 lanes 32
+consecutive columns of a row at a time; each thread reads its staged value, loads its operands straight from global
+memory (TileMN: one element, the warp's 64 contiguous bytes; VecN: its column's; VecM: the row's; Scalars once),
+evaluates the epilogue and stores its outputs into global memory (again 64 contiguous bytes a warp), predicated on
+the problem's bounds. Nothing else of the epilogue lives in shared memory, so the pipeline
 keeps 3 stages (3 x 48 KB + 64 KB). Supported: elementwise epilogues (operands, extra outputs); not yet:
 reductions, pairs, 1 -> 2.
 """
@@ -80,30 +80,30 @@ class EpilogueWarpgroup:
 
     @cute.jit
     def ewg_run(self, e_tid, sStage, mD, store_tensors, op_tensors):
-        """The epilogue warps' loop over this CTA's tiles (the static schedule's order); ``e_tid`` in [0, 96)."""
+        """The epilogue warps' loop over this CTA's tiles (the static schedule's order); ``e_tid`` in [0, 96).
+        Warp w takes rows w, w + 3, ...; its 32 lanes take 32 consecutive columns of a row at a time, so every
+        global load and store of a warp covers 64 contiguous bytes (bf16) and the staged reads are conflict-free."""
         cfg = self.cfg
-        n_epi = cfg.tile_n // cfg.epi_n
         M, N = mD.shape[0], mD.shape[1]
         scalars = self._ewg_scalars(op_tensors)
+        warp, lane = e_tid // 32, e_tid % 32
         w = self._work(mD)
         t = w["cluster"]
         cute.arch.barrier_arrive(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)  # the buffer is free
         while t < w["n_tiles"]:
             m, n, l = self._tile(w, t)
             cute.arch.barrier(barrier_id=BAR_FULL, number_of_threads=HANDOFF_THREADS)
-            for rr in cutlass.range_constexpr(-(-cfg.tile_m // EPI_THREADS)):
-                t_row = e_tid + rr * EPI_THREADS
-                if t_row < cfg.tile_m:
-                    row = m * cfg.tile_m + t_row
-                    rc = cutlass.min(row, M - 1)  # clamped: a padded row is computed, never stored
-                    for e in cutlass.range(n_epi):  # a loop, not unrolled: epi_n evaluations in the IR
-                        for j in cutlass.range_constexpr(cfg.epi_n):
-                            col = n * cfg.tile_n + e * cfg.epi_n + j
-                            res = self._ewg_element(sStage[(t_row, j, e)], op_tensors, scalars, row, rc, col,
-                                                    cutlass.min(col, N - 1), l)
-                            if (row < M) & (col < N):
-                                for k in cutlass.range_constexpr(len(self.store_names)):
-                                    store_tensors[k][row, col, l] = res[k]
+            for t_row in cutlass.range(warp, cfg.tile_m, EPI_THREADS // 32):
+                row = m * cfg.tile_m + t_row
+                rc = cutlass.min(row, M - 1)  # clamped: a padded row is computed, never stored
+                for ch in cutlass.range(cfg.tile_n // 32):  # loops: one evaluation of the epilogue in the IR
+                    c_loc = ch * 32 + lane
+                    col = n * cfg.tile_n + c_loc
+                    res = self._ewg_element(sStage[(t_row, c_loc % cfg.epi_n, c_loc // cfg.epi_n)], op_tensors,
+                                            scalars, row, rc, col, cutlass.min(col, N - 1), l)
+                    if (row < M) & (col < N):
+                        for k in cutlass.range_constexpr(len(self.store_names)):
+                            store_tensors[k][row, col, l] = res[k]
             t += w["n_clusters"]
             if t < w["n_tiles"]:
                 cute.arch.barrier_arrive(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)
