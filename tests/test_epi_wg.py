@@ -23,14 +23,16 @@ def test_smem_plan_keeps_three_stages():
     assert (plan.stages, plan.extra_smem, plan.tma_flags) == (3, 128 * 256 * 2, (False,))
 
 
-def test_refuses_reductions_and_pairs():
+def test_refuses_pairs_and_column_reductions():
+    from coda.epilogues.gated import swiglu
     from coda.kernels.gemm_sm90 import GemmSm90
 
     @coda.epilogue
-    def stats(acc):
-        return {"out": acc, "ss": coda.reduce_n(acc * acc)}
-    with pytest.raises(ValueError, match="elementwise epilogues only"):
-        GemmSm90(GemmConfig(epi_wg=True), stats)
+    def colsum(acc):
+        return {"out": acc, "cs": coda.reduce_m(acc)}
+    for epi in (swiglu, colsum):
+        with pytest.raises(ValueError, match="per-row reductions only"):
+            GemmSm90(GemmConfig(epi_wg=True), epi)
 
 
 @pytest.mark.parametrize("tile_n", [256, 128])
@@ -42,6 +44,10 @@ def test_compiles_for_sm90(tile_n):
     @coda.epilogue
     def radial(acc, gamma: coda.VecN, r: coda.VecM, inv_h: coda.Scalar, h: coda.TileMN):
         return acc * gamma - r * r * r * inv_h * h
-    for epi, majors in ((IDENTITY, ("k", "k")), (radial, ("k", "k")), (adamw, ("mn", "mn"))):
+    from coda.epilogues.cross_entropy import ce_forward
+    from coda.ops.mlp import dacc_on_da
+    fused_da = dacc_on_da((("out",), ("r",), False))  # 1 -> 2 with a per-row reduction (the MLP backward's)
+    for epi, majors in ((IDENTITY, ("k", "k")), (radial, ("k", "k")), (adamw, ("mn", "mn")), (fused_da, ("k", "mn")),
+                        (ce_forward, ("k", "k"))):
         row = compile_variant(GemmConfig(tile_n=tile_n, epi_wg=True), epi, majors=majors)
         assert row["ok"], row

@@ -58,3 +58,28 @@ def test_adamw_in_place_through_the_epilogue_warps():
     torch.cuda.synchronize()
     for got, want in zip(*outs):
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
+
+def test_fused_da_and_ce_forward_through_the_epilogue_warps():
+    """A 1 -> 2 epilogue with a per-row reduction (the SwiGLU backward fused into da, ops.mlp.dacc_on_da) and a
+    reductions-only one (the cross entropy's logsumexp and target logit): against the default kernel."""
+    from coda.epilogues.cross_entropy import ce_forward
+    from coda.ops.mlp import dacc_on_da
+    torch.manual_seed(2)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    M, H, I = 1000, 512, 776
+    dy, wd = torch.randn(M, H, **bf), torch.randn(H, I, **bf)
+    ops = dict(r=torch.rand(M, device="cuda") + 0.5, _preact_even=torch.randn(M, I, **bf),
+               _preact_odd=torch.randn(M, I, **bf))
+    prog = dacc_on_da((("out",), ("r",), False))
+    got = coda.gemm(dy, wd.t(), epilogue=prog, config=GemmConfig(tile_n=128, epi_wg=True), **ops)
+    want = coda.gemm(dy, wd.t(), epilogue=prog, config=GemmConfig(tile_n=128), **ops)
+    for k in want:
+        assert torch.isfinite(got[k]).all(), k
+        assert ((got[k].float() - want[k].float()).norm() / want[k].float().norm()).item() < 1e-2, k
+    x, w = torch.randn(M, H, **bf), torch.randn(3000, H, **bf)
+    t = torch.randint(0, 3000, (M,), device="cuda").float()
+    got = coda.gemm(x, w, epilogue=ce_forward, config=GemmConfig(epi_wg=True), t=t)
+    want = coda.gemm(x, w, epilogue=ce_forward, config=GemmConfig(), t=t)
+    for k in want:
+        assert (got[k] - want[k]).abs().max().item() < 0.05 * want[k].abs().max().item() + 0.05, k

@@ -24,7 +24,8 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.tensor_utils import LayoutEnum
 
-from .epilogue import EpiEnv
+from . import lse
+from .epilogue import ODD_OUT, EpiEnv
 from .operand_kinds import SCALAR, TILE, VEC_M, VEC_N
 
 BAR_FULL, BAR_EMPTY = 5, 6  # named barriers (1: the shared epilogue, 3-4: ping-pong ordering)
@@ -34,9 +35,9 @@ HANDOFF_THREADS = 2 * 128 + EPI_THREADS  # the two MMA warpgroups + the epilogue
 
 def check(epi, cfg) -> None:
     """ValueError for what the epilogue warpgroup does not run yet."""
-    if epi.reductions or epi.pair_mode or epi.expand:
-        raise ValueError(f"epi_wg=True: epilogue {epi.name!r} has reductions, column pairs or a 1 -> 2 output; the "
-                         "epilogue warpgroup runs elementwise epilogues only")
+    if epi.pair_mode or any(r.axis == "m" for r in epi.reductions):
+        raise ValueError(f"epi_wg=True: epilogue {epi.name!r} has column pairs or per-column reductions; the "
+                         "epilogue warps run elementwise and 1 -> 2 epilogues with per-row reductions only")
 
 
 def staging_bytes(cfg) -> int:
@@ -79,14 +80,19 @@ class EpilogueWarpgroup:
         cute.arch.barrier_arrive(barrier_id=BAR_FULL, number_of_threads=HANDOFF_THREADS)
 
     @cute.jit
-    def ewg_run(self, e_tid, sStage, mD, store_tensors, op_tensors):
+    def ewg_run(self, e_tid, sStage, mD, store_tensors, op_tensors, red_tensors):
         """The epilogue warps' loop over this CTA's tiles (the static schedule's order); ``e_tid`` in [0, 96).
         Warp w takes rows w, w + 3, ...; its 32 lanes take 32 consecutive columns of a row at a time, so every
-        global load and store of a warp covers 64 contiguous bytes (bf16) and the staged reads are conflict-free."""
+        global load and store of a warp covers 64 contiguous bytes (bf16) and the staged reads are conflict-free.
+        Per-row reductions: each lane folds its columns into a register accumulator, the warp merges the lanes and
+        lane 0 writes the (row, N-tile) partial."""
         cfg = self.cfg
-        M, N = mD.shape[0], mD.shape[1]
+        M = mD.shape[0]
+        N = mD.shape[1] // 2 if self.expand else mD.shape[1]  # accumulator columns (1 -> 2: half the output's)
         scalars = self._ewg_scalars(op_tensors)
         warp, lane = e_tid // 32, e_tid % 32
+        n_red = len(self.red_n)
+        racc = cute.make_rmem_tensor((max(2 * n_red, 1),), cutlass.Float32)  # per reduction: value (lse: m, s)
         w = self._work(mD)
         t = w["cluster"]
         cute.arch.barrier_arrive(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)  # the buffer is free
@@ -96,23 +102,55 @@ class EpilogueWarpgroup:
             for t_row in cutlass.range(warp, cfg.tile_m, EPI_THREADS // 32):
                 row = m * cfg.tile_m + t_row
                 rc = cutlass.min(row, M - 1)  # clamped: a padded row is computed, never stored
+                for ri in cutlass.range_constexpr(n_red):
+                    racc[2 * ri] = self._neutral(self.red_n[ri].op)
+                    racc[2 * ri + 1] = cutlass.Float32(0.0)
                 for ch in cutlass.range(cfg.tile_n // 32):  # loops: one evaluation of the epilogue in the IR
                     c_loc = ch * 32 + lane
                     col = n * cfg.tile_n + c_loc
                     res = self._ewg_element(sStage[(t_row, c_loc % cfg.epi_n, c_loc // cfg.epi_n)], op_tensors,
                                             scalars, row, rc, col, cutlass.min(col, N - 1), l)
                     if (row < M) & (col < N):
-                        for k in cutlass.range_constexpr(len(self.store_names)):
-                            store_tensors[k][row, col, l] = res[k]
+                        if cutlass.const_expr(self.expand):  # two values per element, at columns 2 col, 2 col + 1
+                            store_tensors[0][row, 2 * col, l] = self.out_dtypes[0](res["out"])
+                            store_tensors[0][row, 2 * col + 1, l] = self.out_dtypes[0](res[ODD_OUT])
+                        else:
+                            for k in cutlass.range_constexpr(len(self.store_names)):
+                                store_tensors[k][row, col, l] = self.out_dtypes[k](res[self.store_names[k]])
+                    for ri in cutlass.range_constexpr(n_red):
+                        self._ewg_fold(racc, ri, cutlass.select_(col < N, cutlass.Float32(res[self.red_n[ri].name]),
+                                                                 self._neutral(self.red_n[ri].op)))
+                for ri in cutlass.range_constexpr(n_red):
+                    val = self._ewg_merge(racc, ri)
+                    if (lane == 0) & (row < M) & (n * cfg.tile_n < N):
+                        red_tensors[ri][row, n, l] = val
             t += w["n_clusters"]
             if t < w["n_tiles"]:
                 cute.arch.barrier_arrive(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)
 
+    def _ewg_fold(self, racc, ri, x) -> None:
+        """Fold one value into reduction ri's accumulator (logsumexp: the online (max, sum) pair)."""
+        op = self.red_n[ri].op
+        if op == "logsumexp":
+            racc[2 * ri], racc[2 * ri + 1] = lse.update((racc[2 * ri], racc[2 * ri + 1]), [x])
+        else:
+            racc[2 * ri] = self._combine(op, racc[2 * ri], x)
+
+    def _ewg_merge(self, racc, ri):
+        """Reduction ri over the warp's 32 lanes (the row's columns of this tile)."""
+        op = self.red_n[ri].op
+        if op == "logsumexp":
+            return lse.finish((racc[2 * ri], racc[2 * ri + 1]), offsets=(1, 2, 4, 8, 16))
+        val = racc[2 * ri]
+        for off in (1, 2, 4, 8, 16):
+            val = self._combine(op, val, cute.arch.shuffle_sync_bfly(val, offset=off))
+        return val
+
     def _ewg_scalars(self, op_tensors) -> dict:
         return {o.name: SCALAR.read(op_tensors[i]) for i, o in enumerate(self.epi.operands) if o.spec is SCALAR}
 
-    def _ewg_element(self, staged, op_tensors, scalars, row, rc, col, cc, l) -> list:
-        """The epilogue at one element (traced inline): its stored values, in ``store_names`` order, converted."""
+    def _ewg_element(self, staged, op_tensors, scalars, row, rc, col, cc, l) -> dict:
+        """The epilogue at one element (traced inline): its results by name (fp32)."""
         vals = {}
         for i, o in enumerate(self.epi.operands):
             if o.spec is TILE:
@@ -124,5 +162,4 @@ class EpilogueWarpgroup:
             else:
                 vals[o.name] = scalars[o.name]
         env = EpiEnv(row, col, {k: (lambda k=k: vals[k]) for k in vals})
-        res = self.epi.visit(staged.to(cutlass.Float32), env)
-        return [self.out_dtypes[k](res[name]) for k, name in enumerate(self.store_names)]
+        return self.epi.visit(staged.to(cutlass.Float32), env)

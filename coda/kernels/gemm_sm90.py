@@ -267,7 +267,7 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
             if cutlass.const_expr(not self.ewg):
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             elif warp_idx > 0:
-                self.ewg_run(tidx - 32, sStage, mD, store_tensors, op_tensors)
+                self.ewg_run(tidx - 32, sStage, mD, store_tensors, op_tensors, red_tensors)
             if warp_idx == 0:
                 w = self._work(mD)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)

@@ -35,10 +35,11 @@ def update(state, xs):
     return (m_new, s)
 
 
-def finish(state):
-    """Merge the pairs of the 4 lanes that hold one row; returns ln(sum exp(x)) of the row's part of the tile."""
+def finish(state, offsets=(1, 2)):
+    """Merge the pairs of the lanes that hold one row (butterfly ``offsets``: the 4 lanes of a quad by default);
+    returns ln(sum exp(x)) of the row's part of the tile."""
     m, s = state
-    for off in (1, 2):
+    for off in offsets:
         mo = cute.arch.shuffle_sync_bfly(m, offset=off)
         so = cute.arch.shuffle_sync_bfly(s, offset=off)
         mn = cute.arch.fmax(m, mo, nan=True)
