@@ -23,16 +23,14 @@ def test_smem_plan_keeps_three_stages():
     assert (plan.stages, plan.extra_smem, plan.tma_flags) == (3, 128 * 256 * 2, (False,))
 
 
-def test_refuses_pairs_and_column_reductions():
-    from coda.epilogues.gated import swiglu
+def test_refuses_column_reductions():
     from coda.kernels.gemm_sm90 import GemmSm90
 
     @coda.epilogue
     def colsum(acc):
         return {"out": acc, "cs": coda.reduce_m(acc)}
-    for epi in (swiglu, colsum):
-        with pytest.raises(ValueError, match="per-row reductions only"):
-            GemmSm90(GemmConfig(epi_wg=True), epi)
+    with pytest.raises(ValueError, match="per-row reductions only"):
+        GemmSm90(GemmConfig(epi_wg=True), colsum)
 
 
 @pytest.mark.parametrize("tile_n", [256, 128])
@@ -47,7 +45,12 @@ def test_compiles_for_sm90(tile_n):
     from coda.epilogues.cross_entropy import ce_forward
     from coda.ops.mlp import dacc_on_da
     fused_da = dacc_on_da((("out",), ("r",), False))  # 1 -> 2 with a per-row reduction (the MLP backward's)
+    from coda.epilogues.gated import swiglu
+    from coda.autodiff import with_preact
+    from coda.ops.mlp import rms_swiglu  # with its pre-activation stores: pairs "half" + two extra outputs
+    from hook_epilogues import rotate
     for epi, majors in ((IDENTITY, ("k", "k")), (radial, ("k", "k")), (adamw, ("mn", "mn")), (fused_da, ("k", "mn")),
-                        (ce_forward, ("k", "k"))):
+                        (ce_forward, ("k", "k")), (swiglu, ("k", "k")), (with_preact(rms_swiglu), ("k", "k")),
+                        (rotate, ("k", "k"))):
         row = compile_variant(GemmConfig(tile_n=tile_n, epi_wg=True), epi, majors=majors)
         assert row["ok"], row

@@ -83,3 +83,26 @@ def test_fused_da_and_ce_forward_through_the_epilogue_warps():
     want = coda.gemm(x, w, epilogue=ce_forward, config=GemmConfig(), t=t)
     for k in want:
         assert (got[k] - want[k]).abs().max().item() < 0.05 * want[k].abs().max().item() + 0.05, k
+
+
+@pytest.mark.parametrize("name", ["swiglu_preact", "rotate"])
+def test_pairs_through_the_epilogue_warps(name):
+    """Column-pair epilogues: SwiGLU with its pre-activation stores ("half": N/2 outputs, two extra ones) and a 2 -> 2
+    rotation ("full"), against the default kernel."""
+    from coda.autodiff import with_preact
+    from coda.ops.mlp import rms_swiglu
+    from hook_epilogues import rotate
+    torch.manual_seed(3)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    M, N, K = 1000, 1552, 512
+    a, b = torch.randn(M, K, **bf), torch.randn(N, K, **bf)
+    if name == "rotate":
+        epi, ops = rotate, dict(c=torch.rand(M, N // 2, **bf), s=torch.rand(M, N // 2, **bf))
+    else:
+        epi, ops = with_preact(rms_swiglu), dict(r=torch.rand(M, device="cuda") + 0.5)
+    got = coda.gemm(a, b, epilogue=epi, config=GemmConfig(tile_n=128, epi_wg=True), **ops)
+    want = coda.gemm(a, b, epilogue=epi, config=GemmConfig(tile_n=128), **ops)
+    got, want = (x if isinstance(x, dict) else {"out": x} for x in (got, want))
+    for k in want:
+        assert torch.isfinite(got[k]).all(), k
+        assert ((got[k].float() - want[k].float()).norm() / want[k].float().norm()).item() < 1e-2, k

@@ -14,8 +14,8 @@ consecutive columns of a row at a time; each thread reads its staged value, load
 memory (TileMN: one element, the warp's 64 contiguous bytes; VecN: its column's; VecM: the row's; Scalars once),
 evaluates the epilogue and stores its outputs into global memory (again 64 contiguous bytes a warp), predicated on
 the problem's bounds. Nothing else of the epilogue lives in shared memory, so the pipeline
-keeps 3 stages (3 x 48 KB + 64 KB). Supported: elementwise epilogues (operands, extra outputs); not yet:
-reductions, pairs, 1 -> 2.
+keeps 3 stages (3 x 48 KB + 64 KB). Supported: elementwise, column-pair (a lane takes a pair) and 1 -> 2 epilogues,
+extra outputs, per-row reductions (lanes fold, the warp merges); not yet: per-column reductions.
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ HANDOFF_THREADS = 2 * 128 + EPI_THREADS  # the two MMA warpgroups + the epilogue
 
 def check(epi, cfg) -> None:
     """ValueError for what the epilogue warpgroup does not run yet."""
-    if epi.pair_mode or any(r.axis == "m" for r in epi.reductions):
-        raise ValueError(f"epi_wg=True: epilogue {epi.name!r} has column pairs or per-column reductions; the "
-                         "epilogue warps run elementwise and 1 -> 2 epilogues with per-row reductions only")
+    if any(r.axis == "m" for r in epi.reductions):
+        raise ValueError(f"epi_wg=True: epilogue {epi.name!r} has per-column reductions; the epilogue warps run "
+                         "per-row reductions only")
 
 
 def staging_bytes(cfg) -> int:
@@ -88,7 +88,9 @@ class EpilogueWarpgroup:
         lane 0 writes the (row, N-tile) partial."""
         cfg = self.cfg
         M = mD.shape[0]
-        N = mD.shape[1] // 2 if self.expand else mD.shape[1]  # accumulator columns (1 -> 2: half the output's)
+        # accumulator columns (a 1 -> 2 output has twice as many, a "half" pairs output half as many)
+        N = mD.shape[1] // 2 if self.expand else mD.shape[1] * 2 if self.half else mD.shape[1]
+        pw = 2 if self.pair_mode else 1  # accumulator columns per lane: a column pair (2j, 2j + 1) in one thread
         scalars = self._ewg_scalars(op_tensors)
         warp, lane = e_tid // 32, e_tid % 32
         n_red = len(self.red_n)
@@ -105,18 +107,24 @@ class EpilogueWarpgroup:
                 for ri in cutlass.range_constexpr(n_red):
                     racc[2 * ri] = self._neutral(self.red_n[ri].op)
                     racc[2 * ri + 1] = cutlass.Float32(0.0)
-                for ch in cutlass.range(cfg.tile_n // 32):  # loops: one evaluation of the epilogue in the IR
-                    c_loc = ch * 32 + lane
-                    col = n * cfg.tile_n + c_loc
-                    res = self._ewg_element(sStage[(t_row, c_loc % cfg.epi_n, c_loc // cfg.epi_n)], op_tensors,
-                                            scalars, row, rc, col, cutlass.min(col, N - 1), l)
+                for ch in cutlass.range(cfg.tile_n // (32 * pw)):  # loops: one evaluation of the epilogue in the IR
+                    c_loc = (ch * 32 + lane) * pw
+                    col = n * cfg.tile_n + c_loc  # the accumulator column (of a pair: the even one)
+                    j = col // pw  # the operands' column: the pair index in a pairs epilogue
+                    acc = sStage[(t_row, c_loc % cfg.epi_n, c_loc // cfg.epi_n)].to(cutlass.Float32)
+                    if cutlass.const_expr(self.pair_mode):
+                        acc = (acc, sStage[(t_row, (c_loc + 1) % cfg.epi_n, (c_loc + 1) // cfg.epi_n)].to(
+                            cutlass.Float32))
+                    res = self._ewg_element(acc, op_tensors, scalars, row, rc, j, cutlass.min(j, N // pw - 1), l)
                     if (row < M) & (col < N):
-                        if cutlass.const_expr(self.expand):  # two values per element, at columns 2 col, 2 col + 1
-                            store_tensors[0][row, 2 * col, l] = self.out_dtypes[0](res["out"])
-                            store_tensors[0][row, 2 * col + 1, l] = self.out_dtypes[0](res[ODD_OUT])
-                        else:
+                        if cutlass.const_expr(self.expand or self.pair_mode == "full"):
+                            # two values, at output columns 2 col, 2 col + 1 (1 -> 2) or col, col + 1 (2 -> 2)
+                            c2 = 2 * col if self.expand else col
+                            store_tensors[0][row, c2, l] = self.out_dtypes[0](res["out"])
+                            store_tensors[0][row, c2 + 1, l] = self.out_dtypes[0](res[ODD_OUT])
+                        else:  # one value per element (per pair: at column j of the half-width outputs)
                             for k in cutlass.range_constexpr(len(self.store_names)):
-                                store_tensors[k][row, col, l] = self.out_dtypes[k](res[self.store_names[k]])
+                                store_tensors[k][row, j, l] = self.out_dtypes[k](res[self.store_names[k]])
                     for ri in cutlass.range_constexpr(n_red):
                         self._ewg_fold(racc, ri, cutlass.select_(col < N, cutlass.Float32(res[self.red_n[ri].name]),
                                                                  self._neutral(self.red_n[ri].op)))
@@ -149,8 +157,9 @@ class EpilogueWarpgroup:
     def _ewg_scalars(self, op_tensors) -> dict:
         return {o.name: SCALAR.read(op_tensors[i]) for i, o in enumerate(self.epi.operands) if o.spec is SCALAR}
 
-    def _ewg_element(self, staged, op_tensors, scalars, row, rc, col, cc, l) -> dict:
-        """The epilogue at one element (traced inline): its results by name (fp32)."""
+    def _ewg_element(self, acc, op_tensors, scalars, row, rc, col, cc, l) -> dict:
+        """The epilogue at one element or column pair (``acc``: fp32, a pair's two; ``col``: the operands' column,
+        ``cc`` it clamped), traced inline: its results by name (fp32)."""
         vals = {}
         for i, o in enumerate(self.epi.operands):
             if o.spec is TILE:
@@ -162,4 +171,4 @@ class EpilogueWarpgroup:
             else:
                 vals[o.name] = scalars[o.name]
         env = EpiEnv(row, col, {k: (lambda k=k: vals[k]) for k in vals})
-        return self.epi.visit(staged.to(cutlass.Float32), env)
+        return self.epi.visit(acc, env)
