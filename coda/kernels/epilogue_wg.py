@@ -34,7 +34,7 @@ HANDOFF_THREADS = 2 * 128 + EPI_THREADS  # the two MMA warpgroups + the epilogue
 
 
 def check(epi, cfg) -> None:
-    """ValueError for what the epilogue warpgroup does not run yet."""
+    """ValueError for what the epilogue warps do not run yet."""
     if any(r.axis == "m" for r in epi.reductions):
         raise ValueError(f"epi_wg=True: epilogue {epi.name!r} has per-column reductions; the epilogue warps run "
                          "per-row reductions only")
@@ -56,7 +56,7 @@ class EpilogueWarpgroup:
 
     @cute.jit
     def ewg_stage(self, acc, tiled_mma, etidx, sStage):
-        """MMA warpgroups (``etidx`` in [0, 256)): hand the tile's accumulator to the epilogue warpgroup."""
+        """MMA warpgroups (``etidx`` in [0, 256)): hand the tile's accumulator to the epilogue warps."""
         cfg = self.cfg
         n_epi = cfg.tile_n // cfg.epi_n
         atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16)

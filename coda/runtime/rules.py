@@ -98,14 +98,21 @@ def shape_reasons(cfg: GemmConfig, epi: Any, M: int, N: int, L: int = 1) -> Opti
     return None
 
 
+# fields that came later, with the value an entry stored without them means ("sched": a static schedule; "epi_wg":
+# the shared epilogue, left out of stored entries while False so that they read as before)
+LATER_FIELDS = {"sched": "static", "epi_wg": False}
+
+
 def config_to_dict(cfg: GemmConfig) -> dict:
-    return dataclasses.asdict(cfg)
+    d = dataclasses.asdict(cfg)
+    if not d["epi_wg"]:
+        del d["epi_wg"]
+    return d
 
 
 def config_from_dict(d: dict) -> GemmConfig:
     names = {f.name for f in dataclasses.fields(GemmConfig)}
-    # "sched" came later: an entry stored without it is a static-schedule config
-    if not isinstance(d, dict) or set(d) - names or names - set(d) - {"sched"}:
+    if not isinstance(d, dict) or set(d) - names or names - set(d) - set(LATER_FIELDS):
         raise ValueError(f"not a GemmConfig: {d!r}")
     return GemmConfig(**d)
 
@@ -118,14 +125,14 @@ def config_problem(d: Any) -> Optional[str]:
         return f"config is {type(d).__name__}, not an object"
     choices = {"tile_m": TILE_M, "tile_n": TILE_N, "cluster_m": (1, 2), "cluster_n": (1, 2),
                "pingpong": (False, True), "raster": RASTERS, "swizzle": range(1, 65),
-               "stages": (None, *range(2, 17)), "epi_n": (16, 32, 64), "sched": SCHEDS}
-    types_ = {"pingpong": (bool,), "raster": (str,), "sched": (str,), "stages": (int, type(None))}
+               "stages": (None, *range(2, 17)), "epi_n": (16, 32, 64), "sched": SCHEDS, "epi_wg": (False, True)}
+    types_ = {"pingpong": (bool,), "raster": (str,), "sched": (str,), "stages": (int, type(None)), "epi_wg": (bool,)}
     extra = sorted(set(d) - set(choices))
     if extra:
         return f"config has unknown field {extra[0][:40]!r}"
     for name, allowed in choices.items():
         if name not in d:
-            if name == "sched":  # "sched" came later: an entry stored without it is a static-schedule config
+            if name in LATER_FIELDS:  # stored before the field existed (or epi_wg left out while False)
                 continue
             return f"config lacks {name!r}"
         v = d[name]
