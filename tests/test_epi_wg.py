@@ -54,3 +54,13 @@ def test_compiles_for_sm90(tile_n):
                         (rotate, ("k", "k"))):
         row = compile_variant(GemmConfig(tile_n=tile_n, epi_wg=True), epi, majors=majors)
         assert row["ok"], row
+
+
+def test_bench_problems_are_ones_the_epilogue_warps_take():
+    """coda.bench.epi_wg's problems (the step's heavy epilogues) pass epi_wg's epilogue check."""
+    from coda.bench.epi_wg import problems
+    from coda.kernels import epilogue_wg
+    probs = problems()
+    assert set(probs) == {"fused_da", "swiglu_fwd", "radial", "adamw"}
+    for _, epi in probs.values():
+        epilogue_wg.check(epi, GemmConfig(epi_wg=True))
