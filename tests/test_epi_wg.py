@@ -23,14 +23,14 @@ def test_smem_plan_keeps_three_stages():
     assert (plan.stages, plan.extra_smem, plan.tma_flags) == (3, 128 * 256 * 2, (False,))
 
 
-def test_refuses_column_reductions():
+def test_refuses_row_and_column_reductions_together():
     from coda.kernels.gemm_sm90 import GemmSm90
 
     @coda.epilogue
-    def colsum(acc):
-        return {"out": acc, "cs": coda.reduce_m(acc)}
-    with pytest.raises(ValueError, match="per-row reductions only"):
-        GemmSm90(GemmConfig(epi_wg=True), colsum)
+    def both(acc):
+        return {"out": acc, "cs": coda.reduce_m(acc), "rs": coda.reduce_n(acc)}
+    with pytest.raises(ValueError, match="one kind at a time"):
+        GemmSm90(GemmConfig(epi_wg=True), both)
 
 
 @pytest.mark.parametrize("tile_n", [256, 128])
@@ -47,11 +47,12 @@ def test_compiles_for_sm90(tile_n):
     fused_da = dacc_on_da((("out",), ("r",), False))  # 1 -> 2 with a per-row reduction (the MLP backward's)
     from coda.epilogues.gated import swiglu
     from coda.autodiff import with_preact
+    from coda.ops.mlp import fold_grads  # per-column sums (dgamma)
     from coda.ops.mlp import rms_swiglu  # with its pre-activation stores: pairs "half" + two extra outputs
     from hook_epilogues import rotate
     for epi, majors in ((IDENTITY, ("k", "k")), (radial, ("k", "k")), (adamw, ("mn", "mn")), (fused_da, ("k", "mn")),
                         (ce_forward, ("k", "k")), (swiglu, ("k", "k")), (with_preact(rms_swiglu), ("k", "k")),
-                        (rotate, ("k", "k"))):
+                        (rotate, ("k", "k")), (fold_grads, ("mn", "mn"))):
         row = compile_variant(GemmConfig(tile_n=tile_n, epi_wg=True), epi, majors=majors)
         assert row["ok"], row
 

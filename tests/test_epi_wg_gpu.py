@@ -106,3 +106,19 @@ def test_pairs_through_the_epilogue_warps(name):
     for k in want:
         assert torch.isfinite(got[k]).all(), k
         assert ((got[k].float() - want[k].float()).norm() / want[k].float().norm()).item() < 1e-2, k
+
+
+def test_column_sums_through_the_epilogue_warps():
+    """Per-column sums (the folded weight's dW GEMM: dW = acc gamma, dgamma = sum_n acc w) on transposed views,
+    against the default kernel."""
+    from coda.ops.mlp import fold_grads
+    torch.manual_seed(4)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    T, N, K = 1000, 1552, 520
+    dacc, x = torch.randn(T, N, **bf), torch.randn(T, K, **bf)
+    ops = dict(gamma=torch.rand(K, device="cuda") + 0.5, w=torch.randn(N, K, **bf))
+    got = coda.gemm(dacc.t(), x.t(), epilogue=fold_grads, config=GemmConfig(tile_n=128, epi_wg=True), **ops)
+    want = coda.gemm(dacc.t(), x.t(), epilogue=fold_grads, config=GemmConfig(tile_n=128), **ops)
+    for k in want:
+        assert torch.isfinite(got[k]).all(), k
+        assert ((got[k].float() - want[k].float()).norm() / want[k].float().norm()).item() < 1e-2, k

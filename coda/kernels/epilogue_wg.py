@@ -15,7 +15,8 @@ memory (TileMN: one element, the warp's 64 contiguous bytes; VecN: its column's;
 evaluates the epilogue and stores its outputs into global memory (again 64 contiguous bytes a warp), predicated on
 the problem's bounds. Nothing else of the epilogue lives in shared memory, so the pipeline
 keeps 3 stages (3 x 48 KB + 64 KB). Supported: elementwise, column-pair (a lane takes a pair) and 1 -> 2 epilogues,
-extra outputs, per-row reductions (lanes fold, the warp merges); not yet: per-column reductions.
+extra outputs, per-row reductions (lanes fold, the warp merges) or per-column sums (each lane over its warp's rows);
+not both kinds in one epilogue.
 """
 from __future__ import annotations
 
@@ -35,9 +36,12 @@ HANDOFF_THREADS = 2 * 128 + EPI_THREADS  # the two MMA warpgroups + the epilogue
 
 def check(epi, cfg) -> None:
     """ValueError for what the epilogue warps do not run yet."""
-    if any(r.axis == "m" for r in epi.reductions):
-        raise ValueError(f"epi_wg=True: epilogue {epi.name!r} has per-column reductions; the epilogue warps run "
-                         "per-row reductions only")
+    axes = {r.axis for r in epi.reductions}
+    if axes == {"n", "m"}:
+        raise ValueError(f"epi_wg=True: epilogue {epi.name!r} has both per-row and per-column reductions; the "
+                         "epilogue warps run one kind at a time")
+    if any(r.axis == "m" and r.op != "sum" for r in epi.reductions):
+        raise ValueError(f"epi_wg=True: epilogue {epi.name!r}: per-column reductions are sums")
 
 
 def staging_bytes(cfg) -> int:
@@ -82,10 +86,12 @@ class EpilogueWarpgroup:
     @cute.jit
     def ewg_run(self, e_tid, sStage, mD, store_tensors, op_tensors, red_tensors):
         """The epilogue warps' loop over this CTA's tiles (the static schedule's order); ``e_tid`` in [0, 96).
-        Warp w takes rows w, w + 3, ...; its 32 lanes take 32 consecutive columns of a row at a time, so every
-        global load and store of a warp covers 64 contiguous bytes (bf16) and the staged reads are conflict-free.
-        Per-row reductions: each lane folds its columns into a register accumulator, the warp merges the lanes and
-        lane 0 writes the (row, N-tile) partial."""
+        Warp w takes rows w, w + 3, ...; its 32 lanes take 32 consecutive columns (column pairs) of a row at a
+        time, so every global load and store of a warp covers 64 contiguous bytes (bf16) and the staged reads are
+        conflict-free. Per-row reductions (rows outer, columns inner): each lane folds its columns into a register
+        accumulator, the warp merges the lanes, lane 0 writes the (row, N-tile) partial. Per-column reductions
+        (columns outer, rows inner): each lane sums its column over the warp's rows and writes the (column, warp
+        slot) partial; warp 0 zeroes the slots of the warps the cooperative layout has and these do not (3..7)."""
         cfg = self.cfg
         M = mD.shape[0]
         # accumulator columns (a 1 -> 2 output has twice as many, a "half" pairs output half as many)
@@ -93,48 +99,85 @@ class EpilogueWarpgroup:
         pw = 2 if self.pair_mode else 1  # accumulator columns per lane: a column pair (2j, 2j + 1) in one thread
         scalars = self._ewg_scalars(op_tensors)
         warp, lane = e_tid // 32, e_tid % 32
-        n_red = len(self.red_n)
-        racc = cute.make_rmem_tensor((max(2 * n_red, 1),), cutlass.Float32)  # per reduction: value (lse: m, s)
+        racc = cute.make_rmem_tensor((max(2 * len(self.red_n), len(self.red_m), 1),), cutlass.Float32)  # lse: m, s
         w = self._work(mD)
         t = w["cluster"]
         cute.arch.barrier_arrive(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)  # the buffer is free
         while t < w["n_tiles"]:
             m, n, l = self._tile(w, t)
             cute.arch.barrier(barrier_id=BAR_FULL, number_of_threads=HANDOFF_THREADS)
-            for t_row in cutlass.range(warp, cfg.tile_m, EPI_THREADS // 32):
-                row = m * cfg.tile_m + t_row
-                rc = cutlass.min(row, M - 1)  # clamped: a padded row is computed, never stored
-                for ri in cutlass.range_constexpr(n_red):
-                    racc[2 * ri] = self._neutral(self.red_n[ri].op)
-                    racc[2 * ri + 1] = cutlass.Float32(0.0)
-                for ch in cutlass.range(cfg.tile_n // (32 * pw)):  # loops: one evaluation of the epilogue in the IR
-                    c_loc = (ch * 32 + lane) * pw
-                    col = n * cfg.tile_n + c_loc  # the accumulator column (of a pair: the even one)
-                    j = col // pw  # the operands' column: the pair index in a pairs epilogue
-                    acc = sStage[(t_row, c_loc % cfg.epi_n, c_loc // cfg.epi_n)].to(cutlass.Float32)
-                    if cutlass.const_expr(self.pair_mode):
-                        acc = (acc, sStage[(t_row, (c_loc + 1) % cfg.epi_n, (c_loc + 1) // cfg.epi_n)].to(
-                            cutlass.Float32))
-                    res = self._ewg_element(acc, op_tensors, scalars, row, rc, j, cutlass.min(j, N // pw - 1), l)
-                    if (row < M) & (col < N):
-                        if cutlass.const_expr(self.expand or self.pair_mode == "full"):
-                            # two values, at output columns 2 col, 2 col + 1 (1 -> 2) or col, col + 1 (2 -> 2)
-                            c2 = 2 * col if self.expand else col
-                            store_tensors[0][row, c2, l] = self.out_dtypes[0](res["out"])
-                            store_tensors[0][row, c2 + 1, l] = self.out_dtypes[0](res[ODD_OUT])
-                        else:  # one value per element (per pair: at column j of the half-width outputs)
-                            for k in cutlass.range_constexpr(len(self.store_names)):
-                                store_tensors[k][row, j, l] = self.out_dtypes[k](res[self.store_names[k]])
-                    for ri in cutlass.range_constexpr(n_red):
-                        self._ewg_fold(racc, ri, cutlass.select_(col < N, cutlass.Float32(res[self.red_n[ri].name]),
-                                                                 self._neutral(self.red_n[ri].op)))
-                for ri in cutlass.range_constexpr(n_red):
-                    val = self._ewg_merge(racc, ri)
-                    if (lane == 0) & (row < M) & (n * cfg.tile_n < N):
-                        red_tensors[ri][row, n, l] = val
+            if cutlass.const_expr(len(self.red_m) == 0):
+                for t_row in cutlass.range(warp, cfg.tile_m, EPI_THREADS // 32):
+                    for ri in cutlass.range_constexpr(len(self.red_n)):
+                        racc[2 * ri] = self._neutral(self.red_n[ri].op)
+                        racc[2 * ri + 1] = cutlass.Float32(0.0)
+                    for ch in cutlass.range(cfg.tile_n // (32 * pw)):  # loops: one evaluation in the IR
+                        res, row, col, j = self._ewg_step(sStage, store_tensors, op_tensors, scalars, m, n, l,
+                                                          t_row, ch, lane, M, N, pw)
+                        if (row < M) & (col < N):
+                            self._ewg_store(store_tensors, res, row, col, j, l)
+                        for ri in cutlass.range_constexpr(len(self.red_n)):
+                            self._ewg_fold(racc, ri, cutlass.select_(
+                                col < N, cutlass.Float32(res[self.red_n[ri].name]), self._neutral(self.red_n[ri].op)))
+                    r_row = m * cfg.tile_m + t_row
+                    for ri in cutlass.range_constexpr(len(self.red_n)):
+                        val = self._ewg_merge(racc, ri)
+                        if (lane == 0) & (r_row < M) & (n * cfg.tile_n < N):
+                            red_tensors[ri][r_row, n, l] = val
+            else:
+                for ch in cutlass.range(cfg.tile_n // (32 * pw)):
+                    for ri in cutlass.range_constexpr(len(self.red_m)):
+                        racc[ri] = cutlass.Float32(0.0)
+                    for t_row in cutlass.range(warp, cfg.tile_m, EPI_THREADS // 32):
+                        res, row, col, j = self._ewg_step(sStage, store_tensors, op_tensors, scalars, m, n, l,
+                                                          t_row, ch, lane, M, N, pw)
+                        if (row < M) & (col < N):
+                            self._ewg_store(store_tensors, res, row, col, j, l)
+                        for ri in cutlass.range_constexpr(len(self.red_m)):
+                            racc[ri] = racc[ri] + cutlass.select_(row < M, cutlass.Float32(res[self.red_m[ri].name]),
+                                                                  cutlass.Float32(0.0))
+                    jc = (n * cfg.tile_n + (ch * 32 + lane) * pw) // pw
+                    if (jc < N // pw) & (m * cfg.tile_m < M):
+                        self._ewg_col_partials(red_tensors, racc, jc, m, l, warp)
             t += w["n_clusters"]
             if t < w["n_tiles"]:
                 cute.arch.barrier_arrive(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)
+
+    def _ewg_col_partials(self, red_tensors, racc, j, m, l, warp):
+        """Column j's per-column partials of this warp (slot m * warps_per_tile + warp), traced inline; the slots no
+        epilogue warp has (3 .. warps_per_tile - 1) get zeros, from every warp (the same value: no race)."""
+        base = m * self.cfg.warps_per_tile
+        for ri in range(len(self.red_m)):
+            t = red_tensors[len(self.red_n) + ri]
+            t[j, base + warp, l] = racc[ri]
+            for slot in range(EPI_THREADS // 32, self.cfg.warps_per_tile):
+                t[j, base + slot, l] = cutlass.Float32(0.0)
+
+    def _ewg_step(self, sStage, store_tensors, op_tensors, scalars, m, n, l, t_row, ch, lane, M, N, pw):
+        """One element (column pair) of the tile, traced inline: (its results, row, accumulator column, operand
+        column)."""
+        cfg = self.cfg
+        row = m * cfg.tile_m + t_row
+        c_loc = (ch * 32 + lane) * pw
+        col = n * cfg.tile_n + c_loc  # the accumulator column (of a pair: the even one)
+        j = col // pw  # the operands' column: the pair index in a pairs epilogue
+        acc = sStage[(t_row, c_loc % cfg.epi_n, c_loc // cfg.epi_n)].to(cutlass.Float32)
+        if self.pair_mode:
+            acc = (acc, sStage[(t_row, (c_loc + 1) % cfg.epi_n, (c_loc + 1) // cfg.epi_n)].to(cutlass.Float32))
+        res = self._ewg_element(acc, op_tensors, scalars, row, cutlass.min(row, M - 1), j,
+                                cutlass.min(j, N // pw - 1), l)  # clamped: padded rows / columns are never stored
+        return res, row, col, j
+
+    def _ewg_store(self, store_tensors, res, row, col, j, l):
+        """Store one element's (column pair's) outputs (traced inline, under the caller's bounds predicate)."""
+        if self.expand or self.pair_mode == "full":
+            # two values, at output columns 2 col, 2 col + 1 (1 -> 2) or col, col + 1 (2 -> 2)
+            c2 = 2 * col if self.expand else col
+            store_tensors[0][row, c2, l] = self.out_dtypes[0](res["out"])
+            store_tensors[0][row, c2 + 1, l] = self.out_dtypes[0](res[ODD_OUT])
+        else:  # one value per element (per pair: at column j of the half-width outputs)
+            for k, name in enumerate(self.store_names):
+                store_tensors[k][row, j, l] = self.out_dtypes[k](res[name])
 
     def _ewg_fold(self, racc, ri, x) -> None:
         """Fold one value into reduction ri's accumulator (logsumexp: the online (max, sum) pair)."""
