@@ -14,7 +14,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from coda import _device
-from coda.optim import eager_backward
+from coda.epilogues.adamw import adamw
+from coda.optim import eager_backward, in_backward_operands, update_config
 
 
 def gemm_for(device: torch.device, entry: str = "coda.ops"):
@@ -90,26 +91,21 @@ def linear_grads(dacc: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need
     return dx, dw
 
 
-def update_in_backward(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, entry: str, fold=None):
+def update_in_backward(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, entry: str, epilogue=adamw,
+                       **operands):
     """The optimizer step of ``weight`` in the epilogue of its gradient's GEMM ``a @ b.T`` (``coda.optim``), when
     this is an eager backward, an optimizer registered ``weight`` and the GEMM runs on CODA's kernel (or the CPU
-    reference): returns the epilogue's results (``fold``: the norm weight gamma of a folded weight, see
-    ``epilogues.adamw.adamw_fold``), else None (the caller forms dW). The weight's caller must have finished every
-    product that reads it (dX)."""
-    from coda.optim import in_backward_operands
+    reference): returns the epilogue's results, else None (the caller forms dW). ``epilogue``: ``epilogues.adamw``'s
+    ``adamw``, or a variant with its extra ``operands`` (``adamw_fold``: gamma; ``adamw_scaled`` over a K = 0 pass:
+    t, s). The weight's caller must have finished every product that reads it (dX)."""
     if not (weight.device.type == "cpu" or (a.dtype in IN_DTYPES and weight.dtype in IN_DTYPES
                                             and kernel_aligned(a, b))):
         return None
     ops = in_backward_operands(weight)
     if ops is None:
         return None
-    from coda.epilogues.adamw import adamw, adamw_fold
-    from coda.optim import update_config
-    if fold is not None:
-        ops["gamma"] = fold
     cfg = {"config": update_config()} if weight.is_cuda else {}  # the reference path takes no config
-    return gemm_for(weight.device, entry)(a, b, epilogue=adamw if fold is None else adamw_fold, out=ops["p"],
-                                          **cfg, **ops)
+    return gemm_for(weight.device, entry)(a, b, epilogue=epilogue, out=ops["p"], **cfg, **operands, **ops)
 
 
 def weight_grad(dacc: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, entry: str = "coda.ops"):

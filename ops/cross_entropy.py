@@ -62,10 +62,11 @@ from torch import Tensor
 from coda.epilogues.adamw import adamw_scaled
 from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_general, ce_forward,
                                           ce_forward_smooth, scale_by)
-from coda.optim import eager_backward, in_backward_operands, update_config
+from coda.optim import eager_backward
 
 from ._builder import backward_op, forward_op
-from ._common import IN_DTYPES, call, check_inputs, check_tensors, epilogue_pass, gemm_for, kernel_aligned
+from ._common import (IN_DTYPES, call, check_inputs, check_tensors, epilogue_pass, gemm_for, kernel_aligned,
+                      update_in_backward)
 from .cross_entropy_fast import plan_rows, forward_with_grads
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES", "MEMORY_BUDGET"]
@@ -356,14 +357,10 @@ def _update_in_backward(weight: torch.Tensor, dw: torch.Tensor, g: torch.Tensor)
     if not (dw.device.type == "cpu" or (dw.dim() == 2 and dw.dtype in IN_DTYPES and dw.is_contiguous()
                                          and dw.shape[1] % 8 == 0)):
         return False
-    with eager_backward():
-        ops = in_backward_operands(weight)
-    if ops is None:
-        return False
-    cfg = {"config": update_config()} if dw.is_cuda else {}  # the reference path takes no config
-    epilogue_pass(gemm_for(dw.device, ENTRY), dw, *dw.shape, epilogue=adamw_scaled, out=ops["p"], t=dw, s=g, **cfg,
-                  **ops)
-    return True
+    with eager_backward():  # (this backward is the op's own autograd function, not a backward op)
+        V, H = dw.shape
+        return update_in_backward(weight, dw.new_empty(V, 0), dw.new_empty(H, 0), ENTRY, adamw_scaled, t=dw,
+                                  s=g) is not None
 
 
 def _backward_fast(ctx, grad_loss, grad_dx, grad_dw):

@@ -51,6 +51,7 @@ from torch import Tensor
 
 import coda
 from coda.autodiff import DGRAD, grad_name, on_acc
+from coda.epilogues.adamw import adamw_fold
 
 from ._builder import backward_op, forward_op
 from ._common import (IN_DTYPES, call, check_last_dim_contiguous, check_tensors, gemm_for, kernel_aligned,
@@ -226,7 +227,8 @@ def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, 
         grads[0] = gemm(dacc, w_gate_up.t(), epilogue=rms_radial_residual if residual else rms_radial,
                         out_dtype=x.dtype, **ops)
     if need_gamma or need_gu:  # dW' = dacc^T x; its epilogue forms dW = dW' gamma and dgamma
-        upd = update_in_backward(w_gate_up, dacc.t(), x.t(), _ENTRY, fold=norm_weight) if need_gu else None
+        upd = (update_in_backward(w_gate_up, dacc.t(), x.t(), _ENTRY, adamw_fold, gamma=norm_weight) if need_gu
+               else None)
         if upd is not None:  # coda.optim: w_gate_up updated in place by the same epilogue (no dW)
             dw, dgamma = w_gate_up.new_empty(0), upd["dgamma"]
         elif kernel_aligned(dacc.t(), x.t()):

@@ -64,4 +64,4 @@ def test_bench_problems_are_ones_the_epilogue_warps_take():
     probs = problems()
     assert set(probs) == {"fused_da", "swiglu_fwd", "radial", "adamw"}
     for _, epi in probs.values():
-        epilogue_wg.check(epi, GemmConfig(epi_wg=True))
+        epilogue_wg.check(epi)

@@ -27,6 +27,14 @@ METRICS = {"time": "gpu__time_duration.sum",
            "stall barrier": "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"}
 
 
+def parse_variant(text: str):
+    """``"tm,tn,pp|coop,cm,static|dynamic,epi_n,stages|-"`` -> GemmConfig (this module's and coda.bench.optim's
+    config arguments)."""
+    tm, tn, pp, cm, sched, en, st = text.split(",")
+    return GemmConfig(tile_m=int(tm), tile_n=int(tn), pingpong=pp == "pp", cluster_m=int(cm), sched=sched,
+                      epi_n=int(en), stages=None if st == "-" else int(st))
+
+
 def table(raw_csv: str) -> str:
     """The markdown table of ``ncu --page raw --csv`` output of this run: one row per NVTX range (config)."""
     import csv
@@ -52,11 +60,7 @@ def main(argv):
     dy, wd, g, u = torch.randn(M, H, **bf), torch.randn(H, I, **bf), torch.randn(M, I, **bf), torch.randn(M, I, **bf)
     ops = dict(r=torch.rand(M, device="cuda") + 0.5, _preact_even=g, _preact_odd=u)
     prog = dacc_on_da((("out",), ("r",), False))
-    cfgs = []
-    for text in argv:
-        tm, tn, pp, cm, sched, en, st = text.split(",")
-        cfgs.append((text, GemmConfig(tile_m=int(tm), tile_n=int(tn), pingpong=pp == "pp", cluster_m=int(cm),
-                                      sched=sched, epi_n=int(en), stages=None if st == "-" else int(st))))
+    cfgs = [(text, parse_variant(text)) for text in argv]
     for _, cfg in cfgs:  # compile and warm up outside the profiled ranges
         coda.gemm(dy, wd.t(), epilogue=prog, config=cfg, **ops)
     torch.mm(dy, wd)

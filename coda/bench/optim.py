@@ -16,17 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .expand_ncu import parse_variant as parse  # the config arguments' format
+
 SHAPES = {  # name: (N, K, epilogue kind); T tokens = batch x seq
     "llama-1b": {"gate_up": (16384, 2048, "fold"), "down": (2048, 8192, "plain"), "qkv": (3072, 2048, "plain"),
                  "o": (2048, 2048, "plain"), "lm_head": (128256, 2048, "scaled")},
 }
-
-
-def parse(text: str):
-    from coda.config import GemmConfig
-    tm, tn, pp, cm, sched, en, st = text.split(",")
-    return GemmConfig(tile_m=int(tm), tile_n=int(tn), pingpong=pp == "pp", cluster_m=int(cm), sched=sched,
-                      epi_n=int(en), stages=None if st == "-" else int(st))
 
 
 def main(argv=None) -> int:

@@ -34,7 +34,7 @@ EPI_THREADS = 96  # warps 1-3 of the producer warpgroup
 HANDOFF_THREADS = 2 * 128 + EPI_THREADS  # the two MMA warpgroups + the epilogue warps
 
 
-def check(epi, cfg) -> None:
+def check(epi) -> None:
     """ValueError for what the epilogue warps do not run yet."""
     axes = {r.axis for r in epi.reductions}
     if axes == {"n", "m"}:
@@ -97,7 +97,7 @@ class EpilogueWarpgroup:
         # accumulator columns (a 1 -> 2 output has twice as many, a "half" pairs output half as many)
         N = mD.shape[1] // 2 if self.expand else mD.shape[1] * 2 if self.half else mD.shape[1]
         pw = 2 if self.pair_mode else 1  # accumulator columns per lane: a column pair (2j, 2j + 1) in one thread
-        scalars = self._ewg_scalars(op_tensors)
+        scalars = self._read_scalars(op_tensors)
         warp, lane = e_tid // 32, e_tid % 32
         racc = cute.make_rmem_tensor((max(2 * len(self.red_n), len(self.red_m), 1),), cutlass.Float32)  # lse: m, s
         w = self._work(mD)
@@ -197,7 +197,8 @@ class EpilogueWarpgroup:
             val = self._combine(op, val, cute.arch.shuffle_sync_bfly(val, offset=off))
         return val
 
-    def _ewg_scalars(self, op_tensors) -> dict:
+    def _read_scalars(self, op_tensors) -> dict:
+        """The run-time Scalar operands, read once per kernel (the consumers' epilogue and the epilogue warps)."""
         return {o.name: SCALAR.read(op_tensors[i]) for i, o in enumerate(self.epi.operands) if o.spec is SCALAR}
 
     def _ewg_element(self, acc, op_tensors, scalars, row, rc, col, cc, l) -> dict:

@@ -43,11 +43,10 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ..config import GemmConfig
-from . import lse, schedule
+from . import epilogue_wg, lse, schedule
 from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, EpiEnv, staged_operands,  # noqa: F401 (the x-slots)
                        smem_plan, tile_operand_cols)
-from . import epilogue_wg
-from .operand_kinds import SCALAR, TILE
+from .operand_kinds import TILE
 
 WG_THREADS = 128
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -78,9 +77,9 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
         if len(self.tile_aligned) != len(self.tiles):
             raise ValueError(f"tile_aligned: {len(self.tile_aligned)} flags for {len(self.tiles)} TileMN operands")
         self.op_tile = (cfg.tile_m, tile_operand_cols(epi, cfg))
-        self.ewg = cfg.epi_wg  # the epilogue in a fourth warpgroup (kernels/epilogue_wg.py)
+        self.ewg = cfg.epi_wg  # the epilogue in warps of the producer warpgroup (kernels/epilogue_wg.py)
         if self.ewg:
-            epilogue_wg.check(epi, cfg)
+            epilogue_wg.check(epi)
 
     def __str__(self):
         """What CuTeDSL's name mangling puts into the kernel's name: the epilogue's, so that profiles tell the
@@ -229,7 +228,7 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
                 for i, sl in zip(self.tma_tiles, ld_smems)]
         sOps = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((n, self.num_tiles_in_flight)),
                                      byte_alignment=16) for _, n in self.staged]
-        sStage = None  # the staged accumulator tile of the epilogue warpgroup
+        sStage = None  # the staged accumulator tile of the epilogue warps
         if cutlass.const_expr(self.ewg):
             sl = epilogue_wg.staging_layout(self.cfg)
             sStage = smem.allocate_tensor(cutlass.BFloat16, sl.outer, byte_alignment=1024, swizzle=sl.inner)
@@ -339,13 +338,11 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
             t = schedule.consumer_next(sched, ring_state)
             ring_state.advance()
 
-        # ---- epilogue partitions (shared by every tile; the epilogue warpgroup has its own)
+        # ---- epilogue partitions (shared by every tile; the epilogue warps of epi_wg have their own)
         epi, scalars = None, {}
         if cutlass.const_expr(not self.ewg):
             epi = self._epi_setup(tiled_mma, etidx, cwg, sOuts, mD)
-            # run-time Scalar operands: read once per kernel
-            scalars = {o.name: SCALAR.read(op_tensors[i]) for i, o in enumerate(self.epi.operands)
-                       if o.spec is SCALAR}
+            scalars = self._read_scalars(op_tensors)
         tiles_done = cutlass.Int32(0)
 
         while t < w["n_tiles"]:  # this consumer's tiles (schedule.py)
