@@ -53,8 +53,15 @@ def test_compiles_for_sm90(tile_n):
     for epi, majors in ((IDENTITY, ("k", "k")), (radial, ("k", "k")), (adamw, ("mn", "mn")), (fused_da, ("k", "mn")),
                         (ce_forward, ("k", "k")), (swiglu, ("k", "k")), (with_preact(rms_swiglu), ("k", "k")),
                         (rotate, ("k", "k")), (fold_grads, ("mn", "mn"))):
-        row = compile_variant(GemmConfig(tile_n=tile_n, epi_wg=True), epi, majors=majors)
-        assert row["ok"], row
+        row = compile_variant(GemmConfig(tile_n=tile_n, epi_wg=True), epi, majors=majors,
+                              count=("ld.shared.v4", "st.global.v4"))
+        if epi is adamw:  # three TileMN operands, eight Scalars, two in-place outputs at 168 registers a thread
+            assert row["wgmma"] and row["spill_bytes"] <= 16, row
+        else:
+            assert row["ok"], row
+        assert row["count"]["ld.shared.v4"] > 0, row  # the staged tile read 16 bytes a lane
+        if epi is not ce_forward:  # (the CE forward stores nothing but its row partials)
+            assert row["count"]["st.global.v4"] > 0, row
 
 
 def test_bench_problems_are_ones_the_epilogue_warps_take():

@@ -30,7 +30,7 @@ def test_epilogue_warps_match(shape, tile_n, cluster_m):
     plain = coda.gemm(a, b, config=cfg)  # the identity epilogue through the epilogue warps
     torch.cuda.synchronize()
     assert torch.equal(plain, coda.gemm(a, b, config=GemmConfig(tile_n=tile_n, cluster_m=cluster_m)))
-    ref = coda.reference.gemm(a.double(), b.double(), epilogue=radial, **{k: (v.double() if torch.is_tensor(v)
+    ref = coda.reference.gemm_wide(a.double(), b.double(), epilogue=radial, **{k: (v.double() if torch.is_tensor(v)
                                                                              else v) for k, v in ops.items()})
     base = coda.gemm(a, b, epilogue=radial, config=GemmConfig(tile_n=tile_n, cluster_m=cluster_m), **ops)
     for k in ("out", "aux"):

@@ -32,6 +32,18 @@ from .operand_kinds import SCALAR, TILE, VEC_M, VEC_N
 BAR_FULL, BAR_EMPTY = 5, 6  # named barriers (1: the shared epilogue, 3-4: ping-pong ordering)
 EPI_THREADS = 96  # warps 1-3 of the producer warpgroup
 HANDOFF_THREADS = 2 * 128 + EPI_THREADS  # the two MMA warpgroups + the epilogue warps
+VEC = 8  # accumulator columns a lane takes of a row: one 16-byte read of the staged bf16 tile
+UNROLL = 4  # row steps whose loads are in flight together (fewer where a lane holds more: see ewg_plan)
+
+
+def ewg_plan(epi) -> tuple:
+    """(row steps a batch, whether a batch's operands are loaded one batch ahead), within 168 registers a thread:
+    (4, yes) for at most one TileMN operand; (1, yes) for two or a 1 -> 2 output (the fused da spilled at 2);
+    (1, no) for three or more (the AdamW update spilled 112 bytes with the prefetch)."""
+    tiles = sum(1 for o in epi.operands if o.spec is TILE)
+    if tiles >= 3:
+        return 1, False
+    return (1, True) if tiles >= 2 or epi.expand else (UNROLL, True)
 
 
 def check(epi) -> None:
@@ -49,10 +61,16 @@ def staging_bytes(cfg) -> int:
     return cfg.tile_m * cfg.tile_n * 2
 
 
+def staging_n(cfg) -> int:
+    """Columns of a staging sub-tile: 64 (128-byte rows: a warp's 16-byte reads of a row cover whole bank sweeps)."""
+    return 64 if cfg.tile_n % 64 == 0 else cfg.epi_n
+
+
 def staging_layout(cfg):
-    """(tile_m, epi_n, tile_n / epi_n) bf16 sub-tile buffers in the epilogue's swizzled layout."""
-    return sm90_utils.make_smem_layout_epi(cutlass.BFloat16, LayoutEnum.ROW_MAJOR, (cfg.tile_m, cfg.epi_n),
-                                           cfg.tile_n // cfg.epi_n)
+    """(tile_m, 64, tile_n / 64) bf16 sub-tile buffers in the epilogue's swizzled layout (128-byte swizzle)."""
+    sn = staging_n(cfg)
+    return sm90_utils.make_smem_layout_epi(cutlass.BFloat16, LayoutEnum.ROW_MAJOR, (cfg.tile_m, sn),
+                                           cfg.tile_n // sn)
 
 
 class EpilogueWarpgroup:
@@ -62,18 +80,19 @@ class EpilogueWarpgroup:
     def ewg_stage(self, acc, tiled_mma, etidx, sStage):
         """MMA warpgroups (``etidx`` in [0, 256)): hand the tile's accumulator to the epilogue warps."""
         cfg = self.cfg
-        n_epi = cfg.tile_n // cfg.epi_n
+        sn = staging_n(cfg)
+        n_epi = cfg.tile_n // sn
         atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16)
         tiled_c = cute.make_tiled_copy_C_atom(atom, tiled_mma)
         r2s = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, elem_ty_d=cutlass.BFloat16,
                                            elem_ty_acc=cutlass.Float32)
         tiled = cute.make_tiled_copy_S(r2s, tiled_c)
         dst = tiled.get_slice(etidx).partition_D(sStage)
-        sub = cute.make_identity_tensor((cfg.tile_m, cfg.epi_n))
+        sub = cute.make_identity_tensor((cfg.tile_m, sn))
         rshape = cute.shape(tiled.get_slice(etidx).partition_S(sub))[:3]
         n_v = cute.size(rshape)
         c_sub = self._static_coords(tiled.get_slice(0).partition_S(sub), n_v)
-        acc_of = self._acc_map(tiled_mma, c_sub, n_v, n_epi)
+        acc_of = self._acc_map(tiled_mma, c_sub, n_v, n_epi, sn)
         cute.arch.barrier(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)
         for e in cutlass.range_constexpr(n_epi):
             rOut = cute.make_rmem_tensor(rshape, cutlass.BFloat16)
@@ -86,98 +105,190 @@ class EpilogueWarpgroup:
     @cute.jit
     def ewg_run(self, e_tid, sStage, mD, store_tensors, op_tensors, red_tensors):
         """The epilogue warps' loop over this CTA's tiles (the static schedule's order); ``e_tid`` in [0, 96).
-        Warp w takes rows w, w + 3, ...; its 32 lanes take 32 consecutive columns (column pairs) of a row at a
-        time, so every global load and store of a warp covers 64 contiguous bytes (bf16) and the staged reads are
-        conflict-free. Per-row reductions (rows outer, columns inner): each lane folds its columns into a register
-        accumulator, the warp merges the lanes, lane 0 writes the (row, N-tile) partial. Per-column reductions
-        (columns outer, rows inner): each lane sums its column over the warp's rows and writes the (column, warp
-        slot) partial; warp 0 zeroes the slots of the warps the cooperative layout has and these do not (3..7)."""
+        A lane takes VEC consecutive accumulator columns of a row (one 16-byte staged read; its TileMN operands and
+        outputs as 16-byte accesses where aligned), ``lpr`` = tile_n / VEC lanes a row, 32 / lpr rows a warp at a
+        time; warp w takes row batches w, w + 3, ... of UNROLL such steps. Phases per batch: (1) every load of the
+        batch (staged values, TileMN operands, VecM), so that UNROLL x (1 + TileMN operands) 16-byte loads a lane
+        are in flight; (2) per row: evaluate, store, fold. Reductions: per-row (each lane folds its columns, the
+        row's lanes merge by shuffles, its first lane writes the (row, N-tile) partial) or per-column sums (each
+        lane sums its columns over its rows, the warp merges its row groups, the first group writes the (column,
+        warp slot) partials; the slots of the warps the cooperative layout has and these do not get zeros)."""
         cfg = self.cfg
         M = mD.shape[0]
         # accumulator columns (a 1 -> 2 output has twice as many, a "half" pairs output half as many)
         N = mD.shape[1] // 2 if self.expand else mD.shape[1] * 2 if self.half else mD.shape[1]
-        pw = 2 if self.pair_mode else 1  # accumulator columns per lane: a column pair (2j, 2j + 1) in one thread
+        pw = 2 if self.pair_mode else 1  # accumulator columns per epilogue evaluation (a column pair)
+        ne = VEC // pw  # evaluations per lane and row
+        sn = staging_n(cfg)
+        lpr = cfg.tile_n // VEC
+        rpw = 32 // lpr
+        nwarps = EPI_THREADS // 32
+        unroll, ahead = ewg_plan(self.epi)
         scalars = self._read_scalars(op_tensors)
+        ops = [self._ewg_view(t, o.spec is TILE and self._ewg_tile_aligned(i)) for i, (t, o) in
+               enumerate(zip(op_tensors, self.epi.operands))]
+        outs = [self._ewg_view(t, True) for t in store_tensors]
         warp, lane = e_tid // 32, e_tid % 32
-        racc = cute.make_rmem_tensor((max(2 * len(self.red_n), len(self.red_m), 1),), cutlass.Float32)  # lse: m, s
+        r_in, c_loc = lane // lpr, (lane % lpr) * VEC
+        rrow = cute.make_rmem_tensor((max(2 * len(self.red_n), 1),), cutlass.Float32)  # lse: m, s
+        rcol = cute.make_rmem_tensor((max(ne * len(self.red_m), 1),), cutlass.Float32)
         w = self._work(mD)
         t = w["cluster"]
+        b0, step = warp * rpw * unroll, nwarps * rpw * unroll
+        # the batch's TileMN / VecM operands: loaded one batch ahead (``pre``, into the next tile's first batch
+        # before its FULL wait), evaluated from ``cur``
+        cur = [self._ewg_frags(ops, ne) for _ in range(unroll)]
+        pre = [self._ewg_frags(ops, ne) for _ in range(unroll)] if ahead else cur
+        geo = (M, N, pw, ne, rpw, r_in, c_loc)
+        if t < w["n_tiles"] and cutlass.const_expr(ahead):
+            m, n, l = self._tile(w, t)
+            self._ewg_prefetch(ops, pre, m, n, l, b0, geo)
         cute.arch.barrier_arrive(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)  # the buffer is free
         while t < w["n_tiles"]:
             m, n, l = self._tile(w, t)
+            col = n * cfg.tile_n + c_loc  # the lane's first accumulator column
+            j0 = col // pw  # its first operand column
+            full = col + VEC <= N
+            for k in cutlass.range_constexpr(ne * len(self.red_m)):
+                rcol[k] = cutlass.Float32(0.0)
             cute.arch.barrier(barrier_id=BAR_FULL, number_of_threads=HANDOFF_THREADS)
-            if cutlass.const_expr(len(self.red_m) == 0):
-                for t_row in cutlass.range(warp, cfg.tile_m, EPI_THREADS // 32):
+            for b in cutlass.range(b0, cfg.tile_m, step):
+                # phase 1: take the prefetched operands, prefetch the next batch's, read the staged values
+                if cutlass.const_expr(ahead):
+                    for u in cutlass.range_constexpr(unroll):
+                        for i in cutlass.range_constexpr(len(self.epi.operands)):
+                            if cutlass.const_expr(i in cur[u]):
+                                cur[u][i].store(pre[u][i].load())
+                    if b + step < cfg.tile_m:
+                        self._ewg_prefetch(ops, pre, m, n, l, b + step, geo)
+                    elif t + w["n_clusters"] < w["n_tiles"]:
+                        m2, n2, l2 = self._tile(w, t + w["n_clusters"])
+                        self._ewg_prefetch(ops, pre, m2, n2, l2, b0, geo)
+                else:
+                    self._ewg_prefetch(ops, cur, m, n, l, b, geo)
+                staged, tiles = [], cur
+                for u in cutlass.range_constexpr(unroll):
+                    t_row = cutlass.min(b + u * rpw + r_in, cfg.tile_m - 1)
+                    f = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+                    cute.autovec_copy(cute.zipped_divide(sStage[(t_row, None, c_loc // sn)], (VEC,))[
+                        None, (c_loc % sn) // VEC], f)
+                    staged.append(f)
+                # phase 2: per row, evaluate, store, fold
+                for u in cutlass.range_constexpr(unroll):
+                    t_row = b + u * rpw + r_in
+                    row = m * cfg.tile_m + t_row
+                    ok = (t_row < cfg.tile_m) & (row < M)
+                    rc = cutlass.min(row, M - 1)
                     for ri in cutlass.range_constexpr(len(self.red_n)):
-                        racc[2 * ri] = self._neutral(self.red_n[ri].op)
-                        racc[2 * ri + 1] = cutlass.Float32(0.0)
-                    for ch in cutlass.range(cfg.tile_n // (32 * pw)):  # loops: one evaluation in the IR
-                        res, row, col, j = self._ewg_step(sStage, store_tensors, op_tensors, scalars, m, n, l,
-                                                          t_row, ch, lane, M, N, pw)
-                        if (row < M) & (col < N):
-                            self._ewg_store(store_tensors, res, row, col, j, l)
+                        rrow[2 * ri] = self._neutral(self.red_n[ri].op)
+                        rrow[2 * ri + 1] = cutlass.Float32(0.0)
+                    res_frags = [cute.make_rmem_tensor((VEC * 2 if self.expand else VEC if self.pair_mode == "full"
+                                                        else ne,), self.out_dtypes[k])
+                                 for k in range(len(self.store_names))]
+                    for i in cutlass.range_constexpr(ne):
+                        acc = staged[u][i * pw].to(cutlass.Float32)
+                        if cutlass.const_expr(self.pair_mode):
+                            acc = (acc, staged[u][i * pw + 1].to(cutlass.Float32))
+                        res = self._ewg_element(acc, ops, tiles[u], i, scalars, row, j0 + i,
+                                                cutlass.min(j0 + i, N // pw - 1))
+                        self._ewg_pack(res_frags, res, i)
+                        inb = j0 + i < N // pw
                         for ri in cutlass.range_constexpr(len(self.red_n)):
-                            self._ewg_fold(racc, ri, cutlass.select_(
-                                col < N, cutlass.Float32(res[self.red_n[ri].name]), self._neutral(self.red_n[ri].op)))
-                    r_row = m * cfg.tile_m + t_row
-                    for ri in cutlass.range_constexpr(len(self.red_n)):
-                        val = self._ewg_merge(racc, ri)
-                        if (lane == 0) & (r_row < M) & (n * cfg.tile_n < N):
-                            red_tensors[ri][r_row, n, l] = val
-            else:
-                for ch in cutlass.range(cfg.tile_n // (32 * pw)):
-                    for ri in cutlass.range_constexpr(len(self.red_m)):
-                        racc[ri] = cutlass.Float32(0.0)
-                    for t_row in cutlass.range(warp, cfg.tile_m, EPI_THREADS // 32):
-                        res, row, col, j = self._ewg_step(sStage, store_tensors, op_tensors, scalars, m, n, l,
-                                                          t_row, ch, lane, M, N, pw)
-                        if (row < M) & (col < N):
-                            self._ewg_store(store_tensors, res, row, col, j, l)
+                            self._ewg_fold(rrow, ri, cutlass.select_(
+                                inb, cutlass.Float32(res[self.red_n[ri].name]), self._neutral(self.red_n[ri].op)))
                         for ri in cutlass.range_constexpr(len(self.red_m)):
-                            racc[ri] = racc[ri] + cutlass.select_(row < M, cutlass.Float32(res[self.red_m[ri].name]),
-                                                                  cutlass.Float32(0.0))
-                    jc = (n * cfg.tile_n + (ch * 32 + lane) * pw) // pw
-                    if (jc < N // pw) & (m * cfg.tile_m < M):
-                        self._ewg_col_partials(red_tensors, racc, jc, m, l, warp)
+                            rcol[ri * ne + i] = rcol[ri * ne + i] + cutlass.select_(
+                                ok, cutlass.Float32(res[self.red_m[ri].name]), cutlass.Float32(0.0))
+                    if ok:
+                        self._ewg_store(outs, res_frags, row, col, j0, N, full, l)
+                    for ri in cutlass.range_constexpr(len(self.red_n)):
+                        val = self._ewg_merge(rrow, ri, lpr)
+                        if ((lane % lpr) == 0) & ok & (n * cfg.tile_n < N):
+                            red_tensors[ri][row, n, l] = val
+            if cutlass.const_expr(len(self.red_m) > 0):
+                self._ewg_col_partials(red_tensors, rcol, j0, ne, N // pw, m, l, warp, lpr, r_in)
             t += w["n_clusters"]
             if t < w["n_tiles"]:
                 cute.arch.barrier_arrive(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)
 
-    def _ewg_col_partials(self, red_tensors, racc, j, m, l, warp):
-        """Column j's per-column partials of this warp (slot m * warps_per_tile + warp), traced inline; the slots no
-        epilogue warp has (3 .. warps_per_tile - 1) get zeros, from every warp (the same value: no race)."""
-        base = m * self.cfg.warps_per_tile
-        for ri in range(len(self.red_m)):
-            t = red_tensors[len(self.red_n) + ri]
-            t[j, base + warp, l] = racc[ri]
-            for slot in range(EPI_THREADS // 32, self.cfg.warps_per_tile):
-                t[j, base + slot, l] = cutlass.Float32(0.0)
+    @cute.jit
+    def _ewg_prefetch(self, ops, pre, m, n, l, b, geo):
+        """Load the operands of the lane's rows of batch ``b`` of tile (m, n, l) into ``pre`` (rows and columns
+        clamped into the problem: the loads of padded rows or of a batch past the tile are never used)."""
+        M, N, pw, ne, rpw, r_in, c_loc = geo
+        col = n * self.cfg.tile_n + c_loc
+        for u in cutlass.range_constexpr(len(pre)):
+            t_row = cutlass.min(b + u * rpw + r_in, self.cfg.tile_m - 1)
+            rc = cutlass.min(m * self.cfg.tile_m + t_row, M - 1)
+            self._ewg_load(ops, pre[u], rc, col // pw, ne, N // pw, col + VEC <= N, l)
 
-    def _ewg_step(self, sStage, store_tensors, op_tensors, scalars, m, n, l, t_row, ch, lane, M, N, pw):
-        """One element (column pair) of the tile, traced inline: (its results, row, accumulator column, operand
-        column)."""
-        cfg = self.cfg
-        row = m * cfg.tile_m + t_row
-        c_loc = (ch * 32 + lane) * pw
-        col = n * cfg.tile_n + c_loc  # the accumulator column (of a pair: the even one)
-        j = col // pw  # the operands' column: the pair index in a pairs epilogue
-        acc = sStage[(t_row, c_loc % cfg.epi_n, c_loc // cfg.epi_n)].to(cutlass.Float32)
-        if self.pair_mode:
-            acc = (acc, sStage[(t_row, (c_loc + 1) % cfg.epi_n, (c_loc + 1) // cfg.epi_n)].to(cutlass.Float32))
-        res = self._ewg_element(acc, op_tensors, scalars, row, cutlass.min(row, M - 1), j,
-                                cutlass.min(j, N // pw - 1), l)  # clamped: padded rows / columns are never stored
-        return res, row, col, j
+    def _ewg_tile_aligned(self, i) -> bool:
+        """Whether operand i (a TileMN) is 16-byte aligned (the host's flag, in TileMN declaration order)."""
+        k = sum(1 for o in self.epi.operands[:i] if o.spec is TILE)
+        return bool(self.tile_aligned[k])
 
-    def _ewg_store(self, store_tensors, res, row, col, j, l):
-        """Store one element's (column pair's) outputs (traced inline, under the caller's bounds predicate)."""
-        if self.expand or self.pair_mode == "full":
-            # two values, at output columns 2 col, 2 col + 1 (1 -> 2) or col, col + 1 (2 -> 2)
-            c2 = 2 * col if self.expand else col
-            store_tensors[0][row, c2, l] = self.out_dtypes[0](res["out"])
-            store_tensors[0][row, c2 + 1, l] = self.out_dtypes[0](res[ODD_OUT])
-        else:  # one value per element (per pair: at column j of the half-width outputs)
-            for k, name in enumerate(self.store_names):
-                store_tensors[k][row, j, l] = self.out_dtypes[k](res[name])
+    @staticmethod
+    def _ewg_view(t, aligned):
+        """An (M, N, L) row-major tensor with its row and batch strides declared multiples of 16 bytes (so that a
+        lane's VEC columns are one aligned access); anything else as given."""
+        if not aligned or not isinstance(t.stride[1], int) or t.stride[1] != 1:
+            return t
+        d = 128 // t.element_type.width
+        s0, s2 = t.stride[0], t.stride[2]
+        s0 = s0 if isinstance(s0, int) else cute.assume(s0, divby=d)
+        s2 = s2 if isinstance(s2, int) else cute.assume(s2, divby=d)
+        return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=(s0, 1, s2)))
+
+    @staticmethod
+    def _vectorizable(t) -> bool:
+        return isinstance(t.stride[1], int) and t.stride[1] == 1
+
+    def _ewg_frags(self, ops, ne) -> dict:
+        """A row's operand registers: {operand index: fragment} (TileMN: ne values; VecM: one fp32)."""
+        out = {}
+        for i, o in enumerate(self.epi.operands):
+            if o.spec is TILE:
+                out[i] = cute.make_rmem_tensor((ne,), ops[i].element_type)
+            elif o.spec is VEC_M:
+                out[i] = cute.make_rmem_tensor((1,), cutlass.Float32)
+        return out
+
+    @cute.jit
+    def _ewg_load(self, ops, frags, rc, j0, ne, n_op, full, l):
+        """Load a lane's operand values of one row ``rc`` into ``frags``: TileMN one vector load when row-major
+        and the lane's columns are whole, else clamped element loads; VecM the row's value."""
+        for i, o in enumerate(self.epi.operands):
+            t = ops[i]
+            if cutlass.const_expr(o.spec is TILE):
+                f = frags[i]
+                if cutlass.const_expr(self._vectorizable(t) and ne * t.element_type.width % 32 == 0):
+                    if full:
+                        cute.autovec_copy(cute.zipped_divide(t[rc, None, l], (ne,))[None, j0 // ne], f)
+                    else:
+                        for e in cutlass.range_constexpr(ne):
+                            f[e] = t[rc, cutlass.min(j0 + e, n_op - 1), l]
+                else:
+                    for e in cutlass.range_constexpr(ne):
+                        f[e] = t[rc, cutlass.min(j0 + e, n_op - 1), l]
+            elif cutlass.const_expr(o.spec is VEC_M):
+                frags[i][0] = t[rc, l].to(cutlass.Float32)
+
+    def _ewg_element(self, acc, ops, loaded, e, scalars, row, col, cc) -> dict:
+        """The epilogue at a lane's evaluation ``e`` of a row (``acc``: fp32, a pair's two; ``col``: the operands'
+        column, ``cc`` it clamped), traced inline: its results by name (fp32). ``loaded``: the row's TileMN
+        fragments and VecM value (:meth:`_ewg_load`); VecN values are read here."""
+        vals = {}
+        for i, o in enumerate(self.epi.operands):
+            if o.spec is TILE:
+                vals[o.name] = loaded[i][e].to(cutlass.Float32)
+            elif o.spec is VEC_M:
+                vals[o.name] = loaded[i][0]
+            elif o.spec is VEC_N:
+                vals[o.name] = ops[i][cc].to(cutlass.Float32)
+            else:
+                vals[o.name] = scalars[o.name]
+        env = EpiEnv(row, col, {k: (lambda k=k: vals[k]) for k in vals})
+        return self.epi.visit(acc, env)
 
     def _ewg_fold(self, racc, ri, x) -> None:
         """Fold one value into reduction ri's accumulator (logsumexp: the online (max, sum) pair)."""
@@ -187,32 +298,60 @@ class EpilogueWarpgroup:
         else:
             racc[2 * ri] = self._combine(op, racc[2 * ri], x)
 
-    def _ewg_merge(self, racc, ri):
-        """Reduction ri over the warp's 32 lanes (the row's columns of this tile)."""
+    def _ewg_merge(self, racc, ri, lpr):
+        """Reduction ri over the ``lpr`` lanes of a row (consecutive lanes: xor offsets below lpr)."""
         op = self.red_n[ri].op
+        offs = tuple(o for o in (1, 2, 4, 8, 16) if o < lpr)
         if op == "logsumexp":
-            return lse.finish((racc[2 * ri], racc[2 * ri + 1]), offsets=(1, 2, 4, 8, 16))
+            return lse.finish((racc[2 * ri], racc[2 * ri + 1]), offsets=offs)
         val = racc[2 * ri]
-        for off in (1, 2, 4, 8, 16):
+        for off in offs:
             val = self._combine(op, val, cute.arch.shuffle_sync_bfly(val, offset=off))
         return val
+
+    def _ewg_pack(self, frags, res, i) -> None:
+        """Evaluation i's results into the row's output fragments (a 1 -> 2 or full-pairs output: two values)."""
+        if self.expand or self.pair_mode == "full":
+            frags[0][2 * i] = self.out_dtypes[0](res["out"])
+            frags[0][2 * i + 1] = self.out_dtypes[0](res[ODD_OUT])
+        else:
+            for k, name in enumerate(self.store_names):
+                frags[k][i] = self.out_dtypes[k](res[name])
+
+    @cute.jit
+    def _ewg_store(self, outs, frags, row, col, j0, N, full, l) -> None:
+        """Store a lane's outputs of one row (traced inline, under the row's bounds predicate): one vector store per
+        output when the lane's columns are whole, else element by element within N."""
+        for k in cutlass.range_constexpr(len(self.store_names)):
+            t, f = outs[k], frags[k]
+            w = cute.size(f)
+            c0 = 2 * col if self.expand else col if self.pair_mode == "full" else j0  # the output's first column
+            lim = 2 * N if self.expand else N if self.pair_mode == "full" else N // (2 if self.pair_mode else 1)
+            if full:
+                cute.autovec_copy(f, cute.zipped_divide(t[row, None, l], (w,))[None, c0 // w])
+            else:
+                for e in cutlass.range_constexpr(w):
+                    if c0 + e < lim:
+                        t[row, c0 + e, l] = f[e]
+
+    @cute.jit
+    def _ewg_col_partials(self, red_tensors, rcol, j0, ne, n_op, m, l, warp, lpr, r_in):
+        """Per-column partials of this warp: each lane's sums of its columns, merged over the warp's row groups
+        (xor offsets lpr, 2 lpr, ...), written by the first group at slot m * warps_per_tile + warp; the slots no
+        epilogue warp has (3 .. warps_per_tile - 1) get zeros, from every warp (the same value: no race)."""
+        base = m * self.cfg.warps_per_tile
+        offs = [o for o in (1, 2, 4, 8, 16) if o >= lpr]
+        for ri in cutlass.range_constexpr(len(self.red_m)):
+            t = red_tensors[len(self.red_n) + ri]
+            for e in cutlass.range_constexpr(ne):
+                v = rcol[ri * ne + e]
+                for off in cutlass.range_constexpr(len(offs)):
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=offs[off])
+                if (r_in == 0) & (j0 + e < n_op):
+                    t[j0 + e, base + warp, l] = v
+                    for slot in cutlass.range_constexpr(EPI_THREADS // 32, self.cfg.warps_per_tile):
+                        t[j0 + e, base + slot, l] = cutlass.Float32(0.0)
 
     def _read_scalars(self, op_tensors) -> dict:
         """The run-time Scalar operands, read once per kernel (the consumers' epilogue and the epilogue warps)."""
         return {o.name: SCALAR.read(op_tensors[i]) for i, o in enumerate(self.epi.operands) if o.spec is SCALAR}
-
-    def _ewg_element(self, acc, op_tensors, scalars, row, rc, col, cc, l) -> dict:
-        """The epilogue at one element or column pair (``acc``: fp32, a pair's two; ``col``: the operands' column,
-        ``cc`` it clamped), traced inline: its results by name (fp32)."""
-        vals = {}
-        for i, o in enumerate(self.epi.operands):
-            if o.spec is TILE:
-                vals[o.name] = op_tensors[i][rc, cc, l].to(cutlass.Float32)
-            elif o.spec is VEC_N:
-                vals[o.name] = op_tensors[i][cc].to(cutlass.Float32)
-            elif o.spec is VEC_M:
-                vals[o.name] = op_tensors[i][rc, l].to(cutlass.Float32)
-            else:
-                vals[o.name] = scalars[o.name]
-        env = EpiEnv(row, col, {k: (lambda k=k: vals[k]) for k in vals})
-        return self.epi.visit(acc, env)

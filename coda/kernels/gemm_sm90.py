@@ -667,9 +667,11 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
     def _combine(op, a, b):
         return a + b if op == "sum" else cute.arch.fmax(a, b, nan=True)
 
-    def _acc_map(self, tiled_mma, c_sub, n_v, n_epi):
-        """acc_of[e][v]: the accumulator register holding sub-tile e's register v. Matched through thread 0's static
-        coordinates (the accumulator and the sub-tile registers are the same values, reindexed)."""
+    def _acc_map(self, tiled_mma, c_sub, n_v, n_epi, epi_n=None):
+        """acc_of[e][v]: the accumulator register holding sub-tile e's register v (sub-tiles of ``epi_n`` columns,
+        default the config's). Matched through thread 0's static coordinates (the accumulator and the sub-tile
+        registers are the same values, reindexed)."""
+        epi_n = epi_n or self.cfg.epi_n
         c_acc = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
         where = {}
         for j in range(cute.size(c_acc)):
@@ -677,7 +679,7 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
             where[(int(r), int(c))] = j
         out = []
         for e in range(n_epi):
-            out.append([where[(c_sub[v][0], c_sub[v][1] + e * self.cfg.epi_n)] for v in range(n_v)])
+            out.append([where[(c_sub[v][0], c_sub[v][1] + e * epi_n)] for v in range(n_v)])
         return out
 
     @staticmethod
