@@ -51,14 +51,29 @@ def problems():
         ops = dict(p=p, m=torch.zeros_like(p), v=torch.zeros_like(p), **{n: h[i, :1] for i, n in enumerate(HYPER)})
         return dacc.t(), x.t(), ops, lambda: torch.mm(dacc.t(), x)
 
-    return {"fused_da": (fused_da, dacc_on_da((("out",), ("r",), False))),
+    from coda.dsl import ACC, ODD_OUT, DslEpilogue, operand_symbol
+    da = dacc_on_da((("out",), ("r",), False))
+    # diagnostics of the fused da's cost in the epilogue warps: its math without d_r's row partials, and the same
+    # traffic (two TileMN reads, a 1 -> 2 output) with one multiply per value
+    da_nored = DslEpilogue("da_nored", da.operands, da.exprs, {}, expand=True)
+    g, u = (operand_symbol(k) for k in ("_preact_even", "_preact_odd"))
+    da_simple = DslEpilogue("da_simple", da.operands, {"out": ACC * g, ODD_OUT: ACC * u}, {}, expand=True)
+    from coda.kernels.epilogue import IDENTITY
+    # the fused da's shape with parts of its traffic: the plain GEMM, a 1 -> 2 output of acc alone, the two TileMN
+    # reads alone (into a row sum)
+    dup = DslEpilogue("da_stores", (), {"out": ACC, ODD_OUT: 2 * ACC}, {}, expand=True)
+    loads = DslEpilogue("da_loads", da.operands, {}, {"s": ("n", "sum", ACC * g + u)})
+    return {"fused_da": (fused_da, da), "da_nored": (fused_da, da_nored), "da_simple": (fused_da, da_simple),
+            "da_plain": (fused_da, IDENTITY), "da_stores": (fused_da, dup), "da_loads": (fused_da, loads),
             "swiglu_fwd": (swiglu_fwd, with_preact(rms_swiglu)), "radial": (radial, rms_radial_residual),
             "adamw": (adamw_dw, adamw)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m coda.bench.epi_wg", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default="", help="comma-separated problem names")
+    ap.add_argument("--only", default="", help="comma-separated problem names (default: the step's four; also "
+                    "da_nored, da_simple, da_plain, da_stores, da_loads: the fused da without its row partials / with trivial "
+                    "math / the plain GEMM / its stores alone / its loads alone)")
     args = ap.parse_args(argv)
     import torch
     from triton.testing import do_bench
@@ -68,12 +83,13 @@ def main(argv=None) -> int:
 
     variants = {f"ewg {tn} c{cm}": GemmConfig(tile_n=tn, cluster_m=cm, epi_wg=True)
                 for tn in (256, 128) for cm in (1, 2)}
-    only = set(filter(None, args.only.split(",")))
+    only = set(filter(None, args.only.split(","))) or {"fused_da", "swiglu_fwd", "radial", "adamw"}
     print(f"{torch.cuda.get_device_name()}: ms (median), / cuBLAS plain GEMM; err vs the default config")
     for name, (make, epi) in problems().items():
-        if only and name not in only:
+        if name not in only:
             continue
         a, b, ops, cublas = make()
+        ops = {k: v for k, v in ops.items() if k in {o.name for o in epi.operands}}  # (the diagnostics use fewer)
         t_cublas = do_bench(cublas, warmup=25, rep=100)
         inplace = {k: v.clone() for k, v in ops.items() if k in getattr(epi, "inplace", ()) or k == "p"}
 

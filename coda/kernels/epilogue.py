@@ -259,10 +259,11 @@ def smem_plan(epi: Epilogue, cfg, out_bytes, tile_bytes, tile_aligned, in_bytes:
     they do not fit). A half-width output (``pair_mode == "half"``) takes half its element size per accumulator
     column (its sub-tile is tile_m x epi_n / 2)."""
     out_b = list(out_col_bytes(epi, out_bytes))
-    if cfg.epi_wg:  # the epilogue warps: only the staged accumulator tile (kernels/epilogue_wg.py)
-        from .epilogue_wg import staging_bytes
-        st = cfg.derive_stages([], extra_smem=staging_bytes(cfg), in_bytes=in_bytes, epi_stages=0)
-        return SmemPlan(tuple(out_b), (False,) * len(tuple(tile_bytes)), 2, staging_bytes(cfg), 0, st)
+    if cfg.epi_wg:  # the epilogue warps: the staged accumulator tile and the operands' ring (kernels/epilogue_wg.py)
+        from .epilogue_wg import ring_bytes, staging_bytes
+        extra = staging_bytes(cfg) + ring_bytes(epi, cfg, tuple(tile_bytes), tuple(tile_aligned), in_bytes)
+        st = cfg.derive_stages([], extra_smem=extra, in_bytes=in_bytes, epi_stages=0)
+        return SmemPlan(tuple(out_b), (False,) * len(tuple(tile_bytes)), 2, extra, 0, st)
     tile_bytes, tile_aligned = tuple(tile_bytes), tuple(tile_aligned)
     if len(tile_bytes) != len(tile_aligned):
         raise ValueError(f"smem_plan: {len(tile_bytes)} TileMN element sizes for {len(tile_aligned)} alignment flags")

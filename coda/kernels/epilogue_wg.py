@@ -23,27 +23,62 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
 from . import lse
 from .epilogue import ODD_OUT, EpiEnv
+from ..config import SMEM_CAPACITY
 from .operand_kinds import SCALAR, TILE, VEC_M, VEC_N
 
 BAR_FULL, BAR_EMPTY = 5, 6  # named barriers (1: the shared epilogue, 3-4: ping-pong ordering)
 EPI_THREADS = 96  # warps 1-3 of the producer warpgroup
 HANDOFF_THREADS = 2 * 128 + EPI_THREADS  # the two MMA warpgroups + the epilogue warps
 VEC = 8  # accumulator columns a lane takes of a row: one 16-byte read of the staged bf16 tile
-UNROLL = 4  # row steps whose loads are in flight together (fewer where a lane holds more: see ewg_plan)
+UNROLL = 4  # row steps a batch (fewer where a lane holds more: see ewg_unroll)
+RING_MAX = 8  # batches of operand loads in flight per lane (the cp.async ring, see ewg_run)
 
 
-def ewg_plan(epi) -> tuple:
-    """(row steps a batch, whether a batch's operands are loaded one batch ahead), within 168 registers a thread:
-    (4, yes) for at most one TileMN operand; (1, yes) for two or a 1 -> 2 output (the fused da spilled at 2);
-    (1, no) for three or more (the AdamW update spilled 112 bytes with the prefetch)."""
+def ewg_unroll(epi) -> int:
+    """Row steps a batch: 4 with at most one TileMN operand and one output per element; else 1 (the lane's loads in
+    flight then come from the ring's depth, ring_depth; 168 registers a thread spilled the AdamW update at 2)."""
     tiles = sum(1 for o in epi.operands if o.spec is TILE)
-    if tiles >= 3:
-        return 1, False
-    return (1, True) if tiles >= 2 or epi.expand else (UNROLL, True)
+    return 1 if tiles >= 2 or epi.expand else UNROLL
+
+
+def ring_ops(epi, tile_bytes, tile_aligned) -> dict:
+    """{operand index: bytes a lane copies per row} of the operands that reach the epilogue warps through the
+    cp.async ring: 16-byte aligned TileMN operands whose VEC (pairs: VEC / 2) columns are 4, 8 or 16 bytes, and
+    VecM operands (counted as float32; a 16-bit one is read directly, its slots unused). ``tile_bytes`` /
+    ``tile_aligned``: per TileMN operand in declaration order."""
+    out, k = {}, 0
+    ne = VEC // 2 if epi.pair_mode else VEC
+    for i, o in enumerate(epi.operands):
+        if o.spec is TILE:
+            if tile_aligned[k] and ne * tile_bytes[k] in (4, 8, 16):
+                out[i] = ne * tile_bytes[k]
+            k += 1
+        elif o.spec is VEC_M:
+            out[i] = 4
+    return out
+
+
+def ring_depth(epi, cfg, tile_bytes, tile_aligned, in_bytes: int = 2) -> int:
+    """Batches of operand loads in flight per lane (the ring's positions): as many as the shared memory holds beside
+    the staged tile and 3 pipeline stages, at most RING_MAX; 0 (direct loads) below 2 or without ring operands."""
+    lane = sum(ring_ops(epi, tile_bytes, tile_aligned).values()) * ewg_unroll(epi)
+    if not lane:
+        return 0
+    left = SMEM_CAPACITY - 2048 - staging_bytes(cfg) - 3 * cfg.ab_stage_bytes(in_bytes)
+    d = min(RING_MAX, left // (EPI_THREADS * lane))
+    return d if d >= 2 else 0
+
+
+def ring_bytes(epi, cfg, tile_bytes, tile_aligned, in_bytes: int = 2) -> int:
+    """Shared memory of the ring (each operand's slots 16-byte aligned)."""
+    d = ring_depth(epi, cfg, tile_bytes, tile_aligned, in_bytes)
+    per = ring_ops(epi, tile_bytes, tile_aligned).values()
+    return sum(-(-(b * EPI_THREADS * d * ewg_unroll(epi)) // 16) * 16 for b in per) if d else 0
 
 
 def check(epi) -> None:
@@ -103,13 +138,16 @@ class EpilogueWarpgroup:
         cute.arch.barrier_arrive(barrier_id=BAR_FULL, number_of_threads=HANDOFF_THREADS)
 
     @cute.jit
-    def ewg_run(self, e_tid, sStage, mD, store_tensors, op_tensors, red_tensors):
+    def ewg_run(self, e_tid, sStage, rings, mD, store_tensors, op_tensors, red_tensors):
         """The epilogue warps' loop over this CTA's tiles (the static schedule's order); ``e_tid`` in [0, 96).
         A lane takes VEC consecutive accumulator columns of a row (one 16-byte staged read; its TileMN operands and
         outputs as 16-byte accesses where aligned), ``lpr`` = tile_n / VEC lanes a row, 32 / lpr rows a warp at a
-        time; warp w takes row batches w, w + 3, ... of UNROLL such steps. Phases per batch: (1) every load of the
-        batch (staged values, TileMN operands, VecM), so that UNROLL x (1 + TileMN operands) 16-byte loads a lane
-        are in flight; (2) per row: evaluate, store, fold. Reductions: per-row (each lane folds its columns, the
+        time; warp w takes row batches w, w + 3, ... of ``unroll`` such steps (ewg_unroll).
+        Operand loads run ``depth`` batches ahead (``rings``, ring_depth): each batch the lane issues the cp.async
+        copies of its ring operands for the batch depth - 1 ahead (into the next tile's first batches before that
+        tile's FULL wait), commits them as one group and waits until the oldest group has landed; a lane reads
+        back only the bytes it copied itself (no barrier). Other operands (and a ragged edge's lanes) are read
+        directly. Then per row: evaluate, store, fold. Reductions: per-row (each lane folds its columns, the
         row's lanes merge by shuffles, its first lane writes the (row, N-tile) partial) or per-column sums (each
         lane sums its columns over its rows, the warp merges its row groups, the first group writes the (column,
         warp slot) partials; the slots of the warps the cooperative layout has and these do not get zeros)."""
@@ -123,7 +161,7 @@ class EpilogueWarpgroup:
         lpr = cfg.tile_n // VEC
         rpw = 32 // lpr
         nwarps = EPI_THREADS // 32
-        unroll, ahead = ewg_plan(self.epi)
+        unroll, depth = ewg_unroll(self.epi), self.ring_depth
         scalars = self._read_scalars(op_tensors)
         ops = [self._ewg_view(t, o.spec is TILE and self._ewg_tile_aligned(i)) for i, (t, o) in
                enumerate(zip(op_tensors, self.epi.operands))]
@@ -132,17 +170,24 @@ class EpilogueWarpgroup:
         r_in, c_loc = lane // lpr, (lane % lpr) * VEC
         rrow = cute.make_rmem_tensor((max(2 * len(self.red_n), 1),), cutlass.Float32)  # lse: m, s
         rcol = cute.make_rmem_tensor((max(ne * len(self.red_m), 1),), cutlass.Float32)
+        cur = [self._ewg_frags(ops, ne) for _ in range(unroll)]
+        geo = (M, N, pw, ne, rpw, r_in, c_loc, e_tid)
         w = self._work(mD)
         t = w["cluster"]
         b0, step = warp * rpw * unroll, nwarps * rpw * unroll
-        # the batch's TileMN / VecM operands: loaded one batch ahead (``pre``, into the next tile's first batch
-        # before its FULL wait), evaluated from ``cur``
-        cur = [self._ewg_frags(ops, ne) for _ in range(unroll)]
-        pre = [self._ewg_frags(ops, ne) for _ in range(unroll)] if ahead else cur
-        geo = (M, N, pw, ne, rpw, r_in, c_loc)
-        if t < w["n_tiles"] and cutlass.const_expr(ahead):
-            m, n, l = self._tile(w, t)
-            self._ewg_prefetch(ops, pre, m, n, l, b0, geo)
+        # the ring's issue cursor (tile pt, batch pb, position wpos), depth - 1 batches ahead of the evaluation
+        # (the cursor's tile coordinates are recomputed only when it moves to the next tile)
+        pt, pb, wpos, rpos = t, b0, depth - 1, 0
+        m2, n2, l2 = self._tile(w, cutlass.min(pt, w["n_tiles"] - 1))
+        for d in cutlass.range_constexpr(depth - 1):
+            if pt < w["n_tiles"]:
+                self._ewg_issue(ops, rings, m2, n2, l2, pb, d, geo)
+            cute.arch.cp_async_commit_group()
+            pb += step
+            if pb >= cfg.tile_m:
+                pb = b0
+                pt += w["n_clusters"]
+                m2, n2, l2 = self._tile(w, cutlass.min(pt, w["n_tiles"] - 1))
         cute.arch.barrier_arrive(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)  # the buffer is free
         while t < w["n_tiles"]:
             m, n, l = self._tile(w, t)
@@ -153,19 +198,23 @@ class EpilogueWarpgroup:
                 rcol[k] = cutlass.Float32(0.0)
             cute.arch.barrier(barrier_id=BAR_FULL, number_of_threads=HANDOFF_THREADS)
             for b in cutlass.range(b0, cfg.tile_m, step):
-                # phase 1: take the prefetched operands, prefetch the next batch's, read the staged values
-                if cutlass.const_expr(ahead):
-                    for u in cutlass.range_constexpr(unroll):
-                        for i in cutlass.range_constexpr(len(self.epi.operands)):
-                            if cutlass.const_expr(i in cur[u]):
-                                cur[u][i].store(pre[u][i].load())
-                    if b + step < cfg.tile_m:
-                        self._ewg_prefetch(ops, pre, m, n, l, b + step, geo)
-                    elif t + w["n_clusters"] < w["n_tiles"]:
-                        m2, n2, l2 = self._tile(w, t + w["n_clusters"])
-                        self._ewg_prefetch(ops, pre, m2, n2, l2, b0, geo)
-                else:
-                    self._ewg_prefetch(ops, cur, m, n, l, b, geo)
+                # phase 1: issue the ring's next batch, take this batch's operands, read the staged values
+                if cutlass.const_expr(depth > 0):
+                    if pt < w["n_tiles"]:
+                        self._ewg_issue(ops, rings, m2, n2, l2, pb, wpos, geo)
+                    cute.arch.cp_async_commit_group()
+                    pb += step
+                    if pb >= cfg.tile_m:
+                        pb = b0
+                        pt += w["n_clusters"]
+                        m2, n2, l2 = self._tile(w, cutlass.min(pt, w["n_tiles"] - 1))
+                    wpos = wpos + 1 if wpos + 1 < depth else 0
+                    cute.arch.cp_async_wait_group(depth - 1)
+                for u in cutlass.range_constexpr(unroll):
+                    rc = cutlass.min(m * cfg.tile_m + cutlass.min(b + u * rpw + r_in, cfg.tile_m - 1), M - 1)
+                    self._ewg_load(ops, rings, cur[u], rc, j0, full, l, rpos * unroll + u, geo)
+                if cutlass.const_expr(depth > 0):
+                    rpos = rpos + 1 if rpos + 1 < depth else 0
                 staged, tiles = [], cur
                 for u in cutlass.range_constexpr(unroll):
                     t_row = cutlass.min(b + u * rpw + r_in, cfg.tile_m - 1)
@@ -210,17 +259,8 @@ class EpilogueWarpgroup:
             t += w["n_clusters"]
             if t < w["n_tiles"]:
                 cute.arch.barrier_arrive(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)
-
-    @cute.jit
-    def _ewg_prefetch(self, ops, pre, m, n, l, b, geo):
-        """Load the operands of the lane's rows of batch ``b`` of tile (m, n, l) into ``pre`` (rows and columns
-        clamped into the problem: the loads of padded rows or of a batch past the tile are never used)."""
-        M, N, pw, ne, rpw, r_in, c_loc = geo
-        col = n * self.cfg.tile_n + c_loc
-        for u in cutlass.range_constexpr(len(pre)):
-            t_row = cutlass.min(b + u * rpw + r_in, self.cfg.tile_m - 1)
-            rc = cutlass.min(m * self.cfg.tile_m + t_row, M - 1)
-            self._ewg_load(ops, pre[u], rc, col // pw, ne, N // pw, col + VEC <= N, l)
+        if cutlass.const_expr(depth > 0):
+            cute.arch.cp_async_wait_group(0)  # the copies issued past the last tile (never read)
 
     def _ewg_tile_aligned(self, i) -> bool:
         """Whether operand i (a TileMN) is 16-byte aligned (the host's flag, in TileMN declaration order)."""
@@ -254,15 +294,55 @@ class EpilogueWarpgroup:
         return out
 
     @cute.jit
-    def _ewg_load(self, ops, frags, rc, j0, ne, n_op, full, l):
-        """Load a lane's operand values of one row ``rc`` into ``frags``: TileMN one vector load when row-major
-        and the lane's columns are whole, else clamped element loads; VecM the row's value."""
+    def _ewg_issue(self, ops, rings, m, n, l, b, pos, geo):
+        """Issue the cp.async copies of batch ``b`` of tile (m, n, l) into ring position ``pos``: per row step
+        and ring operand, the lane's VEC (pairs: VEC / 2) columns of a TileMN operand (lanes of a ragged edge skip
+        it: read directly) or its row's VecM value; rows clamped into the problem."""
+        M, N, pw, ne, rpw, r_in, c_loc, e_tid = geo
+        col = n * self.cfg.tile_n + c_loc
+        for u in cutlass.range_constexpr(ewg_unroll(self.epi)):
+            t_row = cutlass.min(b + u * rpw + r_in, self.cfg.tile_m - 1)
+            rc = cutlass.min(m * self.cfg.tile_m + t_row, M - 1)
+            slot = pos * ewg_unroll(self.epi) + u
+            for i, o in enumerate(self.epi.operands):
+                if cutlass.const_expr(i in rings):
+                    t = ops[i]
+                    bits = cute.size(rings[i], mode=[0]) * t.element_type.width
+                    atom = cute.make_copy_atom(  # 16 bytes: cp.async.cg (L2 only, the data is used once)
+                        cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL if bits == 128 else
+                                          cpasync.LoadCacheMode.ALWAYS), t.element_type, num_bits_per_copy=bits)
+                    if cutlass.const_expr(o.spec is TILE):
+                        if col + VEC <= N:
+                            cute.copy(atom, cute.zipped_divide(t[rc, None, l], (ne,))[None, (col // pw) // ne],
+                                      rings[i][None, e_tid, slot])
+                    else:
+                        cute.copy(atom, cute.zipped_divide(t[rc, None], (1,))[None, l], rings[i][None, e_tid, slot])
+
+    def _ewg_frags(self, ops, ne) -> dict:
+        """A row's operand registers: {operand index: fragment} (TileMN: ne values; VecM: one fp32)."""
+        out = {}
+        for i, o in enumerate(self.epi.operands):
+            if o.spec is TILE:
+                out[i] = cute.make_rmem_tensor((ne,), ops[i].element_type)
+            elif o.spec is VEC_M:
+                out[i] = cute.make_rmem_tensor((1,), cutlass.Float32)
+        return out
+
+    @cute.jit
+    def _ewg_load(self, ops, rings, frags, rc, j0, full, l, slot, geo):
+        """A lane's operand values of one row ``rc`` into ``frags``: a ring operand from its ring ``slot`` (a ragged
+        edge's TileMN lanes directly); others directly: TileMN one vector load when row-major and the lane's
+        columns are whole, else clamped element loads; VecM the row's value."""
+        M, N, pw, ne, rpw, r_in, c_loc, e_tid = geo
+        n_op = N // pw
         for i, o in enumerate(self.epi.operands):
             t = ops[i]
             if cutlass.const_expr(o.spec is TILE):
                 f = frags[i]
-                if cutlass.const_expr(self._vectorizable(t) and ne * t.element_type.width % 32 == 0):
-                    if full:
+                if full:
+                    if cutlass.const_expr(i in rings):
+                        cute.autovec_copy(rings[i][None, e_tid, slot], f)
+                    elif cutlass.const_expr(self._vectorizable(t) and ne * t.element_type.width % 32 == 0):
                         cute.autovec_copy(cute.zipped_divide(t[rc, None, l], (ne,))[None, j0 // ne], f)
                     else:
                         for e in cutlass.range_constexpr(ne):
@@ -271,7 +351,10 @@ class EpilogueWarpgroup:
                     for e in cutlass.range_constexpr(ne):
                         f[e] = t[rc, cutlass.min(j0 + e, n_op - 1), l]
             elif cutlass.const_expr(o.spec is VEC_M):
-                frags[i][0] = t[rc, l].to(cutlass.Float32)
+                if cutlass.const_expr(i in rings):
+                    frags[i][0] = rings[i][0, e_tid, slot]
+                else:
+                    frags[i][0] = t[rc, l].to(cutlass.Float32)
 
     def _ewg_element(self, acc, ops, loaded, e, scalars, row, col, cc) -> dict:
         """The epilogue at a lane's evaluation ``e`` of a row (``acc``: fp32, a pair's two; ``col``: the operands'

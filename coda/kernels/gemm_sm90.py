@@ -137,6 +137,9 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
         in_b = self.ab_dtype.width // 8
         tile_b = [op_tensors[i].element_type.width // 8 for i in self.tiles]
         plan = smem_plan(self.epi, cfg, [d.width // 8 for d in out_dtypes], tile_b, self.tile_aligned, in_b)
+        # epi_wg: the operands' cp.async ring (depth 0: none), per operand (chunk, lane, slot) buffers
+        self.ring_depth = epilogue_wg.ring_depth(self.epi, cfg, tile_b, self.tile_aligned, in_b) if self.ewg else 0
+        self.ring_ops = epilogue_wg.ring_ops(self.epi, tile_b, self.tile_aligned) if self.ring_depth else {}
         self.ring = plan.ring
         self.ld_bufs = self.ring * self.num_tiles_in_flight
         self.tma_tiles = [i for i, f in zip(self.tiles, plan.tma_flags) if f]
@@ -232,6 +235,16 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
         if cutlass.const_expr(self.ewg):
             sl = epilogue_wg.staging_layout(self.cfg)
             sStage = smem.allocate_tensor(cutlass.BFloat16, sl.outer, byte_alignment=1024, swizzle=sl.inner)
+        rings = {}  # epi_wg: {operand index: (chunk, lane, slot)} (epilogue_wg.ring_ops; 16-bit VecMs read directly)
+        for i, nbytes in self.ring_ops.items():
+            dt = op_tensors[i].element_type
+            if cutlass.const_expr(self._vectorizable(op_tensors[i]) if self.epi.operands[i].spec is TILE
+                                  else dt.width == 32):
+                slots = self.ring_depth * epilogue_wg.ewg_unroll(self.epi)
+                rings[i] = smem.allocate_tensor(dt, cute.make_layout(
+                    (nbytes * 8 // dt.width, epilogue_wg.EPI_THREADS, slots),
+                    stride=(1, nbytes * 8 // dt.width, nbytes * 8 // dt.width * epilogue_wg.EPI_THREADS)),
+                    byte_alignment=16)
         ld_mbar = None
         if cutlass.const_expr(len(self.tma_tiles) > 0):  # fenced and synced by pipeline_init_arrive / _wait below
             ld_mbar = smem.allocate_array(cutlass.Int64, self.ld_bufs, byte_alignment=8)
@@ -266,7 +279,7 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
             if cutlass.const_expr(not self.ewg):
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             elif warp_idx > 0:
-                self.ewg_run(tidx - 32, sStage, mD, store_tensors, op_tensors, red_tensors)
+                self.ewg_run(tidx - 32, sStage, rings, mD, store_tensors, op_tensors, red_tensors)
             if warp_idx == 0:
                 w = self._work(mD)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
