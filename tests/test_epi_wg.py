@@ -60,10 +60,7 @@ def test_compiles_for_sm90(tile_n):
                         (rotate, ("k", "k")), (fold_grads, ("mn", "mn"))):
         row = compile_variant(GemmConfig(tile_n=tile_n, epi_wg=True), epi, majors=majors,
                               count=("ld.shared.v4", "st.global.v4"))
-        if epi is adamw and tile_n == 128:  # 168 registers a thread: 44 bytes spill here (none at 128 x 256)
-            assert row["wgmma"] and row["spill_bytes"] <= 64, row
-        else:
-            assert row["ok"], row
+        assert row["ok"], row
         assert row["count"]["ld.shared.v4"] > 0, row  # the staged tile read 16 bytes a lane
         if epi is not ce_forward:  # (the CE forward stores nothing but its row partials)
             assert row["count"]["st.global.v4"] > 0, row

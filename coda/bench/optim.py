@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     bf = dict(device="cuda", dtype=torch.bfloat16)
     h = torch.tensor([0.9, 0.1, 0.95, 0.05, 1.2, 1e-8, 1e-4, 1.0], device="cuda").unsqueeze(1).repeat(1, 4)
     hyper = {n: h[i, :1] for i, n in enumerate(HYPER)}
-    cfgs = {"heuristic": None, "coda.optim": update_config(), **{c: parse(c) for c in args.configs}}
+    extra_cfgs = {c: parse(c) for c in args.configs}
     print(f"{torch.cuda.get_device_name()}, T = {T} tokens; ms (median)")
     total = {"replaced": 0.0, "best": 0.0}
     for name, (N, K, kind) in SHAPES[args.model].items():
@@ -73,7 +73,8 @@ def main(argv=None) -> int:
                 return coda.gemm(dy.t(), x.t(), epilogue=epi, out=p, config=cfg, **extra, **ops)
         # a K = 0 update pass over this weight's stored gradient under coda.optim's config and each --pass-configs
         passes = []
-        for label, cfg in {"coda.optim": update_config(), **{c: parse(c) for c in args.pass_configs}}.items():
+        for label, cfg in {"coda.optim": update_config(k_zero=True),
+                           **{c: parse(c) for c in args.pass_configs}}.items():
             try:
                 t = ms(lambda: epilogue_pass(coda.gemm, g, N, K, epilogue=adamw_scaled, out=p, t=g, s=s, config=cfg,
                                              **ops))
@@ -86,6 +87,9 @@ def main(argv=None) -> int:
         replaced = t_plain + t_torch
         row = []
         best = None
+        # coda.optim's config (the dW GEMMs: epilogue warps), the K = 0 pass's 128 x 128 one, the heuristic's
+        cfgs = {"heuristic": None, "coda.optim": update_config(kind == "scaled", (N, K)),
+                "128x128": update_config(k_zero=True), "epi_wg": update_config(False, (1, 1)), **extra_cfgs}
         for label, cfg in cfgs.items():
             try:
                 fused(cfg)

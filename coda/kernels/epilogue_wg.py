@@ -34,6 +34,7 @@ from .operand_kinds import SCALAR, TILE, VEC_M, VEC_N
 BAR_FULL, BAR_EMPTY = 5, 6  # named barriers (1: the shared epilogue, 3-4: ping-pong ordering)
 EPI_THREADS = 96  # warps 1-3 of the producer warpgroup
 HANDOFF_THREADS = 2 * 128 + EPI_THREADS  # the two MMA warpgroups + the epilogue warps
+MMA_REGS, EWG_REGS = 160, 184  # registers a thread (setmaxnreg): MMA warpgroups, the producer / epilogue warpgroup
 VEC = 8  # accumulator columns a lane takes of a row: one 16-byte read of the staged bf16 tile
 UNROLL = 4  # row steps a batch (fewer where a lane holds more: see ewg_unroll)
 RING_MAX = 8  # batches of operand loads in flight per lane (the cp.async ring, see ewg_run)

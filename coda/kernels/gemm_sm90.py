@@ -275,11 +275,13 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
         pipeline_init_wait(cluster_shape_mn=(cfg.cluster_m, cfg.cluster_n))
 
         if wg_idx == 0:
-            # ---- phase 2: producer (epi_wg: warps 1-3 run the epilogue, registers as launched; epilogue_wg.py)
+            # ---- phase 2: producer (epi_wg: warps 1-3 run the epilogue, EWG_REGS registers; epilogue_wg.py)
             if cutlass.const_expr(not self.ewg):
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            elif warp_idx > 0:
-                self.ewg_run(tidx - 32, sStage, rings, mD, store_tensors, op_tensors, red_tensors)
+            else:
+                cute.arch.setmaxregister_increase(epilogue_wg.EWG_REGS)
+                if warp_idx > 0:
+                    self.ewg_run(tidx - 32, sStage, rings, mD, store_tensors, op_tensors, red_tensors)
             if warp_idx == 0:
                 w = self._work(mD)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
@@ -311,6 +313,7 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
                         ring_state.advance()
                     schedule.finish(sched[3])
         elif cutlass.const_expr(self.ewg):  # ---- phase 3a only: the MMA warpgroups hand each tile over
+            cute.arch.setmaxregister_decrease(epilogue_wg.MMA_REGS)
             self.consumer(tidx, wg_idx - 1, mainloop, sched, k_tiles, sA, sB, sOuts, sOps, tiled_mma, mD,
                           store_atoms, store_tensors, op_tensors, red_tensors, tile_ld, sStage)
         else:
