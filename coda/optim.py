@@ -11,8 +11,7 @@ update in the K = 0 pass that scales dW by the upstream gradient. Parameters who
 What it buys, measured on the H100 (``python -m coda.bench.optim``, llama-1b shapes, T = 8192 tokens): memory -- no
 gradient is allocated for those weights (2 bytes a parameter; for llama-1b 2.5 GB, though its step's peak is in the
 activations) -- and time where the update hides under the dW GEMM's mainloop (:func:`update_config`: the epilogue
-warps; gate/up dW + update 0.887 ms vs dW 0.706 + torch's step 0.276, session 23); elsewhere about the GEMM plus
-torch's step (128 x 128 tiles: down 0.505 vs 0.360 + 0.112).
+warps; gate/up dW + update 0.887 ms vs dW 0.706 + torch's step 0.276, session 23).
 
 When it applies: in eager mode (a compiled graph is functional: there the ops return gradients and ``step()``
 updates the weights), for weights of ``coda.ops`` / ``coda.nn`` / ``coda.fuse`` ops whose dW runs on CODA's kernel
@@ -79,17 +78,17 @@ def in_backward_operands(weight: torch.Tensor) -> Optional[dict]:
 # (three TileMN operands: 128 x 128 tiles keep TMA buffers for all three and 4 stages; the heuristic's 128 x 256 loads
 # one of them element by element: gate/up 1.34 ms vs 1.02) and the LM head's K = 0 pass (1.47 ms vs the K = 0
 # heuristic's 3.76)
-def update_config(k_zero: bool = False, shape=None):
-    """The config of an in-backward update's GEMM: 128 x 128 tiles, every warp on the epilogue -- or, for a dW GEMM
-    whose weight (``shape``, rows x columns) has at least as many rows as columns, 128 x 256 tiles whose epilogue
-    runs in the epilogue warps (``epi_wg``, hidden under the next tile's mainloop). Measured on the H100
-    (``python -m coda.bench.optim``, T = 8192, session 23): gate/up 16384 x 2048 0.887 ms vs 0.995 (dW alone 0.706 +
-    torch's step 0.276); down 2048 x 8192 0.901 vs 0.505 (not understood yet: the epilogue warps' time per tile
-    there is several times the gate/up one's). A K = 0 pass (``k_zero``: nothing to hide under) takes 128 x 128."""
+def update_config(k_zero: bool = False):
+    """The config of an in-backward update's dW GEMM: 128 x 256 tiles whose epilogue runs in the epilogue warps
+    (``epi_wg``, hidden under the next tile's mainloop); of a K = 0 pass (``k_zero``: nothing to hide under): 128 x
+    128 tiles, every warp on the epilogue. Measured on the H100 (session 23; ms): gate/up 16384 x 2048 (with dgamma)
+    0.887 vs 0.995 at 128 x 128 (``python -m coda.bench.optim``; dW alone 0.706 + torch's step 0.276); the down
+    projection's 2048 x 8192 0.433 vs 0.600 heuristic, cuBLAS dW 0.387 (``python -m coda.bench.epi_wg --only
+    adamw_wide``)."""
     from coda.config import GemmConfig
-    if not k_zero and shape is not None and shape[0] >= shape[1]:
-        return GemmConfig(tile_m=128, tile_n=256, cluster_m=2, epi_wg=True)
-    return GemmConfig(tile_m=128, tile_n=128, cluster_m=2, sched="dynamic", epi_n=32)
+    if k_zero:
+        return GemmConfig(tile_m=128, tile_n=128, cluster_m=2, sched="dynamic", epi_n=32)
+    return GemmConfig(tile_m=128, tile_n=256, cluster_m=2, epi_wg=True)
 
 
 class AdamW(torch.optim.AdamW):

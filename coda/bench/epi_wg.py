@@ -44,10 +44,10 @@ def problems():
                    dres=torch.randn(T, H, **bf))
         return dacc, w.t(), ops, lambda: torch.mm(dacc, w)
 
-    def adamw_dw():
-        dacc, x = torch.randn(T, 2 * I, **bf), torch.randn(T, H, **bf)
+    def adamw_dw(rows=2 * I, cols=H):
+        dacc, x = torch.randn(T, rows, **bf), torch.randn(T, cols, **bf)
         h = torch.tensor([0.9, 0.1, 0.95, 0.05, 1.2, 1e-8, 1e-4, 1.0], device="cuda").unsqueeze(1).repeat(1, 4)
-        p = torch.randn(2 * I, H, **bf)
+        p = torch.randn(rows, cols, **bf)
         ops = dict(p=p, m=torch.zeros_like(p), v=torch.zeros_like(p), **{n: h[i, :1] for i, n in enumerate(HYPER)})
         return dacc.t(), x.t(), ops, lambda: torch.mm(dacc.t(), x)
 
@@ -66,14 +66,16 @@ def problems():
     return {"fused_da": (fused_da, da), "da_nored": (fused_da, da_nored), "da_simple": (fused_da, da_simple),
             "da_plain": (fused_da, IDENTITY), "da_stores": (fused_da, dup), "da_loads": (fused_da, loads),
             "swiglu_fwd": (swiglu_fwd, with_preact(rms_swiglu)), "radial": (radial, rms_radial_residual),
-            "adamw": (adamw_dw, adamw)}
+            "adamw": (adamw_dw, adamw), "adamw_wide": (lambda: adamw_dw(H, I), adamw)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m coda.bench.epi_wg", description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="", help="comma-separated problem names (default: the step's four; also "
-                    "da_nored, da_simple, da_plain, da_stores, da_loads: the fused da without its row partials / with trivial "
+                    "adamw_wide (the down projection's update), da_nored, da_simple, da_plain, da_stores, da_loads: the fused da without its row partials / with trivial "
                     "math / the plain GEMM / its stores alone / its loads alone)")
+    ap.add_argument("--variants", default="", help="more epi_wg configs: ';'-separated GemmConfig fields, e.g. "
+                    "'raster=n;cluster_m=1,swizzle=1'")
     args = ap.parse_args(argv)
     import torch
     from triton.testing import do_bench
@@ -83,6 +85,9 @@ def main(argv=None) -> int:
 
     variants = {f"ewg {tn} c{cm}": GemmConfig(tile_n=tn, cluster_m=cm, epi_wg=True)
                 for tn in (256, 128) for cm in (1, 2)}
+    for spec in filter(None, args.variants.split(";")):  # e.g. "raster=n,swizzle=1"
+        kw = {k: (v if k == "raster" else int(v)) for k, v in (f.split("=") for f in spec.split(","))}
+        variants[f"ewg {spec}"] = GemmConfig(epi_wg=True, **kw)
     only = set(filter(None, args.only.split(","))) or {"fused_da", "swiglu_fwd", "radial", "adamw"}
     print(f"{torch.cuda.get_device_name()}: ms (median), / cuBLAS plain GEMM; err vs the default config")
     for name, (make, epi) in problems().items():

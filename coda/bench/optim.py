@@ -88,8 +88,8 @@ def main(argv=None) -> int:
         row = []
         best = None
         # coda.optim's config (the dW GEMMs: epilogue warps), the K = 0 pass's 128 x 128 one, the heuristic's
-        cfgs = {"heuristic": None, "coda.optim": update_config(kind == "scaled", (N, K)),
-                "128x128": update_config(k_zero=True), "epi_wg": update_config(False, (1, 1)), **extra_cfgs}
+        cfgs = {"heuristic": None, "coda.optim": update_config(kind == "scaled"),
+                "128x128": update_config(k_zero=True), **extra_cfgs}
         for label, cfg in cfgs.items():
             try:
                 fused(cfg)
