@@ -65,13 +65,13 @@ def main(argv=None) -> int:
                              check=True, capture_output=True, text=True).stdout
     if os.environ.get("NCU_SOURCE_CSV"):  # keep the raw page
         open(os.environ["NCU_SOURCE_CSV"], "w").write(out)
-    rows = list(csv.DictReader(io.StringIO(out[out.index('"'):])))
+    text = out[out.index('"Address"'):]  # (past the "Kernel Name" line)
+    rows = list(csv.DictReader(io.StringIO(text)))
     if not rows:
         print("no source rows")
         return 1
-    print("columns: " + "; ".join(rows[0])[:1500])
     samp = next(k for k in rows[0] if k.startswith("Warp Stall Sampling (All"))
-    reasons = [k for k in rows[0] if k.startswith("stall_") or (k.endswith("Stall") and "Sampling" not in k)]
+    reasons = [k for k in rows[0] if k and k.startswith("stall_") and "Not Issued" not in k]
 
     def num(x):
         try:

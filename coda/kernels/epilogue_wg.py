@@ -44,7 +44,7 @@ def ewg_unroll(epi) -> int:
     """Row steps a batch: 4 with at most one TileMN operand and one output per element; else 1 (the lane's loads in
     flight then come from the ring's depth, ring_depth; 168 registers a thread spilled the AdamW update at 2)."""
     tiles = sum(1 for o in epi.operands if o.spec is TILE)
-    return 1 if tiles >= 2 or epi.expand else UNROLL
+    return 1 if tiles >= 3 else 2 if tiles >= 2 or epi.expand else UNROLL
 
 
 def ring_ops(epi, tile_bytes, tile_aligned) -> dict:
