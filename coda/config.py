@@ -42,8 +42,8 @@ class GemmConfig:
     epi_n: int = 32
     sched: str = "static"
     # epilogue warps (3 of the producer warpgroup) run the epilogue on the accumulator the two MMA warpgroups stage
-    # in shared memory, rounded to bf16, while they start the next tile (kernels/epilogue_wg.py; a prototype);
-    # cooperative 128-row tiles, static schedule, elementwise epilogues with bf16 / fp16 outputs
+    # in shared memory, rounded to bf16, while they start the next tile (kernels/epilogue_wg.py; coda.optim's dW
+    # GEMMs); cooperative 128-row tiles, static schedule, bf16 / fp16 outputs
     epi_wg: bool = False
 
     # -- derived ---------------------------------------------------------------------------------------------------

@@ -1,22 +1,27 @@
 """The epilogue warps (``GemmConfig(epi_wg=True)``): the epilogue runs in warps 1-3 of the producer warpgroup (idle
 otherwise: one warp issues the TMA loads) while the two MMA warpgroups start the next tile, so that the epilogue's
-memory traffic hides under the mainloop (issue 29; measurements and budgets in docs/NOTES.md, session 22).
-PROTOTYPE: compiled for sm_90a on the CPU, not yet run on a GPU. (A fourth warpgroup would make a 512-thread kernel,
-which ptxas compiles under 128 registers a thread: too few for a 64 x 256 accumulator.)
+work hides under the mainloop (issue 29; measurements in docs/NOTES.md, sessions 22-23). Used by ``coda.optim``'s
+dW GEMMs (the AdamW update: 1.01-1.07x cuBLAS's plain dW on the H100); an epilogue whose math per element is heavy
+(the fused SwiGLU backward, ~42 instructions and two MUFU an element) is latency-bound in three warps and slower
+than the default path. (A fourth warpgroup would make a 512-thread kernel, which ptxas compiles under 128
+registers a thread: too few for a 64 x 256 accumulator.)
 
 Hand-off (per tile; named barriers of the two MMA warpgroups and the 3 epilogue warps, 352 threads):
   MMA warpgroups: wait EMPTY (the epilogue warps have read the previous tile), convert the fp32 accumulator to bf16
-    and stmatrix it into the staging buffer -- tile_n / epi_n sub-tile buffers in the epilogue's swizzled sub-tile
-    layout, 64 KB for 128 x 256 -- arrive FULL, then the next tile's mainloop.
+    and stmatrix it into the staging buffer -- 64-column swizzled sub-tiles, 64 KB for 128 x 256 -- arrive FULL,
+    then the next tile's mainloop.
   Epilogue warps: arrive EMPTY once; per tile wait FULL, run the epilogue, arrive EMPTY unless it was the last.
-The epilogue warps work in a SIMT layout: warp w takes rows w, w + 3, ... of the 128-row tile, its 32 lanes 32
-consecutive columns of a row at a time; each thread reads its staged value, loads its operands straight from global
-memory (TileMN: one element, the warp's 64 contiguous bytes; VecN: its column's; VecM: the row's; Scalars once),
-evaluates the epilogue and stores its outputs into global memory (again 64 contiguous bytes a warp), predicated on
-the problem's bounds. Nothing else of the epilogue lives in shared memory, so the pipeline
-keeps 3 stages (3 x 48 KB + 64 KB). Supported: elementwise, column-pair (a lane takes a pair) and 1 -> 2 epilogues,
-extra outputs, per-row reductions (lanes fold, the warp merges) or per-column sums (each lane over its warp's rows);
-not both kinds in one epilogue.
+Registers (setmaxnreg): MMA warpgroups MMA_REGS, the producer warpgroup EWG_REGS.
+
+The epilogue warps work in a SIMT layout (``ewg_run``): a lane takes VEC = 8 consecutive accumulator columns of a
+row (one 16-byte staged read: a warp's reads of a row are whole bank sweeps), tile_n / 8 lanes a row, row batches
+of ``ewg_unroll`` steps. TileMN (16-byte chunks) and float32 VecM operands reach each lane through its own slots of
+a shared-memory ring filled by cp.async ``ring_depth`` batches ahead (across tile boundaries, before the next tile's
+FULL wait); other operands and a ragged edge's lanes are read directly. Outputs go to global memory as 16-byte
+stores, predicated on the problem's bounds. Shared memory: 3 pipeline stages + the staged tile + the ring.
+Supported: elementwise, column-pair and 1 -> 2 epilogues, extra and in-place outputs, per-row reductions (lanes
+fold, the row's lanes merge) or per-column sums (each lane over its rows, the warp merges); not both kinds in one
+epilogue.
 """
 from __future__ import annotations
 
