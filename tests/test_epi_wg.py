@@ -74,3 +74,17 @@ def test_bench_problems_are_ones_the_epilogue_warps_take():
     assert {"fused_da", "swiglu_fwd", "radial", "adamw", "da_simple", "da_loads"} <= set(probs)
     for _, epi in probs.values():
         epilogue_wg.check(epi)
+
+
+def test_ncu_source_summary():
+    """coda.bench.ncu_source's reading of Nsight Compute's source page: instructions by stall samples, reasons."""
+    from coda.bench.ncu_source import summarize
+    head = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_barrier",'
+            '"stall_long_sb","stall_barrier (Not Issued)"')
+    out = ('"Kernel Name","k",\n' + head + '\n"0x1","  BAR.SYNC 5","30","10","30","0","30"\n'
+           '"0x2","  FADD R1, R2, R3","10","2,048","0","8","0"\n')
+    lines = summarize(out, top=2)
+    assert lines[0] == "40 stall samples over 2 instructions"
+    assert "75.0%" in lines[1] and "BAR.SYNC 5" in lines[1] and "barrier 100%" in lines[1]
+    assert "2048" in lines[2] and "long_sb 80%" in lines[2]
+    assert lines[3] == "per reason: barrier 75.0%, long_sb 20.0%"

@@ -65,12 +65,19 @@ def main(argv=None) -> int:
                              check=True, capture_output=True, text=True).stdout
     if os.environ.get("NCU_SOURCE_CSV"):  # keep the raw page
         open(os.environ["NCU_SOURCE_CSV"], "w").write(out)
+    print(f"{args.problem} [{_config(args.config).name}]")
+    print("\n".join(summarize(out, args.top)))
+    return 0
+
+
+def summarize(out: str, top: int = 25) -> list:
+    """Lines of the report from ncu's source page CSV (``--page source --csv --print-source sass``): the ``top``
+    instructions by warp-stall samples (share, executions, SASS, top two reasons), then the share per reason."""
     text = out[out.index('"Address"'):]  # (past the "Kernel Name" line)
     rows = list(csv.DictReader(io.StringIO(text)))
     if not rows:
-        print("no source rows")
-        return 1
-    samp = next(k for k in rows[0] if k.startswith("Warp Stall Sampling (All"))
+        return ["no source rows"]
+    samp = next(k for k in rows[0] if k and k.startswith("Warp Stall Sampling (All"))
     reasons = [k for k in rows[0] if k and k.startswith("stall_") and "Not Issued" not in k]
 
     def num(x):
@@ -79,15 +86,15 @@ def main(argv=None) -> int:
         except ValueError:
             return 0.0
     total = sum(num(r[samp]) for r in rows) or 1.0
-    print(f"{args.problem} [{_config(args.config).name}]: {int(total)} stall samples over {len(rows)} instructions")
-    for r in sorted(rows, key=lambda r: -num(r[samp]))[:args.top]:
-        top = sorted(((num(r[k]), k) for k in reasons), reverse=True)[:3]
-        why = ", ".join(f"{k} {v / max(num(r[samp]), 1):.0%}" for v, k in top if v)
-        print(f"{num(r[samp]) / total:6.1%}  {r.get('Address', '')}  {r.get('Source', '')[:60]:60s}  {why}")
-    sums = sorted(((sum(num(r[k]) for r in rows), k) for k in reasons), reverse=True)[:12]
-    print("per reason: " + ", ".join(f"{k} {v / total:.1%}" for v, k in sums if v))
-    return 0
-
+    lines = [f"{int(total)} stall samples over {len(rows)} instructions"]
+    for r in sorted(rows, key=lambda r: -num(r[samp]))[:top]:
+        best = sorted(((num(r[k]), k) for k in reasons), reverse=True)[:2]
+        why = ", ".join(f"{k[6:]} {v / max(num(r[samp]), 1):.0%}" for v, k in best if v)
+        lines.append(f"{num(r[samp]) / total:6.1%} {num(r.get('Instructions Executed', 0)):10.0f}  "
+                     f"{r.get('Source', '').strip()[:60]:60s}  {why}")
+    sums = sorted(((sum(num(r[k]) for r in rows), k) for k in reasons), reverse=True)[:10]
+    lines.append("per reason: " + ", ".join(f"{k[6:]} {v / total:.1%}" for v, k in sums if v))
+    return lines
 
 if __name__ == "__main__":
     sys.exit(main())
