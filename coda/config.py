@@ -144,6 +144,13 @@ class GemmConfig:
         return 4 if self.fit_stages(out_bytes, extra_smem, in_bytes, epi_stages=4) == base else 2
 
 
+def epi_wg_config() -> GemmConfig:
+    """128 x 256 cooperative tiles, cluster 2 x 1, static schedule, the epilogue in the epilogue warps
+    (``epi_wg``): the library's config for a GEMM whose epilogue streams M x N operands under a long mainloop (an
+    update or an accumulation in place: ``coda.optim``'s dW GEMMs, the cross entropy's dW accumulation)."""
+    return GemmConfig(tile_m=128, tile_n=256, cluster_m=2, epi_wg=True)
+
+
 def all_configs() -> Iterator[GemmConfig]:
     """Every tile/schedule/cluster variant CODA builds (`python -m coda.check` compiles each)."""
     tiles = {False: [(128, 128), (128, 256), (256, 128)], True: [(128, 128), (64, 256), (64, 128)]}

@@ -85,10 +85,10 @@ def update_config(k_zero: bool = False):
     0.887 vs 0.995 at 128 x 128 (``python -m coda.bench.optim``; dW alone 0.706 + torch's step 0.276); the down
     projection's 2048 x 8192 0.433 vs 0.600 heuristic, cuBLAS dW 0.387 (``python -m coda.bench.epi_wg --only
     adamw_wide``)."""
-    from coda.config import GemmConfig
+    from coda.config import GemmConfig, epi_wg_config
     if k_zero:
         return GemmConfig(tile_m=128, tile_n=128, cluster_m=2, sched="dynamic", epi_n=32)
-    return GemmConfig(tile_m=128, tile_n=256, cluster_m=2, epi_wg=True)
+    return epi_wg_config()
 
 
 class AdamW(torch.optim.AdamW):
