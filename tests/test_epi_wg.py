@@ -88,3 +88,35 @@ def test_ncu_source_summary():
     assert "75.0%" in lines[1] and "BAR.SYNC 5" in lines[1] and "barrier 100%" in lines[1]
     assert "2048" in lines[2] and "long_sb 80%" in lines[2]
     assert lines[3] == "per reason: barrier 75.0%, long_sb 20.0%"
+
+
+def test_ring_plan():
+    """Which operands reach the epilogue warps through the cp.async ring, and how deep it is."""
+    from coda.kernels.epilogue_wg import RING_MAX, ring_bytes, ring_depth, ring_ops
+
+    @coda.epilogue
+    def two(acc, h: coda.TileMN, r: coda.VecM, g: coda.VecN, s: coda.Scalar):
+        return acc * g * s + h * r
+
+    @coda.epilogue
+    def paired(acc, h: coda.TileMN):
+        e, o = coda.pairs(acc)
+        return e * o + h
+    cfg, narrow = GemmConfig(epi_wg=True), GemmConfig(tile_n=128, epi_wg=True)
+    assert ring_ops(two, [2], [True]) == {0: 16, 1: 4}  # VecN / Scalar are read directly
+    assert ring_ops(two, [2], [False]) == {1: 4}  # an unaligned TileMN is read directly
+    assert ring_ops(two, [4], [True]) == {1: 4}  # 8 fp32 columns are 32 bytes: more than one cp.async
+    assert ring_ops(paired, [2], [True]) == {0: 8}  # a pair's operand: 4 values a lane
+    assert ring_depth(IDENTITY, cfg, [], []) == 0 and ring_bytes(IDENTITY, cfg, [], []) == 0
+    # 128 x 256: 3 stages of 48 KB + 64 KB staged leave ~17 KB; 20 bytes x 4 row steps x 96 lanes a batch
+    assert ring_depth(two, cfg, [2], [True]) == 2
+    assert ring_depth(two, narrow, [2], [True]) == RING_MAX  # 128 x 128: room for the deepest ring
+    plan = smem_plan(two, narrow, [2], [2], [True])
+    assert plan.stages >= 3 and plan.extra_smem == 128 * 128 * 2 + ring_bytes(two, narrow, [2], [True])
+
+
+def test_epi_wg_config_is_the_optimizers():
+    from coda.config import epi_wg_config
+    from coda.optim import update_config
+    assert epi_wg_config() == update_config() and epi_wg_config().epi_wg and not epi_wg_config().problems()
+    assert not update_config(k_zero=True).epi_wg
