@@ -147,7 +147,7 @@ class GemmConfig:
 def epi_wg_config() -> GemmConfig:
     """128 x 256 cooperative tiles, cluster 2 x 1, static schedule, the epilogue in the epilogue warps
     (``epi_wg``): the library's config for a GEMM whose epilogue streams M x N operands under a long mainloop (an
-    update or an accumulation in place: ``coda.optim``'s dW GEMMs, the cross entropy's dW accumulation)."""
+    update in place: ``coda.optim``'s dW GEMMs)."""
     return GemmConfig(tile_m=128, tile_n=256, cluster_m=2, epi_wg=True)
 
 

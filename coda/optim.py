@@ -74,10 +74,8 @@ def in_backward_operands(weight: torch.Tensor) -> Optional[dict]:
     return opt._in_backward(p, group)
 
 
-# the configs of the update's launches (coda.bench.optim, H100, llama-1b shapes): a dW GEMM with the AdamW epilogue
-# (three TileMN operands: 128 x 128 tiles keep TMA buffers for all three and 4 stages; the heuristic's 128 x 256 loads
-# one of them element by element: gate/up 1.34 ms vs 1.02) and the LM head's K = 0 pass (1.47 ms vs the K = 0
-# heuristic's 3.76)
+# the configs of the update's launches (coda.bench.optim, H100, llama-1b shapes): the dW GEMMs with the AdamW epilogue
+# in the epilogue warps (below), the LM head's K = 0 pass at 128 x 128 (1.47 ms vs the K = 0 heuristic's 3.76)
 def update_config(k_zero: bool = False):
     """The config of an in-backward update's dW GEMM: 128 x 256 tiles whose epilogue runs in the epilogue warps
     (``epi_wg``, hidden under the next tile's mainloop); of a K = 0 pass (``k_zero``: nothing to hide under): 128 x

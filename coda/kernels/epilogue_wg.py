@@ -221,7 +221,7 @@ class EpilogueWarpgroup:
                     self._ewg_load(ops, rings, cur[u], rc, j0, full, l, rpos * unroll + u, geo)
                 if cutlass.const_expr(depth > 0):
                     rpos = rpos + 1 if rpos + 1 < depth else 0
-                staged, tiles = [], cur
+                staged = []
                 for u in cutlass.range_constexpr(unroll):
                     t_row = cutlass.min(b + u * rpw + r_in, cfg.tile_m - 1)
                     f = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
@@ -233,7 +233,6 @@ class EpilogueWarpgroup:
                     t_row = b + u * rpw + r_in
                     row = m * cfg.tile_m + t_row
                     ok = (t_row < cfg.tile_m) & (row < M)
-                    rc = cutlass.min(row, M - 1)
                     for ri in cutlass.range_constexpr(len(self.red_n)):
                         rrow[2 * ri] = self._neutral(self.red_n[ri].op)
                         rrow[2 * ri + 1] = cutlass.Float32(0.0)
@@ -244,7 +243,7 @@ class EpilogueWarpgroup:
                         acc = staged[u][i * pw].to(cutlass.Float32)
                         if cutlass.const_expr(self.pair_mode):
                             acc = (acc, staged[u][i * pw + 1].to(cutlass.Float32))
-                        res = self._ewg_element(acc, ops, tiles[u], i, scalars, row, j0 + i,
+                        res = self._ewg_element(acc, ops, cur[u], i, scalars, row, j0 + i,
                                                 cutlass.min(j0 + i, N // pw - 1))
                         self._ewg_pack(res_frags, res, i)
                         inb = j0 + i < N // pw
@@ -277,7 +276,7 @@ class EpilogueWarpgroup:
     def _ewg_view(t, aligned):
         """An (M, N, L) row-major tensor with its row and batch strides declared multiples of 16 bytes (so that a
         lane's VEC columns are one aligned access); anything else as given."""
-        if not aligned or not isinstance(t.stride[1], int) or t.stride[1] != 1:
+        if not aligned or not EpilogueWarpgroup._vectorizable(t):
             return t
         d = 128 // t.element_type.width
         s0, s2 = t.stride[0], t.stride[2]
@@ -288,16 +287,6 @@ class EpilogueWarpgroup:
     @staticmethod
     def _vectorizable(t) -> bool:
         return isinstance(t.stride[1], int) and t.stride[1] == 1
-
-    def _ewg_frags(self, ops, ne) -> dict:
-        """A row's operand registers: {operand index: fragment} (TileMN: ne values; VecM: one fp32)."""
-        out = {}
-        for i, o in enumerate(self.epi.operands):
-            if o.spec is TILE:
-                out[i] = cute.make_rmem_tensor((ne,), ops[i].element_type)
-            elif o.spec is VEC_M:
-                out[i] = cute.make_rmem_tensor((1,), cutlass.Float32)
-        return out
 
     @cute.jit
     def _ewg_issue(self, ops, rings, m, n, l, b, pos, geo):

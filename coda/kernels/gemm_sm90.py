@@ -241,10 +241,9 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
             if cutlass.const_expr(self._vectorizable(op_tensors[i]) if self.epi.operands[i].spec is TILE
                                   else dt.width == 32):
                 slots = self.ring_depth * epilogue_wg.ewg_unroll(self.epi)
-                rings[i] = smem.allocate_tensor(dt, cute.make_layout(
-                    (nbytes * 8 // dt.width, epilogue_wg.EPI_THREADS, slots),
-                    stride=(1, nbytes * 8 // dt.width, nbytes * 8 // dt.width * epilogue_wg.EPI_THREADS)),
-                    byte_alignment=16)
+                chunk = nbytes * 8 // dt.width  # elements a lane copies per row
+                rings[i] = smem.allocate_tensor(dt, cute.make_ordered_layout(
+                    (chunk, epilogue_wg.EPI_THREADS, slots), order=(0, 1, 2)), byte_alignment=16)
         ld_mbar = None
         if cutlass.const_expr(len(self.tma_tiles) > 0):  # fenced and synced by pipeline_init_arrive / _wait below
             ld_mbar = smem.allocate_array(cutlass.Int64, self.ld_bufs, byte_alignment=8)
