@@ -59,12 +59,14 @@ def main(argv=None) -> int:
     ap.add_argument("--stock", action="store_true", help="the stock model (default: coda.fuse)")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--optimizer", default="adamw-fused", choices=["adamw-fused", "coda-adamw"])
     args = ap.parse_args(argv)
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from .step_ops import one_step
-    step = one_step(args.model, args.layers, args.batch, args.seq, stock=args.stock, compile=args.compile)
+    step = one_step(args.model, args.layers, args.batch, args.seq, stock=args.stock, compile=args.compile,
+                    optimizer=args.optimizer)
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -9,10 +9,12 @@ import sys
 
 
 def one_step(model: str, layers, batch: int, seq: int, *, stock: bool = False, compile: bool = False,
-             device: str = "cuda"):
+             device: str = "cuda", optimizer: str = "adamw-fused"):
     """A function running one training step (forward with the loss, backward, fused AdamW) of a preset of
     :mod:`coda.bench.step` on the GPU in bf16 (``layers``: fewer decoder layers; None: the preset's), stock or
-    ``coda.fuse``'d, optionally under torch.compile; shared by the step benchmarks that profile one step."""
+    ``coda.fuse``'d, optionally under torch.compile; shared by the step benchmarks that profile one step.
+    ``optimizer``: "adamw-fused" (torch's), or "coda-adamw" (``coda.optim.AdamW``, fused models only: the step
+    report's fused modes with ``--optimizer coda-adamw``)."""
     import torch
 
     from .step import PRESETS, build_model, make_batches
@@ -26,7 +28,11 @@ def one_step(model: str, layers, batch: int, seq: int, *, stock: bool = False, c
         import coda
         coda.fuse(m)
     fn = torch.compile(m) if compile else m
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+    if optimizer == "coda-adamw" and not stock:
+        import coda.optim
+        opt = coda.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+    else:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
     ids = make_batches(cfg["vocab"], batch, seq, 1, 1)[0].to(device)
 
     def step():
@@ -42,12 +48,13 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--stock", action="store_true", help="the stock model (default: coda.fuse)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--optimizer", default="adamw-fused", choices=["adamw-fused", "coda-adamw"])
     ap.add_argument("--stack", type=int, default=0, help="group by this many Python frames (0: by input shapes)")
     args = ap.parse_args(argv)
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    step = one_step(args.model, args.layers, args.batch, args.seq, stock=args.stock)
+    step = one_step(args.model, args.layers, args.batch, args.seq, stock=args.stock, optimizer=args.optimizer)
     for _ in range(2):
         step()
     torch.cuda.synchronize()
