@@ -1,6 +1,6 @@
 """``coda.nn.FusedAttention``: a Llama-style attention block whose input RMSNorm, QKV projection and RoPE are one GEMM.
 
-    y = RoPE(RMSNorm(x) [W_q; W_k; W_v]^T)          ``coda.ops.rmsnorm_linear_rope`` (one GEMM + epilogue)
+    y = RoPE(RMSNorm(x) [W_q; W_k; W_v]^T)          ``coda.ops.rmsnorm_linear_rope_qkv`` (one GEMM + epilogue)
     o = scaled_dot_product_attention(q, k, v, causal, enable_gqa)   q, k, v: strided views of y (no copies)
     out = o_proj(o)
 
@@ -152,10 +152,10 @@ class FusedAttention(_NormConsumer):
         fused = dtype in _FUSED_DTYPES and not (_nn.compiling() and self.inductor_under_compile)
         hq, hk, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
         if fused and self.q_norm is None:  # norm + QKV + RoPE: one GEMM
-            q, k, v = torch.split(ops.rmsnorm_linear_rope(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype),
-                                                          pos, self.freqs, self.eps), [hq, hk, hk], dim=-1)
-            # (one split, not three slices: its backward is one cat into dy, where three slices' backwards each
-            # zero a full-size buffer and add it; H100 llama-1b eager: ~0.15 ms a layer of fills and adds)
+            q, k, v = ops.rmsnorm_linear_rope_qkv(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype), pos,
+                                                  self.freqs, self.eps, (hq, hk))
+            # (q, k, v apart: their gradients go to the backward as they are, un-rotated in one pass with the
+            # norm's row dots; a split's backward would first cat them into one buffer)
         else:  # norm + QKV (fused unless float32 / float64 or under torch.compile, where it is the stock math that
             # inductor fuses around cuBLAS's GEMM), then Qwen3's head norms (weights in CODA's pair order) and
             # RoPE on the column pairs in torch

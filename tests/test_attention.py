@@ -9,7 +9,8 @@ import torch
 from coda.epilogues.rope import rope_freqs
 from coda.nn import DeferredRMSNorm
 from coda.nn_attention import FusedAttention, attention_fusable, find_inv_freq
-from coda.ops import rmsnorm_linear_rope
+from coda.kernels.rope_grad import rope_grad_reference
+from coda.ops import rmsnorm_linear_rope, rmsnorm_linear_rope_qkv
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from llama_model import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -46,6 +47,50 @@ def test_op_matches_float64(M, K, d, nh, nkv):
         assert rel(a.grad, b.grad) < 1e-5
 
 
+@pytest.mark.parametrize("M,K,d,nh,nkv", [(40, 64, 16, 4, 2), (13, 32, 8, 2, 1)])
+@pytest.mark.parametrize("parts", ["qkv", "qk", "v"])
+def test_qkv_op_matches_float64(M, K, d, nh, nkv, parts):
+    """rmsnorm_linear_rope_qkv: q, k, v equal the column blocks of the float64 formula, and the gradients (x, gamma,
+    W) from any subset of the three parts' gradients (the others None) equal float64 autograd's."""
+    g = torch.Generator().manual_seed(M + len(parts))
+    N = (nh + 2 * nkv) * d
+    x, gam = torch.randn(M, K, generator=g, dtype=torch.float64), torch.randn(K, generator=g, dtype=torch.float64)
+    w = torch.randn(N, K, generator=g, dtype=torch.float64) / 8
+    pos, fr = torch.randint(0, 5000, (M,), generator=g), rope_freqs(d, nh + 2 * nkv, rotary_heads=nh + nkv)
+    up = torch.randn(M, N, generator=g, dtype=torch.float64)
+    widths = [nh * d, nkv * d, nkv * d]
+    keep = torch.cat([torch.full((n,), float(c in parts), dtype=torch.float64) for c, n in zip("qkv", widths)])
+    xs, gs, ws = (t.clone().requires_grad_() for t in (x, gam, w))
+    want = _ref(xs, gs, ws, pos, fr)
+    (want * up * keep).sum().backward()
+    xa, ga, wa = (t.float().requires_grad_() for t in (x, gam, w))
+    q, k, v = rmsnorm_linear_rope_qkv(xa, ga, wa, pos, fr, 1e-6, widths[:2])
+    assert [t.shape[1] for t in (q, k, v)] == widths
+    loss = sum((t * u.float()).sum() for c, t, u in zip("qkv", (q, k, v), up.split(widths, 1)) if c in parts)
+    loss.backward()
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(torch.cat((q, k, v), 1).detach(), want.detach()) < 1e-5
+    for a, b in ((xa, xs), (ga, gs), (wa, ws)):
+        assert rel(a.grad, b.grad) < 1e-5
+
+
+def test_rope_grad_reference_is_the_unrotation_and_row_dot():
+    """rope_grad's reference: dacc = R(-theta) [dq | dk | dv] per pair, c = inv_k * rowsum(dy * y), in float64."""
+    g = torch.Generator().manual_seed(3)
+    M, widths = 9, (16, 8, 8)
+    grads = [torch.randn(M, n, generator=g, dtype=torch.float64) for n in widths]
+    ys = [torch.randn(M, n, generator=g, dtype=torch.float64) for n in widths]
+    pos, fr = torch.arange(M, dtype=torch.float32) * 1000, rope_freqs(8, 4, rotary_heads=3)
+    dacc, c = rope_grad_reference(grads, ys, pos, fr, 0.25)
+    dy, y = torch.cat(grads, 1), torch.cat(ys, 1)
+    th = pos.double()[:, None] * fr.double()[None]
+    e, o = dy[:, 0::2], dy[:, 1::2]
+    assert torch.allclose(dacc[:, 0::2], e * th.cos() + o * th.sin(), atol=1e-9)
+    assert torch.allclose(dacc[:, 1::2], o * th.cos() - e * th.sin(), atol=1e-9)
+    assert torch.equal(dacc[:, 24:], dy[:, 24:])  # v: frequency 0, unrotated
+    assert torch.allclose(c, (dy * y).sum(1) / 4)
+
+
 def test_op_rejects_bad_arguments():
     x, w = torch.randn(4, 16), torch.randn(24, 16)
     fr = rope_freqs(8, 3)
@@ -53,6 +98,10 @@ def test_op_rejects_bad_arguments():
         rmsnorm_linear_rope(x, torch.ones(16), w, torch.arange(4), fr[:-1])
     with pytest.raises(ValueError, match="weight"):
         rmsnorm_linear_rope(x, torch.ones(16), torch.randn(24, 8), torch.arange(4), fr)
+    with pytest.raises(ValueError, match="widths"):
+        rmsnorm_linear_rope_qkv(x, torch.ones(16), w, torch.arange(4), fr, 1e-6, (12, 8))
+    with pytest.raises(ValueError, match="widths"):
+        rmsnorm_linear_rope_qkv(x, torch.ones(16), w, torch.arange(4), fr, 1e-6, (16, 16))
 
 
 def _fused_copy(model):
@@ -108,8 +157,8 @@ def test_under_compile_the_block_leaves_norm_qkv_rope_to_inductor(monkeypatch):
     model = _fused_copy(LlamaForCausalLM(cfg).to(torch.bfloat16))
     attn = model.model.layers[0].self_attn
     calls = []
-    real = coda.ops.rmsnorm_linear_rope
-    monkeypatch.setattr(coda.ops, "rmsnorm_linear_rope", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = coda.ops.rmsnorm_linear_rope_qkv
+    monkeypatch.setattr(coda.ops, "rmsnorm_linear_rope_qkv", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
     fused = attn(x, None, None)
     assert calls == [1]

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from coda.epilogues.rope import rope_freqs
-from coda.ops import rmsnorm_linear_rope
+from coda.kernels.rope_grad import rope_grad, rope_grad_reference
+from coda.ops import rmsnorm_linear_rope, rmsnorm_linear_rope_qkv
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -41,13 +42,46 @@ def test_matches_float64_2x_rule(M, K, nh, nkv, d):
         (y.double() * up).sum().backward()
         return [y.double()] + [t.grad.double() for t in ts]
 
+    def qkv(x, g, w, pos, fr):  # q, k, v apart: their gradients through the rope_grad kernel
+        q, k, v = rmsnorm_linear_rope_qkv(x, g, w, pos, fr, 1e-6, (nh * d, nkv * d))
+        return torch.cat((q, k, v), -1)
+
     want = grads(_unfused, torch.float64)
     theirs = grads(_unfused, torch.bfloat16)
-    ours = grads(rmsnorm_linear_rope, torch.bfloat16)
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-    errs = {name: (rel(a, b), rel(c, b), bool(torch.isfinite(a).all()))
-            for name, a, b, c in zip(("y", "dx", "dgamma", "dw"), ours, want, theirs)}
-    assert all(e[2] and e[0] <= 2 * e[1] + 1e-4 for e in errs.values()), errs
+    for fn in (rmsnorm_linear_rope, qkv):
+        ours = grads(fn, torch.bfloat16)
+        errs = {name: (rel(a, b), rel(c, b), bool(torch.isfinite(a).all()))
+                for name, a, b, c in zip(("y", "dx", "dgamma", "dw"), ours, want, theirs)}
+        assert all(e[2] and e[0] <= 2 * e[1] + 1e-4 for e in errs.values()), (fn, errs)
+
+
+@pytest.mark.parametrize("M,widths,strided", [(8192, (2048, 512, 512), True), (1001, (256, 64, 64), False),
+                                               (7, (8, 8, 16), True)])
+def test_rope_grad_kernel_matches_the_reference(M, widths, strided):
+    """The kernel vs its float64 reference: dacc and c within bf16 rounding, every element written (outputs come
+    from fresh buffers; NaN input rows stay NaN, as torch's arithmetic gives), gradients taken as column blocks of
+    one buffer (row stride N, as the attention backward's views) or contiguous, positions up to 131071."""
+    g = torch.Generator(device=DEV).manual_seed(M)
+    N = sum(widths)
+    big = torch.randn(M, N, generator=g, device=DEV).to(torch.bfloat16)
+    grads = list(big.split(widths, 1)) if strided else [t.contiguous() for t in big.split(widths, 1)]
+    ys = [torch.randn(M, n, generator=g, device=DEV).to(torch.bfloat16) for n in widths]
+    grads[0][M // 2, 3] = float("nan")
+    pos = torch.randint(0, 131072, (M,), generator=g, device=DEV).float()
+    fr = rope_freqs(64 if widths[0] >= 64 else 8, N // (64 if widths[0] >= 64 else 8),
+                    rotary_heads=(widths[0] + widths[1]) // (64 if widths[0] >= 64 else 8), base=500000.0,
+                    device=DEV)
+    dacc, c = rope_grad(grads, ys, pos, fr, 1.0 / 2048)
+    want_d, want_c = rope_grad_reference([t.double() for t in grads], [t.double() for t in ys], pos, fr, 1.0 / 2048)
+    row = M // 2
+    assert torch.isnan(dacc[row, 2:4]).all() and torch.isnan(c[row])  # the NaN's pair and its row's dot
+    keep = torch.ones(M, dtype=torch.bool, device=DEV)
+    keep[row] = False
+    assert torch.isfinite(dacc[keep]).all() and torch.isfinite(c[keep]).all()
+    err = (dacc[keep].double() - want_d[keep]).abs().max().item()
+    assert err <= 2 ** -7 * want_d[keep].abs().max().item(), err  # bf16 rounding of the output
+    assert torch.allclose(c[keep].double(), want_c[keep], rtol=1e-4, atol=1e-5)
 
 
 def test_fused_block_vs_stock_and_timing():

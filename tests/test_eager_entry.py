@@ -36,6 +36,9 @@ def _cases():
            lambda x, w, t: coda.ops.linear_cross_entropy(x, w, t, label_smoothing=0.1, mode="fast"))
     yield ("rmsnorm_linear_rope", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(96, H, scale=0.1)),
            lambda x, g, w: coda.ops.rmsnorm_linear_rope(x, g, w, torch.arange(M), coda.ops.rope_freqs(16, 6)))
+    yield ("rmsnorm_linear_rope_qkv", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(96, H, scale=0.1)),
+           lambda x, g, w: torch.cat(coda.ops.rmsnorm_linear_rope_qkv(x, g, w, torch.arange(M),
+                                                                      coda.ops.rope_freqs(16, 6), 1e-6, (48, 16)), -1))
     yield ("mlp", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(2 * I, H, scale=0.1),
                            _rnd(H, I, scale=0.1)), coda.ops.mlp)
     yield ("rmsnorm_swiglu", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(2 * I, H, scale=0.1)),
@@ -93,7 +96,8 @@ def test_every_custom_op_with_autograd_has_an_eager_entry():
     assert set(common._eager) == set(CASES)
     assert {n for n in common._impls if n not in common._eager} == {
         "linear_gated_backward", "linear_cross_entropy_backward", "mlp_backward", "linear_rope_backward",
-        "rmsnorm_linear_backward", "linear_backward", "rmsnorm_linear_rope_backward"}
+        "rmsnorm_linear_backward", "linear_backward", "rmsnorm_linear_rope_backward",
+        "rmsnorm_linear_rope_qkv_backward"}
 
 
 @pytest.mark.parametrize("name", ["mlp", "linear_rope", "linear"])

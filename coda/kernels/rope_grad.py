@@ -1,0 +1,285 @@
+"""The attention QKV projection's backward prologue, one pass: RoPE un-rotation of the q, k, v gradients into one
+M x N gradient of the QKV GEMM's accumulator, and the RMSNorm backward's row dot products.
+
+The fused QKV GEMM (``ops.attention``) writes y = [q | k | v] (M x N, N = nq + nk + nv columns), q and k rotated by
+RoPE per column pair (2j, 2j + 1) at angle theta = pos[m] * freq[j] (``epilogues/rope.py``; freq = 0 for v). Its
+backward needs, from the gradients dq, dk, dv of the three parts (whatever row strides the attention backward gave
+them, 16-byte rows):
+
+    dacc[m, 2j], dacc[m, 2j+1] = R(-theta) (dy[m, 2j], dy[m, 2j+1])          dy = [dq | dk | dv]     (M x N)
+    c[m] = inv_k * sum_n dy[m, n] y[m, n]                                     (the ZdZ of the norm's backward)
+
+(the rotation preserves each pair's dot product, so c can be formed from the rotated values). Before this kernel it
+took four passes: torch's cat of dq, dk, dv (split's backward), two deinterleaving copies, the K = 0 un-rotation
+GEMM pass and a K = 0 row-dot pass -- ~0.2 ms a layer at llama-1b's 8192 x 3072 (H100, session 23's step profile).
+This pass reads dq, dk, dv and y once and writes dacc once (150 MB there).
+
+Kernel (memory-bound): a warp per row, 8 warps a CTA; a lane takes 8 columns (16-byte loads of dy and y, one
+16-byte load of the 4 pairs' frequencies, a 16-byte store), 256 columns a warp step, the row's three parts in
+turn; angles as the GEMM epilogue forms them (``coda._eval.reduce_angle``: an error-free product pos * freq reduced
+modulo 2 pi, then the SFU's sin / cos of the reduced angle); c's partials summed in fp32 by a butterfly shuffle.
+The widths of the three parts must be multiples of 8 (whole 16-byte chunks); row strides multiples of 8 elements.
+
+:func:`rope_grad` runs it on CUDA tensors (Hopper, one compile per dtype) and :func:`rope_grad_reference` (torch,
+angles in float64, the CPU reference path) on CPU tensors.
+"""
+
+import math
+import threading
+
+import torch
+
+THREADS = 256
+WARPS = THREADS // 32
+VEC = 8  # 16-bit elements per 16-byte access
+_DTYPES = (torch.bfloat16, torch.float16)
+_compiled: dict = {}
+_lock = threading.Lock()
+
+
+def check_args(grads, ys, pos, freqs, entry: str = "rope_grad") -> tuple:
+    """Validate :func:`rope_grad`'s arguments; returns (M, widths). ``grads`` / ``ys``: three (M, n_i) tensors each
+    (dq, dk, dv; q, k, v), ``pos`` (M,) fp32, ``freqs`` (N/2,) fp32."""
+    names = ("dq", "dk", "dv", "q", "k", "v")
+    ts = (*grads, *ys)
+    for name, t in zip(names, ts):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{entry}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{entry}: {name} must be 2-D (M, columns), got shape {tuple(t.shape)}")
+    M = grads[0].shape[0]
+    widths = tuple(g.shape[1] for g in grads)
+    for name, g, y in zip(names, grads, ys):
+        if tuple(g.shape) != tuple(y.shape) or g.shape[0] != M:
+            raise ValueError(f"{entry}: {name} and its forward value must be ({M}, n) alike, got {tuple(g.shape)} "
+                             f"and {tuple(y.shape)}")
+        if g.dtype != ys[0].dtype or y.dtype != ys[0].dtype:
+            raise TypeError(f"{entry}: {name}: expected dtype {ys[0].dtype}, got {g.dtype} / {y.dtype}")
+    for name, t, n in (("pos", pos, (M,)), ("freqs", freqs, (sum(widths) // 2,))):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != n:
+            raise ValueError(f"{entry}: {name} must be a float32 tensor of shape {n}")
+    return M, widths
+
+
+def _angles(pos: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """theta reduced to about [-pi, pi] in float64 (as ``coda._eval.TorchOps.angle``), (M, N/2)."""
+    p = pos.double()[:, None] * freqs.double()[None, :]
+    return p - 2 * math.pi * torch.round(p / (2 * math.pi))
+
+
+def rope_grad_reference(grads, ys, pos, freqs, inv_k: float):
+    """The torch reference of :func:`rope_grad` (any device; fp32 math -- float64 for float64 parts -- angles in
+    float64): (dacc (M, N) in the gradients' dtype, c (M,) fp32, float64 for float64 parts)."""
+    check_args(grads, ys, pos, freqs)
+    dt = torch.promote_types(grads[0].dtype, torch.float32)
+    dy = torch.cat([g.to(dt) for g in grads], 1)
+    y = torch.cat([t.to(dt) for t in ys], 1)
+    th = _angles(pos, freqs)
+    cs, sn = th.cos().to(dt), th.sin().to(dt)
+    e, o = dy[:, 0::2], dy[:, 1::2]
+    dacc = torch.stack((e * cs + o * sn, o * cs - e * sn), -1).flatten(1)
+    c = (dy * y).sum(1) * inv_k
+    return dacc.to(grads[0].dtype), c
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the kernel
+
+
+def _kernel_class():
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from coda._eval import CuteOps, reduce_angle
+
+    class RopeGradSm90:
+        """One compiled variant per element type."""
+
+        def __init__(self, dtype):
+            self.dtype = dtype
+
+        @staticmethod
+        def _rows(t):
+            """(R, C) with a row stride the compiler knows to be a multiple of 8 (16-byte chunks)."""
+            ld = cute.assume(t.stride[0], divby=VEC)
+            return cute.make_tensor(t.iterator, cute.make_layout((t.shape[0], t.shape[1]), stride=(ld, 1)))
+
+        @cute.jit
+        def __call__(self, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor,
+                     mV: cute.Tensor, mPos: cute.Tensor, mFreq: cute.Tensor, mOut: cute.Tensor, mC: cute.Tensor,
+                     inv_k: Float32, stream: cuda.CUstream):
+            M = mDq.shape[0]
+            self.kernel(self._rows(mDq), self._rows(mDk), self._rows(mDv), self._rows(mQ), self._rows(mK),
+                        self._rows(mV), mPos, mFreq, self._rows(mOut), mC, inv_k).launch(
+                grid=[cute.ceil_div(M, WARPS), 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor,
+                   mV: cute.Tensor, mPos: cute.Tensor, mFreq: cute.Tensor, mOut: cute.Tensor, mC: cute.Tensor,
+                   inv_k: Float32):
+            tidx, _, _ = cute.arch.thread_idx()
+            bx, _, _ = cute.arch.block_idx()
+            lane = tidx % 32
+            m = bx * WARPS + tidx // 32
+            if m < mDq.shape[0]:
+                pos = mPos[m]
+                out = cute.zipped_divide(mOut[m, None], (VEC,))
+                freq = cute.zipped_divide(mFreq, (VEC // 2,))
+                dot = Float32(0.0)
+                off = Int32(0)
+                for g_t, y_t in ((mDq, mQ), (mDk, mK), (mDv, mV)):  # the three parts, in turn (unrolled)
+                    n = g_t.shape[1]
+                    grow = cute.zipped_divide(g_t[m, None], (VEC,))
+                    yrow = cute.zipped_divide(y_t[m, None], (VEC,))
+                    for c in range(lane * VEC, n, 32 * VEC):
+                        gf = cute.make_rmem_tensor((VEC,), self.dtype)
+                        yf = cute.make_rmem_tensor((VEC,), self.dtype)
+                        ff = cute.make_rmem_tensor((VEC // 2,), Float32)
+                        cute.autovec_copy(grow[None, c // VEC], gf)
+                        cute.autovec_copy(yrow[None, c // VEC], yf)
+                        cute.autovec_copy(freq[None, (off + c) // VEC], ff)
+                        dot = dot + self._chunk(gf, yf, ff, pos)
+                        cute.autovec_copy(gf, out[None, (off + c) // VEC])
+                    off = off + n
+                for k in cutlass.range_constexpr(5):  # butterfly: every lane gets the row's sum
+                    dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1 << k)
+                if lane == 0:
+                    mC[m] = dot * inv_k
+
+        @cute.jit
+        def _chunk(self, gf: cute.Tensor, yf: cute.Tensor, ff: cute.Tensor, pos: Float32) -> Float32:
+            """Un-rotates the chunk's 4 pairs in ``gf`` (in place); returns sum(dy * y) of its 8 elements."""
+            B = CuteOps()
+            g = gf.load().to(Float32)
+            y = yf.load().to(Float32)
+            r = cute.make_rmem_tensor((VEC,), Float32)
+            dot = Float32(0.0)
+            for i in cutlass.range_constexpr(VEC // 2):
+                e, o = g[2 * i], g[2 * i + 1]
+                dot = dot + e * y[2 * i] + o * y[2 * i + 1]
+                th = reduce_angle(B, 1.0, [pos, ff[i]])
+                cs, sn = B.cos_reduced(th), B.sin_reduced(th)
+                r[2 * i] = e * cs + o * sn
+                r[2 * i + 1] = o * cs - e * sn
+            gf.store(r.load().to(self.dtype))
+            return dot
+
+    return RopeGradSm90
+
+
+def _cutlass_dtype(dtype):
+    import cutlass
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+
+
+def compile_kernel(dtype=torch.bfloat16, *, options=None, fake=True, args=None):
+    """``cute.compile`` one variant. ``fake``: shape-symbolic fake tensors (no GPU needed: the CPU tests); else
+    ``args`` = the cute arguments of a real call."""
+    import cutlass
+    import cutlass.cute as cute
+    op = _kernel_class()(_cutlass_dtype(dtype))
+    kw = {"options": options} if options else {}
+    if fake:
+        import cutlass.runtime as crt
+        from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+        M = cute.sym_int32()
+        rows = [make_fake_tensor(_cutlass_dtype(dtype), (M, cute.sym_int32()), (cute.sym_int64(divisibility=VEC), 1),
+                                 assumed_align=16) for _ in range(7)]
+        f32 = make_fake_compact_tensor(cutlass.Float32, (M,), assumed_align=4)
+        fr = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=16)
+        args = [*rows[:6], f32, fr, rows[6], f32, cutlass.Float32(1.0), crt.make_fake_stream()]
+    return cute.compile(op, *args, **kw)
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    return (t.stride(1) == 1 or t.shape[1] <= 1) and (t.shape[0] <= 1 or t.stride(0) % VEC == 0) \
+        and t.data_ptr() % 16 == 0
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernel reads it: 16-byte aligned rows, stride 1 within a row, a row stride that is a multiple of
+    8 (a copy where ``t`` is not so; the attention backward's gradients normally are)."""
+    if not _rows_ok(t):
+        t = t.contiguous()
+    if t.shape[0] <= 1:  # a single row: any multiple-of-8 stride will do (never used)
+        t = t.as_strided(t.shape, (-(-max(t.shape[1], 1) // VEC) * VEC, 1))
+    return t
+
+
+def rope_grad(grads, ys, pos, freqs, inv_k: float):
+    """(dacc, c) of the module docstring. ``grads``: (dq, dk, dv), ``ys``: (q, k, v), each (M, n_i) bf16 / fp16 with
+    n_i a multiple of 8; ``pos`` (M,) fp32; ``freqs`` (N/2,) fp32, N = sum n_i; ``inv_k``: c's factor. Returns dacc
+    (M, N) in the gradients' dtype and c (M,) fp32. CUDA tensors run the kernel (Hopper), CPU tensors
+    :func:`rope_grad_reference`."""
+    M, widths = check_args(grads, ys, pos, freqs)
+    if grads[0].device.type != "cuda":
+        return rope_grad_reference(grads, ys, pos, freqs, inv_k)
+    if grads[0].dtype not in _DTYPES or any(w % VEC for w in widths):
+        raise ValueError(f"rope_grad: bfloat16 / float16 parts with widths multiple of {VEC} expected, got "
+                         f"{grads[0].dtype} {widths}")
+    N = sum(widths)
+    out = torch.empty(M, N, device=grads[0].device, dtype=grads[0].dtype)
+    c = torch.empty(M, device=out.device, dtype=torch.float32)
+    if M == 0:
+        return out, c
+    import cuda.bindings.driver as cuda
+    import cutlass
+    from cutlass.cute.runtime import from_dlpack
+    f = freqs if freqs.data_ptr() % 16 == 0 else freqs.clone()
+    rows = [from_dlpack(_as_rows(t), assumed_align=16).mark_layout_dynamic(leading_dim=1)
+            for t in (*grads, *ys, out)]
+    vec = lambda t, a: from_dlpack(t.contiguous(), assumed_align=a).mark_layout_dynamic(leading_dim=0)  # noqa: E731
+    stream = cuda.CUstream(torch.cuda.current_stream(out.device).cuda_stream)
+    args = [*rows[:6], vec(pos, 4), vec(f, 16), rows[6], vec(c, 4), cutlass.Float32(inv_k), stream]
+    key = out.dtype
+    fn = _compiled.get(key)
+    if fn is None:
+        with _lock:
+            fn = _compiled.get(key)
+            if fn is None:
+                fn = _compiled[key] = compile_kernel(out.dtype, fake=False, args=args)
+    fn(*args)
+    return out, c
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the GPU benchmark
+
+
+def bench(M=8192, widths=(2048, 512, 512), head_dim=64) -> dict:
+    """``python -m coda.kernels.rope_grad``: the kernel vs the four passes it replaced (cat of dq, dk, dv, the two
+    deinterleaving copies + K = 0 un-rotation pass of ``ops.rope.unrotate``, the K = 0 row-dot pass) and vs a copy
+    of the bytes it moves (reads dq, dk, dv, q, k, v; writes dacc), ms (do_bench medians, one process)."""
+    from triton.testing import do_bench
+
+    from coda.epilogues.rmsnorm import row_dot
+    from coda.epilogues.rope import rope_freqs
+    from coda.gemm import gemm
+    from ops._common import epilogue_pass
+    from ops.rope import unrotate
+    dev, N = "cuda", sum(widths)
+    g = torch.Generator(device=dev).manual_seed(0)
+    big = torch.randn(M, N, generator=g, device=dev).to(torch.bfloat16)
+    y = torch.randn(M, N, generator=g, device=dev).to(torch.bfloat16)
+    grads, ys = big.split(widths, 1), y.split(widths, 1)
+    pos = torch.arange(M, device=dev, dtype=torch.float32) % 4096
+    fr = rope_freqs(head_dim, N // head_dim, rotary_heads=(widths[0] + widths[1]) // head_dim, device=dev)
+
+    def old():
+        dy = torch.cat(grads, 1)
+        return unrotate(gemm, dy, pos, fr), epilogue_pass(gemm, dy, M, N, epilogue=row_dot, dy=dy, y=y)["dot"]
+
+    src = torch.empty(3 * M * N // 2, device=dev, dtype=torch.bfloat16)  # 3 M N bytes read and written: 6 M N
+    dst = torch.empty_like(src)
+    res = dict(M=M, widths=widths, kernel_ms=do_bench(lambda: rope_grad(grads, ys, pos, fr, 1.0 / 2048)),
+               old_ms=do_bench(old), copy_ms=do_bench(lambda: dst.copy_(src)))
+    res["gbps"] = 6 * M * N / res["kernel_ms"] / 1e6
+    print(f"rope_grad {M} x {widths}: {res['kernel_ms']:.4f} ms ({res['gbps']:.0f} GB/s); the four passes "
+          f"{res['old_ms']:.4f} ms; a copy of the same bytes {res['copy_ms']:.4f} ms")
+    return res
+
+
+if __name__ == "__main__":
+    bench()
