@@ -8,7 +8,9 @@ What is swapped (duck-typed on class names, so it works on Hugging Face ``LlamaF
   Parameter) and the MLP a :class:`coda.nn.SwiGLUMLP` (norm + gate/up + SwiGLU in one GEMM, down projection shared
   with the stock module); the layer's ``forward`` is patched (an instance attribute) so that the MLP adds the
   residual in its down projection's epilogue (``add_residual=True``; its backward adds the residual gradient in the
-  dX GEMM's epilogue); a Hugging Face layer of transformers < 5 keeps its forward and the MLP ``add_residual=False``;
+  dX GEMM's epilogue) -- and so does a fused attention block the first one (``FusedAttention.add_residual``: o_proj's
+  epilogue adds x, the QKV dX GEMM's adds its gradient); a Hugging Face layer of transformers < 5 keeps its forward
+  and the MLP ``add_residual=False``;
 - every ``LlamaDecoderLayer``'s ``input_layernorm`` + ``self_attn`` (``LlamaAttention``: no biases, the model's RoPE
   ``inv_freq`` buffer; a per-head RMSNorm on q and k as Qwen3's is kept, applied between the GEMM and RoPE): the
   norm becomes a ``DeferredRMSNorm`` and the attention a
@@ -210,6 +212,8 @@ def _fuse_residuals(model: nn.Module) -> None:
                 inspect.signature(stock).return_annotation is not torch.Tensor:
             continue  # an older transformers layer (returns a tuple): the stock forward adds the residual
         m.add_residual = True
+        if isinstance(getattr(layer, "self_attn", None), FusedAttention):
+            layer.self_attn.add_residual = True
         layer.forward = types.MethodType(_residual_layer_forward, layer)
 
 
@@ -223,7 +227,8 @@ def _residual_layer_forward(self, *args, **kwargs):
         x, rest = kwargs.pop("hidden_states"), ()
     n = self.input_layernorm(x)
     a = self.self_attn(n, *rest, **kwargs) if rest else self.self_attn(hidden_states=n, **kwargs)
-    h = x + (a[0] if isinstance(a, tuple) else a)
+    a = a[0] if isinstance(a, tuple) else a
+    h = a if getattr(self.self_attn, "add_residual", False) else x + a  # FusedAttention adds x itself
     return self.mlp(self.post_attention_layernorm(h))
 
 

@@ -97,6 +97,10 @@ class FusedAttention(_NormConsumer):
     """
 
     inductor_under_compile = "attention" in INDUCTOR_UNDER_COMPILE
+    # add the block's input x to the output (the decoder layer's first residual add; coda.fuse sets it with the
+    # layer's patched forward): in eager, o_proj's epilogue adds it and its gradient joins dx in the QKV op's dX
+    # epilogue (H100 llama-1b: two bf16 add kernels a layer, ~0.065 ms)
+    add_residual = False
     # eager grouped-query heads: SDPA's enable_gqa (False) or k, v repeated per query head first (True);
     # python -m coda.bench.layer times both
     gqa_by_repeat = False
@@ -152,11 +156,13 @@ class FusedAttention(_NormConsumer):
         fused = dtype in _FUSED_DTYPES and not (_nn.compiling() and self.inductor_under_compile)
         hq, hk, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
         if fused and self.q_norm is None:  # norm + QKV + RoPE: one GEMM
-            q, k, v = ops.rmsnorm_linear_rope_qkv(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype), pos,
-                                                  self.freqs, self.eps, (hq, hk))
+            res_in_op = self.add_residual and type(self.o_proj) is nn.Linear and self.o_proj.bias is None
+            q, k, v, *xr = ops.rmsnorm_linear_rope_qkv(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype),
+                                                       pos, self.freqs, self.eps, (hq, hk), residual=res_in_op)
             # (q, k, v apart: their gradients go to the backward as they are, un-rotated in one pass with the
             # norm's row dots; a split's backward would first cat them into one buffer)
-        else:  # norm + QKV (fused unless float32 / float64 or under torch.compile, where it is the stock math that
+        else:
+            xr = ()  # norm + QKV (fused unless float32 / float64 or under torch.compile, where it is the stock math that
             # inductor fuses around cuBLAS's GEMM), then Qwen3's head norms (weights in CODA's pair order) and
             # RoPE on the column pairs in torch
             z = (ops.rmsnorm_linear(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype), self.eps) if fused
@@ -184,7 +190,12 @@ class FusedAttention(_NormConsumer):
             gqa = False
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and tq == tk and tq > 1,
                                            enable_gqa=gqa)
-        out = self.o_proj(o.transpose(1, 2).reshape(B, T, hq))
+        o = o.transpose(1, 2).reshape(B, T, hq)
+        if xr:  # x + o_proj(o) in one GEMM; its backward hands dx's residual part to the QKV op (no add kernels)
+            out = ops.linear_residual(o, self.o_proj.weight.to(o.dtype), xr[0])
+        else:
+            out = self.o_proj(o)
+            out = x + out if self.add_residual else out
         return (out, None) if self.hf_signature else out
 
     def _head_norm(self, t: Tensor, norm: nn.Module) -> Tensor:

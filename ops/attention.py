@@ -22,22 +22,27 @@ copies, one read of each: H100 llama-1b, the four passes it replaces took ~0.2 m
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from coda.epilogues.rope import rope_rmsnorm
 
-from coda.epilogues.rmsnorm import rmsnorm_dgrad, row_dot
+from coda.epilogues.rmsnorm import rmsnorm_dgrad, rmsnorm_dgrad_residual, row_dot
 from coda.kernels.rope_grad import rope_grad
 
 from ._builder import backward_op, forward_op
-from ._common import call, check_inputs, check_last_dim_contiguous, epilogue_pass, gemm_for, grad_of, weight_grad
+from ._common import (call, check_inputs, check_last_dim_contiguous, epilogue_pass, gemm_for, grad_of, linear_grads,
+                      weight_grad)
+from .mlp import residual_add
 from .rmsnorm_linear import check_eps, check_norm_weight, normed_operands
 from .rope import unrotate
 
-__all__ = ["rmsnorm_linear_rope", "rmsnorm_linear_rope_qkv"]
+__all__ = ["rmsnorm_linear_rope", "rmsnorm_linear_rope_qkv", "linear_residual"]
 
 ENTRY = "coda.ops.rmsnorm_linear_rope"
+LR_ENTRY = "coda.ops.linear_residual"
 
 
 @forward_op("rmsnorm_linear_rope", backward="rmsnorm_linear_rope_backward", grads=3,
@@ -84,9 +89,12 @@ def _no_rows(h, norm_weight, weight, need_weight):
     return torch.zeros_like(h), torch.zeros_like(norm_weight), dw
 
 
-def _dx_dw(gemm, dacc, c, h, norm_weight, weight, r, need_weight):
-    """Steps 3-4 from the un-rotated gradient dacc and the row dots c: (dh, dgamma, dW or an empty tensor)."""
-    res = gemm(dacc, weight.t(), epilogue=rmsnorm_dgrad, out_dtype=h.dtype, gamma=norm_weight, h=h, r=r, c=c)
+def _dx_dw(gemm, dacc, c, h, norm_weight, weight, r, need_weight, dres=None):
+    """Steps 3-4 from the un-rotated gradient dacc and the row dots c: (dh (+ dres), dgamma, dW or an empty
+    tensor)."""
+    extra = {} if dres is None else {"dres": dres.to(h.dtype).contiguous()}
+    res = gemm(dacc, weight.t(), epilogue=rmsnorm_dgrad_residual if extra else rmsnorm_dgrad, out_dtype=h.dtype,
+               gamma=norm_weight, h=h, r=r, c=c, **extra)
     dw = weight_grad(dacc, res["normed"], weight, ENTRY) if need_weight else weight.new_empty(0)
     return res["out"], res["dgamma"].to(norm_weight.dtype), dw
 
@@ -121,69 +129,120 @@ def _check(x, norm_weight, weight, positions, freqs, eps):
 
 
 # ------------------------------------------------------------------------------------------------ q, k, v apart
-def _fake_qkv(x, norm_weight, weight, positions, freqs, eps, nq, nk):
+def _fake_qkv(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual):
     M, N = x.shape[0], weight.shape[0]
     return (x.new_empty(M, nq), x.new_empty(M, nk), x.new_empty(M, N - nq - nk),
-            x.new_empty(M, dtype=torch.float32))
+            x.new_empty(x.shape) if residual else x.new_empty(0), x.new_empty(M, dtype=torch.float32))
 
 
-def _qkv_views(x, norm_weight, weight, positions, freqs, eps, nq, nk):
-    """The eager forward: q, k, v as column blocks (views) of the one GEMM output, and r."""
+def _qkv_views(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual):
+    """The eager forward: q, k, v as column blocks (views) of the one GEMM output, x itself as the residual
+    stream (``residual``; an empty tensor without), r."""
     y, r = _forward(x, norm_weight, weight, positions, freqs, eps)
-    return (*torch.split(y, [nq, nk, y.shape[1] - nq - nk], dim=1), r)
+    return (*torch.split(y, [nq, nk, y.shape[1] - nq - nk], dim=1), x if residual else x.new_empty(0), r)
 
 
-def _qkv_backward(ctx, dq, dk, dv, _dr):
-    """dq, dk, dv (any of them None: zeros) to x, norm_weight, weight."""
+def _qkv_backward(ctx, dq, dk, dv, dres=None, _dr=None):
+    """dq, dk, dv (any of them None: zeros) and the residual stream's gradient dres (None: none) to x (dh + dres,
+    added in the dX GEMM's epilogue), norm_weight, weight."""
     h, norm_weight, weight, r, q, k, v, positions, freqs = ctx.saved_tensors
     need_x, need_gamma, need_w = ctx.needs_input_grad[:3]
+    rest = (None,) * (len(ctx.needs_input_grad) - 3)
     if dq is None and dk is None and dv is None:
-        return (None,) * len(ctx.needs_input_grad)
+        return (dres if need_x else None, None, None, *rest)
     grads = [torch.zeros_like(t) if g is None else g for g, t in zip((dq, dk, dv), (q, k, v))]
-    dh, dgamma, dw = call("rmsnorm_linear_rope_qkv_backward", *grads, h, norm_weight, weight, r, q, k, v,
+    dh, dgamma, dw = call("rmsnorm_linear_rope_qkv_backward", *grads, dres, h, norm_weight, weight, r, q, k, v,
                           positions, freqs, need_w, ctx=ctx)
-    return (dh if need_x else None, dgamma if need_gamma else None, grad_of(dw) if need_w else None,
-            *(None,) * (len(ctx.needs_input_grad) - 3))
+    return (dh if need_x else None, dgamma if need_gamma else None, grad_of(dw) if need_w else None, *rest)
 
 
-# under the dispatcher (torch.compile, export) the three outputs are copies: a custom op's outputs may not alias
-@forward_op("rmsnorm_linear_rope_qkv", fake=_fake_qkv, backward=_qkv_backward, outputs=3, eager=_qkv_views,
-            saved=lambda i, out: (*i[:3], out[3], *out[:3], *i[3:5]))
+# under the dispatcher (torch.compile, export) the outputs are copies: a custom op's outputs may not alias its
+# inputs or one another
+@forward_op("rmsnorm_linear_rope_qkv", fake=_fake_qkv, backward=_qkv_backward, eager=_qkv_views,
+            outputs=lambda i: 4 if i[8] else 3, saved=lambda i, out: (*i[:3], out[4], *out[:3], *i[3:5]))
 def _qkv_op(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor, eps: float, nq: int,
-            nk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """x (M, K) -> q (M, nq), k (M, nk), v (M, N - nq - nk), r (M,) fp32."""
-    return tuple(t.contiguous() if i < 3 else t for i, t in enumerate(_qkv_views(x, norm_weight, weight, positions,
-                                                                                 freqs, eps, nq, nk)))
+            nk: int, residual: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x (M, K) -> q (M, nq), k (M, nk), v (M, N - nq - nk), x again (``residual``; else an empty tensor), r (M,)."""
+    out = _qkv_views(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual)
+    return (*(t.contiguous() for t in out[:3]), out[3].clone(), out[4])
 
 
-def _fake_qkv_backward(dq, dk, dv, h, norm_weight, weight, r, q, k, v, positions, freqs, need_weight):
+def _fake_qkv_backward(dq, dk, dv, dres, h, norm_weight, weight, r, q, k, v, positions, freqs, need_weight):
     dw = weight.new_empty(weight.shape) if need_weight else weight.new_empty(0)
     return h.new_empty(h.shape), norm_weight.new_empty(norm_weight.shape), dw
 
 
 @backward_op("rmsnorm_linear_rope_qkv_backward", fake=_fake_qkv_backward)
-def _qkv_backward_op(dq: Tensor, dk: Tensor, dv: Tensor, h: Tensor, norm_weight: Tensor, weight: Tensor, r: Tensor,
-                     q: Tensor, k: Tensor, v: Tensor, positions: Tensor, freqs: Tensor,
+def _qkv_backward_op(dq: Tensor, dk: Tensor, dv: Tensor, dres: Optional[Tensor], h: Tensor, norm_weight: Tensor,
+                     weight: Tensor, r: Tensor, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, freqs: Tensor,
                      need_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dh, dgamma, dW; empty unless need_weight): steps 1-2 in one ``rope_grad`` pass, then steps 3-4."""
+    """(dh (+ dres), dgamma, dW; empty unless need_weight): steps 1-2 in one ``rope_grad`` pass, then 3-4."""
     if h.shape[0] == 0:
         return _no_rows(h, norm_weight, weight, need_weight)
     grads = [g.to(h.dtype) for g in (dq, dk, dv)]
     dacc, c = rope_grad(grads, (q, k, v), positions, freqs, 1.0 / h.shape[1])
-    return _dx_dw(gemm_for(h.device, ENTRY), dacc, c, h, norm_weight, weight, r, need_weight)
+    return _dx_dw(gemm_for(h.device, ENTRY), dacc, c, h, norm_weight, weight, r, need_weight, dres)
 
 
 def rmsnorm_linear_rope_qkv(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor,
-                            eps: float, widths) -> tuple[Tensor, Tensor, Tensor]:
+                            eps: float, widths, *, residual: bool = False):
     """:func:`rmsnorm_linear_rope` returning the output's three column blocks (q, k, v: ``widths`` = (nq, nk), v
     the rest; each a multiple of 8), (..., n_i) each, autograd included; in eager mode views of one GEMM output.
-    Their gradients go through one ``coda.kernels.rope_grad`` pass (the module docstring)."""
+    Their gradients go through one ``coda.kernels.rope_grad`` pass (the module docstring).
+
+    ``residual=True``: also returns x (the residual stream, for :func:`linear_residual`'s ``res``; in eager mode x
+    itself, no copy); the gradient arriving on it is added to dx in the dX GEMM's epilogue (no add kernel)."""
     K, N, pos = _check(x, norm_weight, weight, positions, freqs, eps)
     nq, nk = (int(w) for w in widths)
     if min(nq, nk, N - nq - nk) < 0 or nq % 8 or nk % 8:
         raise ValueError(f"{ENTRY}_qkv: widths must be (nq, nk), multiples of 8 with nq + nk <= {N}, got "
                          f"{tuple(widths)}")
+    if not isinstance(residual, bool):
+        raise TypeError(f"{ENTRY}_qkv: residual must be True or False, got {type(residual).__name__}")
     lead = x.shape[:-1]
-    q, k, v, _ = call("rmsnorm_linear_rope_qkv", x.reshape(-1, K), norm_weight, weight, pos, freqs, float(eps),
-                      nq, nk)
-    return tuple(t.reshape(*lead, t.shape[1]) for t in (q, k, v))
+    q, k, v, xr, _ = call("rmsnorm_linear_rope_qkv", x.reshape(-1, K), norm_weight, weight, pos, freqs, float(eps),
+                          nq, nk, residual)
+    parts = tuple(t.reshape(*lead, t.shape[1]) for t in (q, k, v))
+    return (*parts, xr.reshape(x.shape)) if residual else parts
+
+
+# ------------------------------------------------------------------------------------------------ output projection
+def _linear_residual_backward(ctx, dy):
+    """dy to o (dy W), weight (dy^T o, or updated in backward: ``coda.optim``) and res (dy itself: no copy)."""
+    o, weight = ctx.saved_tensors
+    need_o, need_w, need_res = ctx.needs_input_grad[:3]
+    if dy is None:
+        return None, None, None
+    do, dw = call("linear_residual_backward", dy, o, weight, need_o, need_w, ctx=ctx)
+    return do if need_o else None, grad_of(dw) if need_w else None, dy if need_res else None
+
+
+@backward_op("linear_residual_backward", fake=lambda dy, o, weight, need_o, need_w: (
+    o.new_empty(o.shape) if need_o else o.new_empty(0), weight.new_empty(weight.shape) if need_w else weight.new_empty(0)))
+def _linear_residual_backward_op(dy: Tensor, o: Tensor, weight: Tensor, need_o: bool,
+                                 need_w: bool) -> tuple[Tensor, Tensor]:
+    dy = dy.contiguous()
+    do, dw = linear_grads(dy, o, weight, need_o, need_w, LR_ENTRY)
+    return (o.new_empty(0) if do is None else do), (weight.new_empty(0) if dw is None else dw)
+
+
+@forward_op("linear_residual", fake=lambda o, weight, res: o.new_empty(o.shape[0], weight.shape[0]),
+            backward=_linear_residual_backward, saved=lambda i, out: i[:2])
+def _linear_residual_op(o: Tensor, weight: Tensor, res: Tensor) -> Tensor:
+    return gemm_for(o.device, LR_ENTRY)(o, weight, epilogue=residual_add, res=res)
+
+
+def linear_residual(o: Tensor, weight: Tensor, res: Tensor) -> Tensor:
+    """``res + o @ weight.T`` in one GEMM (the add in its epilogue), autograd included: the attention's output
+    projection writing straight into the residual stream. o (..., K), weight (N, K), res (..., N), one dtype (bf16
+    / fp16; float32 / float64 on CPU tensors). The gradient of res is dy itself."""
+    check_inputs(LR_ENTRY, o, weight)
+    if weight.dim() != 2 or weight.shape[1] != o.shape[-1] or tuple(res.shape) != (*o.shape[:-1], weight.shape[0]):
+        raise ValueError(f"{LR_ENTRY}: expected o (..., K), weight (N, K), res (..., N); got {tuple(o.shape)}, "
+                         f"{tuple(weight.shape)}, {tuple(res.shape)}")
+    if res.dtype != o.dtype or res.device != o.device:
+        raise TypeError(f"{LR_ENTRY}: res must have o's dtype and device, got {res.dtype} on {res.device}")
+    check_last_dim_contiguous(LR_ENTRY, (("o", o), ("weight", weight), ("res", res)))
+    K, N = o.shape[-1], weight.shape[0]
+    y = call("linear_residual", o.reshape(-1, K), weight, res.reshape(-1, N))
+    return y.reshape(*o.shape[:-1], N)

@@ -26,6 +26,13 @@ def _rnd(*shape, dtype=torch.bfloat16, scale=1.0):
     return (torch.randn(*shape) * scale).to(dtype).requires_grad_()
 
 
+def _attention_block(x, g, w, wo, M):
+    """q, k, v and the residual stream from the QKV op, then o_proj + residual: both ops' gradients."""
+    q, k, v, xr = coda.ops.rmsnorm_linear_rope_qkv(x, g, w, torch.arange(M), coda.ops.rope_freqs(16, 6), 1e-6,
+                                                   (48, 16), residual=True)
+    return torch.cat((coda.ops.linear_residual(q, wo, xr), k, v), -1)
+
+
 def _cases():
     M, H, I, V = 24, 64, 48, 80
     yield "linear_swiglu", lambda: (_rnd(2, M // 2, H), _rnd(2 * I, H, scale=0.1)), coda.ops.linear_swiglu
@@ -36,9 +43,10 @@ def _cases():
            lambda x, w, t: coda.ops.linear_cross_entropy(x, w, t, label_smoothing=0.1, mode="fast"))
     yield ("rmsnorm_linear_rope", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(96, H, scale=0.1)),
            lambda x, g, w: coda.ops.rmsnorm_linear_rope(x, g, w, torch.arange(M), coda.ops.rope_freqs(16, 6)))
-    yield ("rmsnorm_linear_rope_qkv", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(96, H, scale=0.1)),
-           lambda x, g, w: torch.cat(coda.ops.rmsnorm_linear_rope_qkv(x, g, w, torch.arange(M),
-                                                                      coda.ops.rope_freqs(16, 6), 1e-6, (48, 16)), -1))
+    yield ("rmsnorm_linear_rope_qkv", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(96, H, scale=0.1),
+                                               _rnd(H, 48, scale=0.1)),
+           lambda x, g, w, wo: _attention_block(x, g, w, wo, M))
+    yield ("linear_residual", lambda: (_rnd(M, H), _rnd(I, H, scale=0.1), _rnd(M, I)), coda.ops.linear_residual)
     yield ("mlp", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(2 * I, H, scale=0.1),
                            _rnd(H, I, scale=0.1)), coda.ops.mlp)
     yield ("rmsnorm_swiglu", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(2 * I, H, scale=0.1)),
@@ -97,7 +105,7 @@ def test_every_custom_op_with_autograd_has_an_eager_entry():
     assert {n for n in common._impls if n not in common._eager} == {
         "linear_gated_backward", "linear_cross_entropy_backward", "mlp_backward", "linear_rope_backward",
         "rmsnorm_linear_backward", "linear_backward", "rmsnorm_linear_rope_backward",
-        "rmsnorm_linear_rope_qkv_backward"}
+        "rmsnorm_linear_rope_qkv_backward", "linear_residual_backward"}
 
 
 @pytest.mark.parametrize("name", ["mlp", "linear_rope", "linear"])

@@ -12,7 +12,7 @@ from coda.reference import gemm as ref_gemm
 from test_fuse_families import _fuse, fp32_ops  # noqa: F401 (fixture)
 from test_first_use import _tiny_hf
 
-IN_BWD = ("mlp.weight_gu", "mlp.down_proj.weight", "self_attn.weight_qkv", "lm_head.weight")
+IN_BWD = ("mlp.weight_gu", "mlp.down_proj.weight", "self_attn.weight_qkv", "self_attn.o_proj.weight", "lm_head.weight")
 
 
 def _hyper(t=3, lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, wd=0.1):
