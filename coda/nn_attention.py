@@ -101,6 +101,10 @@ class FusedAttention(_NormConsumer):
     # layer's patched forward): in eager, o_proj's epilogue adds it and its gradient joins dx in the QKV op's dX
     # epilogue (H100 llama-1b: two bf16 add kernels a layer, ~0.065 ms)
     add_residual = False
+    # q, k, v from the QKV op apart (their gradients un-rotated in one pass, coda.kernels.rope_grad) or as one output
+    # split in torch (False: the backward cats them, copies and un-rotates in four passes; python -m
+    # coda.bench.layer times both)
+    qkv_apart = True
     # eager grouped-query heads: SDPA's enable_gqa (False) or k, v repeated per query head first (True);
     # python -m coda.bench.layer times both
     gqa_by_repeat = False
@@ -155,7 +159,11 @@ class FusedAttention(_NormConsumer):
         dtype = _compute_dtype(x)
         fused = dtype in _FUSED_DTYPES and not (_nn.compiling() and self.inductor_under_compile)
         hq, hk, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
-        if fused and self.q_norm is None:  # norm + QKV + RoPE: one GEMM
+        if fused and self.q_norm is None and not self.qkv_apart:
+            xr = ()
+            q, k, v = torch.split(ops.rmsnorm_linear_rope(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype),
+                                                          pos, self.freqs, self.eps), [hq, hk, hk], dim=-1)
+        elif fused and self.q_norm is None:  # norm + QKV + RoPE: one GEMM
             res_in_op = self.add_residual and type(self.o_proj) is nn.Linear and self.o_proj.bias is None
             q, k, v, *xr = ops.rmsnorm_linear_rope_qkv(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype),
                                                        pos, self.freqs, self.eps, (hq, hk), residual=res_in_op)

@@ -1,7 +1,8 @@
 """``python -m coda.bench.layer [--model llama-1b] [--batch 2] [--seq 4096]``: one decoder layer's forward + backward
 (bf16, eager, the step report's model and shapes) in the variants that decide the fused step's eager layer time:
-stock; fused as ``coda.fuse`` builds it; without the residual moved into the MLP (the stock layer forward and
-``add_residual=False``); with grouped-query k, v repeated before SDPA (``FusedAttention.gqa_by_repeat``) instead of
+stock; fused as ``coda.fuse`` builds it; without the residuals moved into the MLP and the attention (the stock
+layer forward and ``add_residual=False``); without the attention's only; with q, k, v as one QKV output split in
+torch (``FusedAttention.qkv_apart = False``); with grouped-query k, v repeated before SDPA (``FusedAttention.gqa_by_repeat``) instead of
 SDPA's ``enable_gqa``. Each: the median over ``--rounds`` interleaved rounds of a do_bench median, ms, on one GPU."""
 from __future__ import annotations
 
@@ -46,20 +47,23 @@ def main(argv=None) -> int:
     stock, layer = model.model.layers[0], fused_model.model.layers[0]
     patched = layer.forward
 
-    def variant(lyr, repeat=False, residual=True):
+    def variant(lyr, repeat=False, residual=True, attn_residual=True, apart=True):
         def step():
-            FusedAttention.gqa_by_repeat = repeat
-            if lyr is layer:  # the residual in the MLP (patched forward) or added by torch (the stock forward)
+            FusedAttention.gqa_by_repeat, FusedAttention.qkv_apart = repeat, apart
+            if lyr is layer:  # the residuals in the MLP and the attention (patched forward) or added by torch
                 lyr.__dict__.pop("forward", None)
                 if residual:
                     lyr.forward = patched
                 lyr.mlp.add_residual = residual
+                lyr.self_attn.add_residual = residual and attn_residual
             x.grad = None
             lyr(x, cos, sin).backward(dy)
         return step
 
     fns = {"stock": variant(stock), "fused": variant(layer), "fused, gqa by repeat": variant(layer, repeat=True),
-           "fused, residual added by torch": variant(layer, residual=False)}
+           "fused, residual added by torch": variant(layer, residual=False),
+           "fused, attention residual added by torch": variant(layer, attn_residual=False),
+           "fused, q k v as one output (split's cat + 4 passes)": variant(layer, apart=False)}
     times = {k: [] for k in fns}
     for _ in range(args.rounds):  # interleaved: a clock drift hits every variant alike
         for k, f in fns.items():
