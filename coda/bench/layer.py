@@ -2,8 +2,9 @@
 (bf16, eager, the step report's model and shapes) in the variants that decide the fused step's eager layer time:
 stock; fused as ``coda.fuse`` builds it; without the residuals moved into the MLP and the attention (the stock
 layer forward and ``add_residual=False``); without the attention's only; with q, k, v as one QKV output split in
-torch (``FusedAttention.qkv_apart = False``); with grouped-query k, v repeated before SDPA (``FusedAttention.gqa_by_repeat``) instead of
-SDPA's ``enable_gqa``. Each: the median over ``--rounds`` interleaved rounds of a do_bench median, ms, on one GPU."""
+torch (``FusedAttention.qkv_apart = False``); with grouped-query k, v repeated before SDPA
+(``FusedAttention.gqa_by_repeat``) instead of SDPA's ``enable_gqa``. Each: the median over ``--rounds``
+interleaved rounds of a do_bench median, ms, on one GPU."""
 from __future__ import annotations
 
 import copy

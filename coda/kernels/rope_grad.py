@@ -21,7 +21,7 @@ modulo 2 pi, then the SFU's sin / cos of the reduced angle); c's partials summed
 The widths of the three parts must be multiples of 8 (whole 16-byte chunks); row strides multiples of 8 elements.
 
 :func:`rope_grad` runs it on CUDA tensors (Hopper, one compile per dtype) and :func:`rope_grad_reference` (torch,
-angles in float64, the CPU reference path) on CPU tensors.
+angles in float64, the CPU reference path) on CPU tensors. ``python -m coda.bench.rope_grad`` times it.
 """
 
 import math
@@ -269,52 +269,3 @@ def rope_grad(grads, ys, pos, freqs, inv_k: float):
     _launch_kernel(views, float(inv_k))
     return out, c
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# the GPU benchmark
-
-
-def bench(M=8192, widths=(2048, 512, 512), head_dim=64) -> dict:
-    """``python -m coda.kernels.rope_grad``: the kernel vs the four passes it replaced (cat of dq, dk, dv, the two
-    deinterleaving copies + K = 0 un-rotation pass of ``ops.rope.unrotate``, the K = 0 row-dot pass) and vs a copy
-    of the bytes it moves (reads dq, dk, dv, q, k, v; writes dacc), ms (do_bench medians, one process)."""
-    from triton.testing import do_bench
-
-    from coda.epilogues.rmsnorm import row_dot
-    from coda.epilogues.rope import rope_freqs
-    from coda.gemm import gemm
-    from ops._common import epilogue_pass
-    from ops.rope import unrotate
-    dev, N = "cuda", sum(widths)
-    g = torch.Generator(device=dev).manual_seed(0)
-    big = torch.randn(M, N, generator=g, device=dev).to(torch.bfloat16)
-    y = torch.randn(M, N, generator=g, device=dev).to(torch.bfloat16)
-    grads, ys = big.split(widths, 1), y.split(widths, 1)
-    pos = torch.arange(M, device=dev, dtype=torch.float32) % 4096
-    fr = rope_freqs(head_dim, N // head_dim, rotary_heads=(widths[0] + widths[1]) // head_dim, device=dev)
-
-    def old():
-        dy = torch.cat(grads, 1)
-        return unrotate(gemm, dy, pos, fr), epilogue_pass(gemm, dy, M, N, epilogue=row_dot, dy=dy, y=y)["dot"]
-
-    src = torch.empty(3 * M * N // 2, device=dev, dtype=torch.bfloat16)  # 3 M N bytes read and written: 6 M N
-    dst = torch.empty_like(src)
-    res = dict(M=M, widths=widths, kernel_ms=do_bench(lambda: rope_grad(grads, ys, pos, fr, 1.0 / 2048)),
-               old_ms=do_bench(old), copy_ms=do_bench(lambda: dst.copy_(src)))
-    res["gbps"] = 6 * M * N / res["kernel_ms"] / 1e6
-    import time
-    torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)  # the GPU busy: what follows is the host's time per call alone
-    t0 = time.perf_counter()
-    for _ in range(20):
-        rope_grad(grads, ys, pos, fr, 1.0 / 2048)
-    res["host_us"] = (time.perf_counter() - t0) / 20 * 1e6
-    torch.cuda.synchronize()
-    print(f"rope_grad {M} x {widths}: {res['kernel_ms']:.4f} ms ({res['gbps']:.0f} GB/s); the four passes "
-          f"{res['old_ms']:.4f} ms; a copy of the same bytes {res['copy_ms']:.4f} ms; host {res['host_us']:.0f} us "
-          "a call")
-    return res
-
-
-if __name__ == "__main__":
-    bench()
