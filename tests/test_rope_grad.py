@@ -9,17 +9,7 @@ import pytest
 import torch
 
 from coda.kernels import rope_grad as rg
-
-
-def _cutlass() -> bool:
-    try:
-        import cutlass  # noqa: F401
-        return True
-    except Exception:
-        return False
-
-
-needs_cutlass = pytest.mark.skipif(not _cutlass(), reason="nvidia-cutlass-dsl not importable")
+from test_ce_grad import needs_cutlass
 
 
 @needs_cutlass
