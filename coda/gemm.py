@@ -24,8 +24,9 @@ from typing import Optional
 import torch
 
 from . import _device, _launch
-from ._validate import _overlaps, check_gemm_args
+from ._validate import check_gemm_args
 from .config import GemmConfig, split_k
+from .kernels.operand_kinds import SCALAR
 from .kernels.epilogue import (Epilogue, check_call, check_epilogue, empty_reductions,
                                finish_reduction, out_flags)
 from .runtime.select import select_config
@@ -347,16 +348,26 @@ def _make_plan(fn, cute_args, views, handle, prob, cfg, epi, tensors, device_ind
     # an epilogue with tensor operands only (no extra outputs, no reductions, no scalars) whose kernel arguments
     # are the operands' own memory (views): a repeated call only needs the operands' data pointers (and, for the
     # dynamic schedule, the current stream's tile counter, the last argument)
+    # -- also with Scalar operands given as 1-element fp32 device tensors (passed as they are) and extra outputs
+    # that are all in place (the kernel's argument is the operand's memory again): coda.optim's AdamW epilogues
     plan.operand_names = None
-    if (plan.has_epi_args and not epi.outputs and not epi.kernel_reductions()
-            and all(op.spec.by_view and isinstance(operands.get(op.name), torch.Tensor)
-                    and v.data_ptr() == operands[op.name].data_ptr() for op, v in zip(epi.operands, views[3:]))):
-        plan.operand_names = tuple(op.name for op in epi.operands)
+    n_ops = len(epi.operands)
+    if (plan.has_epi_args and all(n in epi.inplace for n in epi.outputs) and not epi.kernel_reductions()
+            and all((op.spec.by_view or op.spec is SCALAR) and isinstance(operands.get(op.name), torch.Tensor)
+                    and v.data_ptr() == operands[op.name].data_ptr() for op, v in zip(epi.operands, views[3:]))
+            and all(v.data_ptr() == operands[n].data_ptr() for n, v in zip(epi.outputs, views[3 + n_ops:]))):
+        plan.operand_names = tuple(op.name for op in epi.operands) + tuple(epi.outputs)
     # tensor operands: their address must stay 16-byte aligned, as check_operands requires on the full path (the
     # cute views assume it; TileMN operands may be TMA-loaded); shapes and strides are in the plan's key
     plan.tensor_operands = tuple(op.name for op in epi.operands if op.spec.by_view)
     a, b, out = tensors
     plan.extents = (_launch.byte_extent(a), _launch.byte_extent(b), 0 if out is None else _launch.byte_extent(out))
+    # every tensor operand's byte extent (its shape and strides are in the key) for the per-call overlap test
+    # with out, and the operands found to be exactly out (in place: same address, same layout) and accepted by
+    # check_call, which depends on nothing else a plan does not fix
+    plan.operand_extents = tuple((n, _launch.byte_extent(v)) for n, v in operands.items()
+                                 if isinstance(v, torch.Tensor) and v.numel())
+    plan.aliases_ok = set()
     plan.zero_elems = max(views[0].numel(), views[1].numel()) if prob.zero_k else 0  # A, B: views of _zeros
     return plan
 
@@ -371,7 +382,7 @@ def _run_plan(plan, a, b, out, operands):
         pa = pb = _zeros(a.device, a.dtype, plan.zero_elems).data_ptr()
     else:
         pa, pb = a.data_ptr(), b.data_ptr()
-    if (pa | pb) & 15 or any(operands[n].data_ptr() & 15 for n in plan.tensor_operands):
+    if (pa | pb) & 15 or any(operands[n].data_ptr() & 15 for n in plan.operand_names or plan.tensor_operands):
         return None
     if out is None:
         res = _new_result(prob, plan.epi, a.device)
@@ -381,13 +392,18 @@ def _run_plan(plan, a, b, out, operands):
         ea, eb, eo = plan.extents
         if po & 15 or _launch.overlap(po, eo, pa, ea) or _launch.overlap(po, eo, pb, eb):
             return None
-        if any(isinstance(v, torch.Tensor) and _overlaps(out, v) for v in operands.values()):
-            # out shares memory with an operand: allowed only as add-to-output (a TileMN operand that is exactly
-            # out); the full path's check decides (check_call), else the full path raises its error
+        for n, e in plan.operand_extents:
+            pv = operands[n].data_ptr()
+            if not _launch.overlap(po, eo, pv, e) or (pv == po and e == eo and n in plan.aliases_ok):
+                continue
+            # out shares memory with an operand: allowed only as add-to-output or in place (a TileMN operand that is
+            # exactly out); the full path's check decides (check_call), else the full path raises its error
             try:
                 check_call(plan.epi, prob, out, operands)
             except (TypeError, ValueError):
                 return None
+            if pv == po and e == eo:
+                plan.aliases_ok.add(n)
         res = out
     epi = plan.epi
     if plan.operand_names is not None:  # operands only, each passed as is: just their pointers
@@ -396,7 +412,7 @@ def _run_plan(plan, a, b, out, operands):
             counter = _tile_counter(a.device)  # held until the launch is enqueued (a capture's counter is fresh)
             ptrs.append(counter.data_ptr())
         plan.launch(ptrs, _launch.stream_handle(plan.device_index))
-        return res
+        return _package(epi, res, {n: operands[n] for n in epi.outputs}, {}, prob) if epi.outputs else res
     if plan.has_epi_args:
         out3 = res if res.dim() == 3 else res.unsqueeze(0)
         if prob.b_broadcast:

@@ -596,6 +596,69 @@ def test_plan_misses_fall_back_to_the_checked_path(kernel_cache, monkeypatch):
         coda.gemm(torch.randn(M + 8, K, dtype=BF16), b, config=GemmConfig())
 
 
+def test_in_place_update_takes_the_pointer_only_plan(kernel_cache, monkeypatch):
+    """coda.optim's AdamW epilogue (p, m, v in place, eight Scalar operands as 1-element fp32 tensors): a repeated
+    call only writes pointers -- every one of them what the DSL's own marshalling of that call holds -- and returns
+    the in-place outputs as the operands themselves."""
+    from coda.bench.launch import NullRun, cpu_plan
+    from coda.epilogues.adamw import HYPER, adamw
+    N, K, T = 256, 128, 64
+    a, b = torch.randn(T, N, dtype=BF16).t(), torch.randn(T, K, dtype=BF16).t()
+
+    def ops():
+        hyper = torch.rand(8, 4)
+        p, m, v = (torch.randn(N, K, dtype=BF16) for _ in range(3))
+        return p, dict(p=p, m=m, v=v, **{n: hyper[i, :1] for i, n in enumerate(HYPER)})
+    p, o = ops()
+    pkey, plan, _, _, _ = cpu_plan(a, b, p, adamw, GemmConfig(), o)
+    assert plan.operand_names == ("p", "m", "v", *HYPER, "m", "v")
+    plan.run = NullRun()
+    monkeypatch.setitem(gemm_mod._plans, pkey, plan)
+    monkeypatch.setattr(_launch, "stream_handle", lambda index: 0x1234)
+    p2, o2 = ops()
+    res = coda.gemm(a, b, epilogue=adamw, out=p2, config=GemmConfig(), **o2)
+    assert plan.run.calls == 1 and res["out"] is p2 and res["m"] is o2["m"] and res["v"] is o2["v"]
+    ctypes = _launch.ctypes
+    ours = [ctypes.string_at(x.value, ctypes.sizeof(d)) for x, d in
+            zip([x for i, x in enumerate(plan.exe_args) if i != 3], plan.descs)]
+    _, args2, _ = _cute_call(a, b, p2, adamw, GemmConfig(), o2)
+    exe2, _ = plan.fn.generate_execution_args(*args2)
+    theirs = [ctypes.string_at(x, len(y)) for x, y in zip([x for i, x in enumerate(exe2) if i != 3], ours)]
+    assert [y[:8] for y in ours] == [t[:8] for t in theirs]  # every data pointer
+    assert [y[8:] for y in ours] == [t[8:] for t in theirs]  # shapes and strides
+
+
+@coda.epilogue
+def _add_tile(acc, r: coda.TileMN):
+    return acc + r
+
+
+def test_plan_checks_an_in_place_operand_once_and_every_partial_overlap(kernel_cache, monkeypatch):
+    """The repeat-call path: an operand that is exactly out (add-to-output / in place) is accepted by check_call
+    once per plan and then only compared by address; one that overlaps out otherwise is refused at every call."""
+    from coda.bench.launch import NullRun, cpu_plan
+    M, N, K = 256, 128, 64
+    a, b = torch.randn(M, K, dtype=BF16), torch.randn(N, K, dtype=BF16)
+    out, r = torch.empty(M, N, dtype=BF16), torch.empty(M, N, dtype=BF16)
+    pkey, plan, _, _, _ = cpu_plan(a, b, out, _add_tile, GemmConfig(), {"r": r})
+    plan.run = NullRun()
+    monkeypatch.setitem(gemm_mod._plans, pkey, plan)
+    monkeypatch.setattr(_launch, "stream_handle", lambda index: 0)
+    checks = []
+    real = gemm_mod.check_call
+    monkeypatch.setattr(gemm_mod, "check_call", lambda *x: checks.append(1) or real(*x))
+    for _ in range(3):
+        res = torch.empty(M, N, dtype=BF16)
+        coda.gemm(a, b, epilogue=_add_tile, out=res, r=res, config=GemmConfig())  # in place
+    assert plan.run.calls == 3 and len(checks) == 1 and plan.aliases_ok == {"r"}
+    big = torch.empty(2 * M * N, dtype=BF16)
+    out2, r_bad = big[:M * N].view(M, N), big[N:N + M * N].view(M, N)  # one row apart
+    for _ in range(2):
+        with pytest.raises(ValueError, match="share memory with operand"):
+            coda.gemm(a, b, epilogue=_add_tile, out=out2, r=r_bad, config=GemmConfig())
+    assert plan.run.calls == 3
+
+
 def test_plan_keeps_no_tensor_alive_and_rejects_mismatched_descriptors(kernel_cache):
     from coda.bench.launch import cpu_plan
 

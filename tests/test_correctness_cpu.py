@@ -74,6 +74,7 @@ def _fake_plan(monkeypatch, a, b, out):
         prob=check_gemm_args(a, b, out=out, out_dtype=None, half_out=False), epi=add_tile, device_index=0,
         cfg=types.SimpleNamespace(sched="static"), operand_names=("r",), tensor_operands=("r",), has_epi_args=True,
         extents=(_launch.byte_extent(a), _launch.byte_extent(b), _launch.byte_extent(out)), zero_elems=0,
+        operand_extents=(("r", _launch.byte_extent(out)),), aliases_ok=set(),  # r: out's shape and strides
         launch=lambda ptrs, handle: launched.append(ptrs))
     return plan, launched
 

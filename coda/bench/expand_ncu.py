@@ -28,11 +28,13 @@ METRICS = {"time": "gpu__time_duration.sum",
 
 
 def parse_variant(text: str):
-    """``"tm,tn,pp|coop,cm,static|dynamic,epi_n,stages|-"`` -> GemmConfig (this module's and coda.bench.optim's
-    config arguments)."""
-    tm, tn, pp, cm, sched, en, st = text.split(",")
+    """``"tm,tn,pp|coop,cm,static|dynamic,epi_n,stages|-[,ewg]"`` -> GemmConfig (this module's and coda.bench.optim's
+    config arguments; ``ewg``: the epilogue in the epilogue warps, ``epi_wg=True``)."""
+    tm, tn, pp, cm, sched, en, st, *rest = text.split(",")
+    if rest not in ([], ["ewg"]):
+        raise ValueError(f"config {text!r}: an eighth field can only be 'ewg'")
     return GemmConfig(tile_m=int(tm), tile_n=int(tn), pingpong=pp == "pp", cluster_m=int(cm), sched=sched,
-                      epi_n=int(en), stages=None if st == "-" else int(st))
+                      epi_n=int(en), stages=None if st == "-" else int(st), epi_wg=rest == ["ewg"])
 
 
 def table(raw_csv: str) -> str:
