@@ -20,15 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 from typing import Iterator, Optional
-
-# Programmatic dependent launch (Hopper): CODA's kernels are launched with programmatic stream serialization
-# allowed and wait (griddepcontrol.wait) after their prologue -- shared memory, barriers, descriptor prefetch --
-# before touching global memory, then let their own dependents launch, so a kernel's launch and prologue overlap
-# the previous kernel's tail. CODA_PDL=0 (read at import) launches them plainly (A/B measurement, debugging); part
-# of the compiled-kernel key.
-PDL = os.environ.get("CODA_PDL", "1") != "0"
 
 TILE_K = 64
 SMEM_CAPACITY = 227 * 1024  # bytes of dynamic shared memory per CTA on sm_90
