@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--optimizer", default="adamw-fused", choices=["adamw-fused", "coda-adamw"])
+    ap.add_argument("--trace", default=None, help="also keep the chrome trace here (gzip if it ends in .gz)")
     args = ap.parse_args(argv)
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -76,7 +77,12 @@ def main(argv=None) -> int:
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
-        res = analyse(json.load(f), args.top)
+        trace = json.load(f)
+    res = analyse(trace, args.top)
+    if args.trace:
+        import gzip
+        with (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "wt") as f:
+            json.dump(trace, f)
     res.update(device=torch.cuda.get_device_name(), mode=("stock" if args.stock else "fused")
                + ("+compile" if args.compile else ""), model=args.model,
                layers=args.layers or "the preset's")
