@@ -20,6 +20,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stock", action="store_true", help="the stock model (default: coda.fuse)")
     ap.add_argument("--optimizer", default="coda-adamw", choices=["adamw-fused", "coda-adamw"])
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--forward", action="store_true", help="time and profile the forward (with the loss) alone")
     args = ap.parse_args(argv)
     import torch
 
@@ -27,6 +28,8 @@ def main(argv=None) -> int:
     step = one_step(args.model, args.layers, args.batch, args.seq, stock=args.stock, optimizer=args.optimizer)
     for _ in range(3):
         step()
+    if args.forward:
+        step = step.forward
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -51,6 +54,7 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(args.top)
+    pstats.Stats(pr, stream=s).sort_stats("cumtime").print_stats(args.top)
     print(f"{torch.cuda.get_device_name()} {args.model} {'stock' if args.stock else 'fused'} ({args.optimizer}): "
           f"GPU {gpu_ms:.1f} ms a step, host {min(hosts):.1f} ms a step (GPU backlogged; {hosts})")
     print(s.getvalue())
