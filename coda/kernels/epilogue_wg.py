@@ -186,14 +186,7 @@ class EpilogueWarpgroup:
         pt, pb, wpos, rpos = t, b0, depth - 1, 0
         m2, n2, l2 = self._tile(w, cutlass.min(pt, w["n_tiles"] - 1))
         for d in cutlass.range_constexpr(depth - 1):
-            if pt < w["n_tiles"]:
-                self._ewg_issue(ops, rings, m2, n2, l2, pb, d, geo)
-            cute.arch.cp_async_commit_group()
-            pb += step
-            if pb >= cfg.tile_m:
-                pb = b0
-                pt += w["n_clusters"]
-                m2, n2, l2 = self._tile(w, cutlass.min(pt, w["n_tiles"] - 1))
+            pt, pb, m2, n2, l2 = self._ewg_ring_step(ops, rings, w, pt, pb, m2, n2, l2, d, b0, step, geo)
         cute.arch.barrier_arrive(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)  # the buffer is free
         while t < w["n_tiles"]:
             m, n, l = self._tile(w, t)
@@ -206,14 +199,7 @@ class EpilogueWarpgroup:
             for b in cutlass.range(b0, cfg.tile_m, step):
                 # phase 1: issue the ring's next batch, take this batch's operands, read the staged values
                 if cutlass.const_expr(depth > 0):
-                    if pt < w["n_tiles"]:
-                        self._ewg_issue(ops, rings, m2, n2, l2, pb, wpos, geo)
-                    cute.arch.cp_async_commit_group()
-                    pb += step
-                    if pb >= cfg.tile_m:
-                        pb = b0
-                        pt += w["n_clusters"]
-                        m2, n2, l2 = self._tile(w, cutlass.min(pt, w["n_tiles"] - 1))
+                    pt, pb, m2, n2, l2 = self._ewg_ring_step(ops, rings, w, pt, pb, m2, n2, l2, wpos, b0, step, geo)
                     wpos = wpos + 1 if wpos + 1 < depth else 0
                     cute.arch.cp_async_wait_group(depth - 1)
                 for u in cutlass.range_constexpr(unroll):
@@ -287,6 +273,20 @@ class EpilogueWarpgroup:
     @staticmethod
     def _vectorizable(t) -> bool:
         return isinstance(t.stride[1], int) and t.stride[1] == 1
+
+    @cute.jit
+    def _ewg_ring_step(self, ops, rings, w, pt, pb, m2, n2, l2, pos, b0, step, geo):
+        """The ring's issue cursor (tile pt at (m2, n2, l2), batch pb): issue its batch into slot ``pos`` (if the
+        tile exists), commit the group, move on one batch -- to the cursor's next tile at the end of one."""
+        if pt < w["n_tiles"]:
+            self._ewg_issue(ops, rings, m2, n2, l2, pb, pos, geo)
+        cute.arch.cp_async_commit_group()
+        pb += step
+        if pb >= self.cfg.tile_m:
+            pb = b0
+            pt += w["n_clusters"]
+            m2, n2, l2 = self._tile(w, cutlass.min(pt, w["n_tiles"] - 1))
+        return pt, pb, m2, n2, l2
 
     @cute.jit
     def _ewg_issue(self, ops, rings, m, n, l, b, pos, geo):
