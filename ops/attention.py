@@ -235,7 +235,12 @@ def _linear_residual_op(o: Tensor, weight: Tensor, res: Tensor) -> Tensor:
 def linear_residual(o: Tensor, weight: Tensor, res: Tensor) -> Tensor:
     """``res + o @ weight.T`` in one GEMM (the add in its epilogue), autograd included: the attention's output
     projection writing straight into the residual stream. o (..., K), weight (N, K), res (..., N), one dtype (bf16
-    / fp16; float32 / float64 on CPU tensors). The gradient of res is dy itself."""
+    / fp16; float32 / float64 on CPU tensors). The gradient of res is dy itself.
+
+    The same as ``coda.ops.linear(o, weight, epilogue=residual_add, res=res)``, as an op of its own because this one
+    sits in a forward whose launches are host-late (session 24): ``linear``'s generic path (epilogue by name,
+    operand lists, the derived backward) took ~40 us more host time a call (CPU reference path, 128 vs 170 us), and
+    its backward forms the acc-free gradient of res from a zero scalar it allocates."""
     check_inputs(LR_ENTRY, o, weight)
     if weight.dim() != 2 or weight.shape[1] != o.shape[-1] or tuple(res.shape) != (*o.shape[:-1], weight.shape[0]):
         raise ValueError(f"{LR_ENTRY}: expected o (..., K), weight (N, K), res (..., N); got {tuple(o.shape)}, "

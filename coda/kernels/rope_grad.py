@@ -72,6 +72,10 @@ def rope_grad_reference(grads, ys, pos, freqs, inv_k: float):
     """The torch reference of :func:`rope_grad` (any device; fp32 math -- float64 for float64 parts -- angles in
     float64): (dacc (M, N) in the gradients' dtype, c (M,) fp32, float64 for float64 parts)."""
     check_args(grads, ys, pos, freqs)
+    return _reference(grads, ys, pos, freqs, inv_k)
+
+
+def _reference(grads, ys, pos, freqs, inv_k: float):
     dt = torch.promote_types(grads[0].dtype, torch.float32)
     dy = torch.cat([g.to(dt) for g in grads], 1)
     y = torch.cat([t.to(dt) for t in ys], 1)
@@ -253,7 +257,7 @@ def rope_grad(grads, ys, pos, freqs, inv_k: float):
     :func:`rope_grad_reference`."""
     M, widths = check_args(grads, ys, pos, freqs)
     if grads[0].device.type != "cuda":
-        return rope_grad_reference(grads, ys, pos, freqs, inv_k)
+        return _reference(grads, ys, pos, freqs, inv_k)  # (arguments checked above)
     if grads[0].dtype not in _DTYPES or any(w % VEC for w in widths):
         raise ValueError(f"rope_grad: bfloat16 / float16 parts with widths multiple of {VEC} expected, got "
                          f"{grads[0].dtype} {widths}")
