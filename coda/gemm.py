@@ -345,11 +345,10 @@ def _make_plan(fn, cute_args, views, handle, prob, cfg, epi, tensors, device_ind
     except _launch.PlanError:
         return None
     plan.prob, plan.cfg, plan.epi, plan.device_index = prob, cfg, epi, device_index
-    # an epilogue with tensor operands only (no extra outputs, no reductions, no scalars) whose kernel arguments
-    # are the operands' own memory (views): a repeated call only needs the operands' data pointers (and, for the
-    # dynamic schedule, the current stream's tile counter, the last argument)
-    # -- also with Scalar operands given as 1-element fp32 device tensors (passed as they are) and extra outputs
-    # that are all in place (the kernel's argument is the operand's memory again): coda.optim's AdamW epilogues
+    # an epilogue whose kernel arguments are all its operands' own memory -- tensor operands passed as views,
+    # Scalars given as 1-element fp32 device tensors, extra outputs only in place (an operand's memory again, e.g.
+    # coda.optim's AdamW), no reductions: a repeated call only needs those data pointers (and, for the dynamic
+    # schedule, the current stream's tile counter, the last argument)
     plan.operand_names = None
     n_ops = len(epi.operands)
     if (plan.has_epi_args and all(n in epi.inplace for n in epi.outputs) and not epi.kernel_reductions()

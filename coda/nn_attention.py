@@ -169,10 +169,10 @@ class FusedAttention(_NormConsumer):
                                                        pos, self.freqs, self.eps, (hq, hk), residual=res_in_op)
             # (q, k, v apart: their gradients go to the backward as they are, un-rotated in one pass with the
             # norm's row dots; a split's backward would first cat them into one buffer)
-        else:
-            xr = ()  # norm + QKV (fused unless float32 / float64 or under torch.compile, where it is the stock math that
+        else:  # norm + QKV (fused unless float32 / float64 or under torch.compile, where it is the stock math that
             # inductor fuses around cuBLAS's GEMM), then Qwen3's head norms (weights in CODA's pair order) and
             # RoPE on the column pairs in torch
+            xr = ()
             z = (ops.rmsnorm_linear(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype), self.eps) if fused
                  else F.linear(rms_norm(x, self.norm_weight, self.eps), self.weight_qkv))
             q, k, v = torch.split(z, [hq, hk, hk], dim=-1)
