@@ -189,9 +189,82 @@ def _gradient_terms(epi: DslEpilogue, grads: tuple) -> tuple[list, list]:
     return ops, terms
 
 
-def _gradient(terms: list, z: sp.Symbol) -> sp.Expr:
-    """G(z) = sum_t w_t * de_t/dz."""
-    return _sum([_prod([w, de]) for w, de in ((w, derivative(e, z)) for w, e in terms) if de is not sp.S.Zero])
+def _local_partials(e, dargs: list) -> list:
+    """(argument, d e / d argument) of the arguments of ``e`` flagged in ``dargs`` (those that depend on a variable),
+    by the rules :func:`derivative` applies (the product rule, maximum / minimum with ties split, sympy's derivative
+    of any other function on real dummies)."""
+    args = e.args
+    if isinstance(e, sp.Add):
+        return [(a, sp.S.One) for a, da in zip(args, dargs) if da]
+    if isinstance(e, sp.Mul):
+        return [(a, _prod([*args[:i], *args[i + 1:]])) for i, (a, da) in enumerate(zip(args, dargs)) if da]
+    if isinstance(e, (sp.Max, sp.Min)) and len(args) == 2:
+        a, b = args
+        big = sp.Gt if isinstance(e, sp.Max) else sp.Lt
+        return [(x, _select(big(y, x, evaluate=False), sp.S.Zero, sp.Eq(x, y, evaluate=False), sp.S.Half))
+                for x, y, da in ((a, b, dargs[0]), (b, a, dargs[1])) if da]
+    dummies = [a if not da and not a.args else sp.Dummy(real=True) for a, da in zip(args, dargs)]
+    shallow = e.func(*dummies)
+    back = {u: a for u, a in zip(dummies, args) if u is not a}
+    return [(a, rebuild(sp.diff(shallow, u), back)) for a, u, da in zip(args, dummies, dargs) if da]
+
+
+def _gradients(terms: list, zs) -> dict:
+    """G(z) = sum_t w_t * de_t/dz for every z of ``zs`` (symbols), in one reverse sweep over the DAG of the e_t.
+
+    Reverse mode, as autograd runs it: each node's adjoint (the sum of what its users pass down) is formed once and
+    shared by every gradient below it, so the gradients of several variables (dacc and an operand's, e.g. the
+    SwiGLU backward's dg, du and d_r) reuse each other's products instead of repeating the chain per variable
+    (:func:`derivative`'s forward mode). A ``Piecewise`` (``coda.where``) is differentiated in forward mode
+    (:func:`derivative`: the derivative of the taken piece only), so its semantics, NaN included, are unchanged."""
+    zs = tuple(zs)
+    targets = set(zs)
+    dep: dict = {}
+
+    def depends(e) -> bool:
+        r = dep.get(e)
+        if r is None:
+            if e in targets:
+                r = True
+            elif not e.args or isinstance(e, (sp.core.relational.Relational, sp.logic.boolalg.Boolean)):
+                r = False
+            elif isinstance(e, sp.Piecewise):
+                r = any(depends(v) for v, _ in e.args)
+            else:
+                r = any([depends(a) for a in e.args])
+            dep[e] = r
+        return r
+
+    order, seen = [], set()  # the dependent nodes, arguments before their users
+
+    def visit(e) -> None:
+        if e in seen or not depends(e):
+            return
+        seen.add(e)
+        if e not in targets and not isinstance(e, sp.Piecewise):
+            for a in e.args:
+                visit(a)
+        order.append(e)
+
+    contrib: dict = {}
+    for w, e in terms:
+        visit(e)
+        if depends(e):
+            contrib.setdefault(e, []).append(w)
+    for e in reversed(order):
+        parts = contrib.get(e)
+        if not parts or e in targets:
+            continue
+        bar = _sum(parts)
+        if isinstance(e, sp.Piecewise):
+            for z in zs:
+                dz = derivative(e, z)
+                if dz is not sp.S.Zero:
+                    contrib.setdefault(z, []).append(_prod([bar, dz]))
+            continue
+        for a, f in _local_partials(e, [depends(a) for a in e.args]):
+            contrib.setdefault(a, []).append(_prod([bar, f]))
+    return {z: _sum(contrib.get(z, [])) for z in zs}
 
 
 def _operand_kinds(epi: DslEpilogue, needs: tuple) -> dict:
@@ -220,10 +293,10 @@ def backward_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilog
     # pairs: dacc is a 2 -> 2 pairs epilogue over the recomputed pairs; upstream gradients are per-pair tiles
     # (one per pair, or two -- even and odd columns -- for a 2 -> 2 forward); operand values and their gradients
     # are per pair too (VecN of N/2: reduce_m per pair; VecM / Scalar: reduce_n over the pairs of a row)
-    if epi.pair_mode:
-        outputs = {"out": _gradient(terms, ACC_EVEN), ODD_OUT: _gradient(terms, ACC_ODD)}
-    else:
-        outputs = {"out": _gradient(terms, ACC)}
+    accs = (ACC_EVEN, ACC_ODD) if epi.pair_mode else (ACC,)
+    grads_of = _gradients(terms, accs + tuple(operand_symbol(n) for n in needs if kinds[n] != "tile"
+                                             or not epi.pair_mode))
+    outputs = {"out": grads_of[ACC_EVEN], ODD_OUT: grads_of[ACC_ODD]} if epi.pair_mode else {"out": grads_of[ACC]}
     reductions = {}
     for name in needs:
         kind = kinds[name]
@@ -232,7 +305,7 @@ def backward_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilog
             raise NotImplementedError(f"epilogue {epi.name!r}: the gradient of TileMN operand {name!r} of a pairs "
                                       "epilogue (one value per pair, M x N/2) cannot come out of the M x N dacc "
                                       "kernel; it is a second, half-mode epilogue: pair_tile_grad_epilogue")
-        gz = _gradient(terms, operand_symbol(name))
+        gz = grads_of[operand_symbol(name)]
         if kind == "tile":
             outputs[DGRAD + name] = gz
         elif kind == "vec_n":
@@ -260,7 +333,8 @@ def pair_tile_grad_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> Dsl
     if not needs or any(kinds[n] != "tile" for n in needs):
         raise ValueError(f"epilogue {epi.name!r}: pair_tile_grad_epilogue takes TileMN operands, got {needs!r}")
     ops, terms = _gradient_terms(epi, grads)
-    outputs = {("out" if i == 0 else DGRAD + n): _gradient(terms, operand_symbol(n)) for i, n in enumerate(needs)}
+    grads_of = _gradients(terms, tuple(operand_symbol(n) for n in needs))
+    outputs = {("out" if i == 0 else DGRAD + n): grads_of[operand_symbol(n)] for i, n in enumerate(needs)}
     return DslEpilogue(f"{epi.name}_bwd_tiles", tuple(ops), outputs, {}, pair_mode="half")
 
 

@@ -183,18 +183,21 @@ def test_shipped_h100_file_schema_and_provenance():
     assert "H100" in prov["gpu"] and prov["converted"] and "converter" in prov
     files = {s["file"] for s in prov["sources"]}
     store = "docs/tune_h100/llama1b_near_store.json"  # session 21: the llama-1b step's problems, near level
-    assert files == {"docs/tune_h100/tuned_gemm.json", "docs/tune_h100/tuned_fused.json", store}
+    store25 = "docs/tune_h100/llama1b_near_store_s25.json"  # session 25: the step's new or changed problems
+    stores = (store, store25)
+    assert files == {"docs/tune_h100/tuned_gemm.json", "docs/tune_h100/tuned_fused.json", *stores}
     rows = {}
     for s in prov["sources"]:
         raw = (ROOT / s["file"]).read_bytes()
         import hashlib
         assert hashlib.sha256(raw).hexdigest()[:16] == s["sha256"]
-        assert s["date"] == ("2026-11-26" if s["file"] == store else "2026-11-21")
+        assert s["date"] == ("2026-11-26" if s["file"] in stores else "2026-11-21")
         rows[s["file"]] = json.loads(raw)
     assert doc["entries"]
     for e in doc["entries"].values():  # every entry is a row of a real tuning run or a tuning store's entry
-        if e["source"].startswith(store):
-            kept = [v for v in rows[store]["entries"].values() if v["problem"] == e["problem"]
+        src = next((f for f in stores if e["source"].startswith(f + " ")), None)
+        if src is not None:
+            kept = [v for v in rows[src]["entries"].values() if v["problem"] == e["problem"]
                     and v["epilogue"]["id"] == e["epilogue"]["id"]]
             assert len(kept) == 1 and kept[0]["name"] == e["name"] and kept[0]["level"] == "near", e
             continue
@@ -203,7 +206,7 @@ def test_shipped_h100_file_schema_and_provenance():
         assert row["shape"] == [e["problem"]["M"], e["problem"]["N"], e["problem"]["K"]]
         assert e["name"] in (row["tuned"], row["default"]) and e["default"] == row["default"]
         assert ship.resolve_ref(e["epilogue"]["ref"]).name == row["epilogue"]
-    assert sum(e["source"].startswith(store) for e in doc["entries"].values()) == 15
+    assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == 15 + 4
     assert 'shipped/*.json' in (ROOT / "pyproject.toml").read_text()
 
 
