@@ -169,8 +169,9 @@ def _eps(eps: float, device) -> torch.Tensor:
     """eps as a 1-element fp32 tensor on ``device`` (made once per value and device), for the fused add of r."""
     key = (float(eps), str(device))
     t = _eps_cache.get(key)
-    if t is None:
-        t = _eps_cache[key] = torch.full((1,), float(eps), dtype=torch.float32, device=device)
+    if t is None:  # allocated outside a CUDA-graph tree's private pool (it outlives the call: coda.gemm's rule)
+        from coda.gemm import _persistent_zeros
+        t = _eps_cache[key] = _persistent_zeros(1, torch.float32, torch.device(device)).add_(float(eps))
     return t
 
 
