@@ -14,7 +14,8 @@ operand ``tie_<r>`` computed from the fp32 values the forward compared (:func:`t
 The backward epilogue runs on the recomputed accumulator (a second GEMM of the same x and W) and produces:
 ``out`` = dacc = G(acc) (then dX = dacc W and dW = dacc^T X), and per operand ``p``: TileMN -> G(p) as an extra
 M x N output, VecN -> reduce_m(G(p)), VecM -> reduce_n(G(p)), Scalar -> reduce_n(G(p)) (summed on the host).
-Common subexpressions of all of these are eliminated together when the epilogue is built.
+All of these come from one reverse sweep over the expression DAG (:func:`_gradients`: every adjoint formed once,
+shared by the gradients of dacc and of the operands); common subexpressions are then evaluated once.
 
 Pairs epilogues (``coda.pairs``): dacc is a 2 -> 2 pairs epilogue (G(acc_2j), G(acc_2j+1): M x N); a TileMN
 operand holds one value per pair, so its gradient G(p) is M x N/2 -- a "half" pairs epilogue of the same terms
