@@ -124,25 +124,13 @@ def derivative(expr: sp.Expr, z: sp.Symbol) -> sp.Expr:
             dargs = [d(a) for a in e.args]
             if all(da is sp.S.Zero for da in dargs):
                 r = sp.S.Zero
-            elif isinstance(e, (sp.Max, sp.Min)) and len(e.args) == 2:
-                # torch.maximum / minimum: a tie splits the gradient; the other side gets none; NaN passes it
-                a, b = e.args
-                big = sp.Gt if isinstance(e, sp.Max) else sp.Lt
-                r = _sum([_prod([_select(big(y, x, evaluate=False), sp.S.Zero, sp.Eq(x, y, evaluate=False),
-                                         sp.S.Half), da]) for x, y, da in ((a, b, dargs[0]), (b, a, dargs[1]))
-                          if da is not sp.S.Zero])
             elif isinstance(e, sp.Mul):
                 r = _sum([_prod([*e.args[:i], da, *e.args[i + 1:]]) for i, da in enumerate(dargs)
                           if da is not sp.S.Zero])
             else:
-                # arguments that do not depend on z stay as they are when they are numbers (d(x ** 2) = 2 x, not
-                # 2 x ** 2 / x), else become dummies too (sympy need not compare log(0.0) with a dummy)
-                dummies = [a if da is sp.S.Zero and not a.args else sp.Dummy(real=True)
-                           for a, da in zip(e.args, dargs)]
-                shallow = e.func(*dummies)
-                back = {u: a for u, a in zip(dummies, e.args) if u is not a}
-                r = _sum([_prod([rebuild(sp.diff(shallow, u), back), da])
-                          for u, da in zip(dummies, dargs) if da is not sp.S.Zero])
+                live = [da is not sp.S.Zero for da in dargs]
+                r = _sum([_prod([f, da]) for (_, f), da in zip(_local_partials(e, live),
+                                                             [da for da in dargs if da is not sp.S.Zero])])
         memo[e] = r
         return r
 
@@ -200,10 +188,13 @@ def _local_partials(e, dargs: list) -> list:
     if isinstance(e, sp.Mul):
         return [(a, _prod([*args[:i], *args[i + 1:]])) for i, (a, da) in enumerate(zip(args, dargs)) if da]
     if isinstance(e, (sp.Max, sp.Min)) and len(args) == 2:
+        # torch.maximum / minimum: a tie splits the gradient; the other side gets none; NaN passes it
         a, b = args
         big = sp.Gt if isinstance(e, sp.Max) else sp.Lt
         return [(x, _select(big(y, x, evaluate=False), sp.S.Zero, sp.Eq(x, y, evaluate=False), sp.S.Half))
                 for x, y, da in ((a, b, dargs[0]), (b, a, dargs[1])) if da]
+    # arguments that do not depend on a variable stay as they are when they are numbers (d(x ** 2) = 2 x, not
+    # 2 x ** 2 / x), else become dummies too (sympy need not compare log(0.0) with a dummy)
     dummies = [a if not da and not a.args else sp.Dummy(real=True) for a, da in zip(args, dargs)]
     shallow = e.func(*dummies)
     back = {u: a for u, a in zip(dummies, args) if u is not a}
