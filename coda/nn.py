@@ -30,6 +30,7 @@ float64) run the same math in plain torch (``coda.ops`` are 16-bit only); shapes
 """
 from __future__ import annotations
 
+import math
 import os
 
 from typing import Optional, Sequence, Union
@@ -351,13 +352,18 @@ class LMHeadCrossEntropy(_NormConsumer):
 
     def __init__(self, hidden_size: int, vocab_size: int, eps: float = 1e-6, *, norm=None,
                  weight: Optional[nn.Parameter] = None, ignore_index: int = -100, label_smoothing: float = 0.0,
-                 z_loss: float = 0.0, check_targets="async", device=None, dtype=None):
+                 z_loss: float = 0.0, softcap: Optional[float] = None, check_targets="async", device=None,
+                 dtype=None):
         super().__init__()
         _check_aligned("LMHeadCrossEntropy", hidden_size=hidden_size)
+        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                    or not 0.0 < softcap < math.inf):
+            raise ValueError(f"LMHeadCrossEntropy: softcap must be a positive finite number or None, got {softcap!r}")
         check_targets_option("LMHeadCrossEntropy", check_targets)
         self.check_targets = check_targets
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.ignore_index, self.label_smoothing, self.z_loss = ignore_index, label_smoothing, z_loss
+        self.softcap = softcap
         if weight is None:
             weight = nn.Parameter(torch.empty(vocab_size, hidden_size, device=device, dtype=dtype))
             nn.init.kaiming_uniform_(weight, a=5 ** 0.5)
@@ -379,17 +385,21 @@ class LMHeadCrossEntropy(_NormConsumer):
     def forward(self, x: Tensor, target: Optional[Tensor] = None, reduction: str = "mean") -> Tensor:
         dtype, gamma = _compute_dtype(x), self.norm_weight
         fused = dtype in _FUSED_DTYPES
-        if target is None:  # logits
+        if target is None:  # logits (capped like the loss's, with a softcap)
             if fused and gamma is not None and self.vocab_size % _ALIGN == 0:
-                return ops.rmsnorm_linear(x.to(dtype), gamma, self.weight.to(dtype), self.eps)
-            return F.linear(self._normed(x), self.weight)
+                logits = ops.rmsnorm_linear(x.to(dtype), gamma, self.weight.to(dtype), self.eps)
+            else:
+                logits = F.linear(self._normed(x), self.weight)
+            return logits if self.softcap is None else self.softcap * torch.tanh(logits / self.softcap)
         n = self._normed(x)
         if fused:
             return ops.linear_cross_entropy(n.to(dtype), self.weight.to(dtype), target, self.ignore_index,
                                             reduction, self.label_smoothing, self.z_loss,
-                                            check_targets=self.check_targets)
+                                            check_targets=self.check_targets, softcap=self.softcap)
         logits = F.linear(n, self.weight).flatten(0, -2)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 (fp64 stays)
+        if self.softcap is not None:
+            logits = self.softcap * torch.tanh(logits / self.softcap)
         t = target.flatten()
         row = F.cross_entropy(logits, t, ignore_index=self.ignore_index, reduction="none",
                               label_smoothing=self.label_smoothing)
@@ -407,4 +417,5 @@ class LMHeadCrossEntropy(_NormConsumer):
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, ignore_index={self.ignore_index}, "
-                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}")
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}"
+                + (f", softcap={self.softcap}" if self.softcap is not None else ""))

@@ -11,6 +11,10 @@ and its derivative with respect to one logit (d lse / d z_v = p_v) is
 
     d loss / d z_v = p_v (1 + 2 zl lse) - (1 - eps) [v == t] - eps / V.
 
+Logit soft-capping (Gemma 2; ``softcap`` c): the logits are z = c tanh(r / c) of the raw products r = x W^T, the
+loss is the same function of z, and d loss / d r = d loss / d z * (1 - tanh(r / c)^2) = ... * (1 - (z / c)^2). The
+``_cap`` epilogues take c as a Scalar operand ``cap``.
+
 The forward epilogues store no M x V output (the logits are never written): they return only per-row reductions,
 finished to vectors by ``coda.gemm``. The backward epilogues recompute a logit tile and form d loss / d z times
 the row's upstream gradient g. ``t`` is a float32 VecM (exact for column indices below 2**24) and is compared with
@@ -18,7 +22,8 @@ the row's upstream gradient g. ``t`` is a float32 VecM (exact for column indices
 """
 import coda
 
-__all__ = ["ce_forward", "ce_forward_smooth", "ce_backward", "ce_backward_general", "accumulate", "ce_forward_logits"]
+__all__ = ["ce_forward", "ce_forward_smooth", "ce_backward", "ce_backward_general", "accumulate", "ce_forward_logits",
+           "ce_forward_cap", "ce_backward_cap"]
 
 
 @coda.epilogue
@@ -34,6 +39,15 @@ def ce_forward_smooth(acc, t: coda.VecM):
     return {"lse": coda.reduce_n(acc, "logsumexp"),
             "zt": coda.reduce_n(coda.where(coda.col() == t, acc, 0.0), "sum"),
             "zsum": coda.reduce_n(acc, "sum")}
+
+
+@coda.epilogue
+def ce_forward_cap(acc, t: coda.VecM, cap: coda.Scalar):
+    """:func:`ce_forward_smooth` of the soft-capped logits z = cap tanh(acc / cap)."""
+    z = cap * coda.tanh(acc / cap)
+    return {"lse": coda.reduce_n(z, "logsumexp"),
+            "zt": coda.reduce_n(coda.where(coda.col() == t, z, 0.0), "sum"),
+            "zsum": coda.reduce_n(z, "sum")}
 
 
 @coda.epilogue
@@ -53,24 +67,46 @@ def ce_backward_general(acc, t: coda.VecM, lse: coda.VecM, g: coda.VecM, smoothi
 
 
 @coda.epilogue
+def ce_backward_cap(acc, t: coda.VecM, lse: coda.VecM, g: coda.VecM, smoothing: coda.Scalar, z_loss: coda.Scalar,
+                    inv_v: coda.Scalar, cap: coda.Scalar):
+    """:func:`ce_backward_general` on the soft-capped logits z = cap tanh(acc / cap), times dz / dacc =
+    1 - tanh(acc / cap)^2: the gradient with respect to the raw product."""
+    th = coda.tanh(acc / cap)
+    p = coda.exp(cap * th - lse)
+    onehot = coda.where(coda.col() == t, 1.0, 0.0)
+    return (p * (1 + 2 * z_loss * lse) - (1 - smoothing) * onehot - smoothing * inv_v) * g * (1 - th * th)
+
+
+@coda.epilogue
 def accumulate(acc, prev: coda.TileMN):
     """acc + prev: add a GEMM's product to a running sum (``out=`` may be ``prev`` itself: each element is read
     by the thread that then stores it)."""
     return acc + prev
 
 
-def _logits_epilogue(dtype, smooth: bool):
+def _logits_epilogue(dtype, smooth: bool, cap: bool):
     """The fast mode's forward epilogue for logits stored in ``dtype``: stores the logit tile and emits lse, z_t
     (and sum_v z_v with label smoothing) of the *stored* (rounded) logits, so that the in-place softmax gradient
-    exp(z - lse) of ``coda.kernels.ce_grad`` sums to one over the row, as torch's softmax of its 16-bit logits does."""
-    def ce_forward_logits(acc, t: coda.VecM):
-        z = coda.cast(acc, dtype)
+    exp(z - lse) of ``coda.kernels.ce_grad`` sums to one over the row, as torch's softmax of its 16-bit logits does.
+    With ``cap`` the logits are soft-capped first (z = cap tanh(acc / cap), a Scalar operand ``cap``)."""
+    def logits(acc, cap):
+        return coda.cast(cap * coda.tanh(acc / cap) if cap is not None else acc, dtype)
+
+    def stats(z, t):
         out = {"out": z, "lse": coda.reduce_n(z, "logsumexp"),
                "zt": coda.reduce_n(coda.where(coda.col() == t, z, 0.0), "sum")}
         if smooth:
             out["zsum"] = coda.reduce_n(z, "sum")
         return out
-    ce_forward_logits.__name__ = f"ce_forward_logits_{str(dtype).replace('torch.', '')}{'_smooth' if smooth else ''}"
+
+    if cap:
+        def ce_forward_logits(acc, t: coda.VecM, cap: coda.Scalar):
+            return stats(logits(acc, cap), t)
+    else:
+        def ce_forward_logits(acc, t: coda.VecM):
+            return stats(logits(acc, None), t)
+    ce_forward_logits.__name__ = (f"ce_forward_logits_{str(dtype).replace('torch.', '')}{'_smooth' if smooth else ''}"
+                                  f"{'_cap' if cap else ''}")
     ce_forward_logits.__qualname__ = ce_forward_logits.__name__
     return coda.epilogue(ce_forward_logits)
 
@@ -78,11 +114,12 @@ def _logits_epilogue(dtype, smooth: bool):
 _LOGITS = {}
 
 
-def ce_forward_logits(dtype, smooth: bool = False):
-    """The fast mode's forward epilogue (stores the logits; see :func:`_logits_epilogue`), one per dtype."""
-    key = (str(dtype), smooth)
+def ce_forward_logits(dtype, smooth: bool = False, cap: bool = False):
+    """The fast mode's forward epilogue (stores the logits; see :func:`_logits_epilogue`), one per dtype and
+    options."""
+    key = (str(dtype), smooth, cap)
     if key not in _LOGITS:
-        _LOGITS[key] = _logits_epilogue(dtype, smooth)
+        _LOGITS[key] = _logits_epilogue(dtype, smooth, cap)
     return _LOGITS[key]
 
 

@@ -60,8 +60,8 @@ import torch
 from torch import Tensor
 
 from coda.epilogues.adamw import adamw_scaled
-from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_general, ce_forward,
-                                          ce_forward_smooth, scale_by)
+from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_cap, ce_backward_general, ce_forward,
+                                          ce_forward_cap, ce_forward_smooth, scale_by)
 from coda.optim import eager_backward
 
 from ._builder import backward_op, forward_op
@@ -80,7 +80,7 @@ ALIGN = 8  # 16-byte rows of 16-bit elements
 
 
 # ------------------------------------------------------------------------------------------------ argument checks
-def _check(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size) -> None:
+def _check(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size, softcap=None) -> None:
     """Everything that can be checked without reading tensor data (the target range is checked in the op)."""
     for name, t in (("x", x), ("weight", weight), ("target", target)):
         if not isinstance(t, torch.Tensor):
@@ -118,6 +118,11 @@ def _check(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, 
             raise TypeError(f"linear_cross_entropy: {name} must be a number, got {type(v).__name__}")
         if not (0.0 <= v <= hi) or math.isnan(v) or math.isinf(v):
             raise ValueError(f"linear_cross_entropy: {name} must be in [0, {hi}], got {v}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"linear_cross_entropy: softcap must be a number or None, got {type(softcap).__name__}")
+        if not 0.0 < softcap < math.inf:
+            raise ValueError(f"linear_cross_entropy: softcap must be positive and finite, got {softcap}")
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
             raise TypeError(f"linear_cross_entropy: chunk_size must be an int or None, got "
@@ -175,18 +180,19 @@ def chunk_columns(M: int, esize: int, chunk_size: Optional[int], budget: Optiona
 
 
 # ------------------------------------------------------------------------------------------------ forward
-def _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, check="sync"):
+def _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, softcap=None, check="sync"):
     M, V = x.shape[0], weight.shape[0]
     _check_target_range(target, V, ignore_index, check)
     valid, tcol = _target_columns(target, ignore_index)
     smooth = label_smoothing > 0
-    epi = ce_forward_smooth if smooth else ce_forward
+    epi = ce_forward_cap if softcap is not None else ce_forward_smooth if smooth else ce_forward
+    cap = {} if softcap is None else {"cap": softcap}
     v8 = V // ALIGN * ALIGN
     parts = []
     if M and v8:  # the logits are reduced in the epilogue and never stored
-        parts.append(gemm_for(x.device, ENTRY)(x, weight[:v8], epilogue=epi, t=tcol))
+        parts.append(gemm_for(x.device, ENTRY)(x, weight[:v8], epilogue=epi, t=tcol, **cap))
     if M and v8 < V:
-        parts.append(epi.reference(tail_logits(x, weight, v8), t=tcol - v8))
+        parts.append(epi.reference(tail_logits(x, weight, v8), t=tcol - v8, **cap))
     if parts:
         lse = parts[0]["lse"] if len(parts) == 1 else torch.logaddexp(parts[0]["lse"], parts[1]["lse"])
         stats = {k: sum(p[k] for p in parts) for k in parts[0] if k != "lse"}
@@ -217,9 +223,10 @@ IN_PLACE_MAX_RECOMPUTE = 0.25  # scratch in the gradients only while phase 2 rec
 
 
 def lean_backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoothing, z_loss, chunk_size,
-                  need_x, need_w):
+                  need_x, need_w, softcap=None):
     """(dx, dweight) of the lean mode for the upstream ``grad`` and the forward's ``lse`` (module docstring: chunks
-    of recomputed logits turned into dz by the epilogue, never an M x V tensor); None where not needed."""
+    of recomputed logits turned into dz by the epilogue, never an M x V tensor); None where not needed. With a
+    ``softcap`` the epilogue recomputes the capped logits and multiplies by their derivative."""
     M, H = x.shape
     V = weight.shape[0]
     if M == 0:
@@ -233,9 +240,11 @@ def lean_backward(grad, x, weight, target, lse, ignore_index, reduction, label_s
     if reduction == "mean":  # no valid rows: every g is 0 below (the loss is NaN, the gradients zero)
         g = g / valid.sum().clamp_min(1)
     g = torch.where(valid, g.expand(M), 0.0).contiguous()
-    general = label_smoothing > 0 or z_loss > 0
-    epi = ce_backward_general if general else ce_backward
+    general = label_smoothing > 0 or z_loss > 0 or softcap is not None
+    epi = ce_backward_cap if softcap is not None else ce_backward_general if general else ce_backward
     ops = dict(lse=lse, g=g, **(dict(smoothing=label_smoothing, z_loss=z_loss, inv_v=1.0 / V) if general else {}))
+    if softcap is not None:
+        ops["cap"] = softcap
     gemm = gemm_for(x.device, ENTRY)
     v8 = V // ALIGN * ALIGN
     vc = min(chunk_columns(M, x.element_size(), chunk_size), max(v8, ALIGN))
@@ -302,23 +311,23 @@ def lean_backward(grad, x, weight, target, lse, ignore_index, reduction, label_s
     return dx, dw
 
 
-def _op_backward_fake(grad, x, weight, target, lse, ignore_index, reduction, label_smoothing, z_loss, chunk_size,
-                      need_x, need_w):
+def _op_backward_fake(grad, x, weight, target, lse, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                      chunk_size, need_x, need_w):
     dw = weight.new_empty(weight.shape) if need_w else weight.new_empty((0,))
     return (x.new_empty(x.shape) if need_x else x.new_empty((0,))), dw
 
 
 @backward_op("linear_cross_entropy_backward", fake=_op_backward_fake)
 def _op_backward(grad: Tensor, x: Tensor, weight: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
-                 reduction: str, label_smoothing: float, z_loss: float, chunk_size: Optional[int], need_x: bool,
-                 need_w: bool) -> Tuple[Tensor, Tensor]:
+                 reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float],
+                 chunk_size: Optional[int], need_x: bool, need_w: bool) -> Tuple[Tensor, Tensor]:
     """(dx, dweight); an input gradient that is not needed comes back as an empty tensor."""
     dx, dw = lean_backward(grad, x, weight, target, lse, ignore_index, reduction, label_smoothing, z_loss,
-                           chunk_size, need_x, need_w)
+                           chunk_size, need_x, need_w, softcap=softcap)
     return (dx if dx is not None else x.new_empty((0,))), (dw if dw is not None else weight.new_empty((0,)))
 
 
-def _op_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size, check="sync"):
+def _op_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size, check="sync"):
     M = x.shape[0]
     loss = x.new_empty((M,) if reduction == "none" else (), dtype=torch.float32)
     return loss, x.new_empty((M,), dtype=torch.float32)
@@ -327,16 +336,18 @@ def _op_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss
 # saved: x, weight, target, lse; the backward op's arguments after them: ignore_index .. chunk_size (check is the
 # forward's only), then need_x, need_w
 @forward_op("linear_cross_entropy", fake=_op_fake, backward="linear_cross_entropy_backward", grads=2,
-            saved=lambda i, out: (*i[:3], out[1]), extra=lambda i: i[3:8])
+            saved=lambda i, out: (*i[:3], out[1]), extra=lambda i: i[3:9])
 def _op(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-        z_loss: float, chunk_size: Optional[int], check: str = "sync") -> Tuple[Tensor, Tensor]:
+        z_loss: float, softcap: Optional[float], chunk_size: Optional[int],
+        check: str = "sync") -> Tuple[Tensor, Tensor]:
     """(loss, lse) for x (M, H), weight (V, H), target (M,); lse (M,) fp32 is saved for the backward.
     ``check``: "sync", "async" or "off" (``linear_cross_entropy``'s check_targets True, "async", False)."""
-    return _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, check)
+    return _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, softcap, check)
 
 
 # ------------------------------------------------------------------------------------------------ fast mode
-def _op_fast_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, rows, check, need_x, need_w):
+def _op_fast_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, softcap, rows, check, need_x,
+                  need_w):
     return (x.new_empty((), dtype=torch.float32), x.new_empty(x.shape) if need_x else x.new_empty((0,)),
             weight.new_empty(weight.shape) if need_w else weight.new_empty((0,)))
 
@@ -378,21 +389,22 @@ def _backward_fast(ctx, grad_loss, grad_dx, grad_dw):
         grads = [_scale_in_place(t, g) if need else None for t, need in zip((dx, dw), (need_x, need_w))]
     else:
         grads = [(t * g).to(t.dtype) if need else None for t, need in zip((dx, dw), ctx.coda_extra)]
-    return (*grads, None, None, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None, None, None)
 
 
 # saved: the forward's dx, dw (non-differentiable outputs), the weight (coda.optim); extra: need_x, need_w
 @forward_op("linear_cross_entropy_fast", fake=_op_fast_fake, backward=_backward_fast,
             saved=lambda i, out: (*out[1:], i[1]), extra=lambda i: i[-2:])
 def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-             z_loss: float, rows: int, check: str, need_x: bool, need_w: bool) -> Tuple[Tensor, Tensor, Tensor]:
+             z_loss: float, softcap: Optional[float], rows: int, check: str, need_x: bool,
+             need_w: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(loss, dx, dw) with dx, dw the gradients for an upstream gradient of 1 (empty where not needed); see
     ``ops/cross_entropy_fast.py``."""
     V = weight.shape[0]
     _check_target_range(target, V, ignore_index, check)
     valid, tcol = _target_columns(target, ignore_index)
     lse, stats, dx, dw = forward_with_grads(x, weight, target, valid, tcol, reduction, label_smoothing, z_loss,
-                                            rows, need_x, need_w, ENTRY, tail_logits)
+                                            rows, need_x, need_w, ENTRY, tail_logits, softcap)
     loss = finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss)
     return loss, (dx if need_x else x.new_empty((0,))), (dw if need_w else weight.new_empty((0,)))
 
@@ -420,22 +432,25 @@ def _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget) -> Op
 def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0, *,
                          chunk_size: Optional[int] = None, check_targets: Union[bool, str] = True,
-                         mode: str = "auto", memory_budget: Optional[int] = None) -> Tensor:
+                         mode: str = "auto", memory_budget: Optional[int] = None,
+                         softcap: Optional[float] = None) -> Tensor:
     """``F.cross_entropy(x @ weight.T, target, ...)`` (+ ``z_loss * logsumexp**2`` per row) without storing logits.
 
     x (..., H) bfloat16/float16, weight (V, H) of x's dtype, target (...) int64 in [0, V) or ``ignore_index``.
     ``reduction``: "mean" (over non-ignored rows), "sum" or "none" (shape of ``target``). ``label_smoothing`` in
     [0, 1] (torch semantics); ``z_loss`` >= 0. ``chunk_size``: vocabulary columns per backward chunk (a multiple of
     8; default: chunks of at most ``CHUNK_BYTES``). ``check_targets``: True (a device sync,
-    ValueError on a bad target), "async" (a device-side assert, no sync) or False (no check). Returns a float32
-    loss. See the module docstring.
+    ValueError on a bad target), "async" (a device-side assert, no sync) or False (no check). ``softcap``: logit
+    soft-capping (Gemma 2): the loss of ``softcap * tanh(z / softcap)`` instead of z, forward and backward, in both
+    modes (None: off). Returns a float32 loss. See the module docstring.
 
     ``mode``: "fast" forms the gradients during the forward at the cost of three GEMMs through a logits chunk
     buffer of at most ``memory_budget`` bytes (default ``MEMORY_BUDGET`` = 1 GB, env ``CODA_CE_MEMORY_BUDGET``;
     ``ops/cross_entropy_fast.py``); "lean" stores no logits at all (four GEMMs: the backward recomputes them);
     "auto" (default) is "fast" when gradients are needed, the reduction is "mean" or "sum" and at least
     ``MIN_ROWS`` rows of logits fit the budget, else "lean"."""
-    _check(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size)
+    _check(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, chunk_size, softcap)
+    softcap = None if softcap is None else float(softcap)
     check = check_targets_option("linear_cross_entropy", check_targets)
     if mode not in MODES:
         raise ValueError(f"linear_cross_entropy: mode must be one of {MODES}, got {mode!r}")
@@ -447,8 +462,8 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
     if rows is not None:
         need_x, need_w = x.requires_grad, weight.requires_grad
         loss, _, _ = call("linear_cross_entropy_fast", x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
-                          reduction, float(label_smoothing), float(z_loss), rows, check, need_x, need_w)
+                          reduction, float(label_smoothing), float(z_loss), softcap, rows, check, need_x, need_w)
         return loss
     loss, _ = call("linear_cross_entropy", x.reshape(-1, H), weight, target.reshape(-1), ignore_index, reduction,
-                   float(label_smoothing), float(z_loss), chunk_size, check)
+                   float(label_smoothing), float(z_loss), softcap, chunk_size, check)
     return loss.reshape(target.shape) if reduction == "none" else loss

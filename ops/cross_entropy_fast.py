@@ -56,10 +56,12 @@ def plan_rows(M: int, V: int, esize: int, budget: int, force: bool = False) -> O
 
 
 def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, tcol: Tensor, reduction: str,
-                       eps: float, zl: float, rows: int, need_x: bool, need_w: bool, entry: str, tail_logits):
+                       eps: float, zl: float, rows: int, need_x: bool, need_w: bool, entry: str, tail_logits,
+                       softcap: Optional[float] = None):
     """(lse, stats, dx, dw) for g = 1; see the module docstring. ``tail_logits(x_c, weight, v8)`` gives the fp32
     logits of the last V % 8 columns (label smoothing with such a tail takes the lean mode: the in-place pass
-    would divide eps by the chunk's width)."""
+    would divide eps by the chunk's width). ``softcap``: the stored logits are capped (``softcap * tanh(z /
+    softcap)``, in the epilogue) and phase 2 multiplies by their derivative."""
     M, H = x.shape
     V = weight.shape[0]
     v8 = V // ALIGN * ALIGN
@@ -74,27 +76,30 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
     stats = {"zt": torch.empty_like(lse)}
     if eps > 0:
         stats["zsum"] = torch.empty_like(lse)
-    epi = ce_forward_logits(x.dtype, eps > 0)
+    epi = ce_forward_logits(x.dtype, eps > 0, softcap is not None)
+    cap = {} if softcap is None else {"cap": softcap}
     buf = x.new_empty((rows * v8,))
     w8 = weight[:v8]
     for m0 in range(0, M, rows):
         m1 = min(M, m0 + rows)
         xc, z = x[m0:m1], buf[:(m1 - m0) * v8].view(m1 - m0, v8)
-        res = gemm(xc, w8, epilogue=epi, out=z, t=tcol[m0:m1])          # phase 1
+        res = gemm(xc, w8, epilogue=epi, out=z, t=tcol[m0:m1], **cap)  # phase 1
         lse_c = res["lse"]
         for k in stats:
             stats[k][m0:m1] = res[k]
         tl = None
         if v8 < V:  # the tail's statistics from the same epilogue program, evaluated by torch (as the lean mode)
             tl = tail_logits(xc, weight, v8)
+            tl = tl if softcap is None else softcap * torch.tanh(tl / softcap)  # (the capped logits)
             tres = ce_forward.reference(tl, t=tcol[m0:m1] - v8)
             lse_c = torch.logaddexp(lse_c, tres["lse"])
             stats["zt"][m0:m1] += tres["zt"]
         lse[m0:m1] = lse_c
         tgt = torch.where(valid[m0:m1], target[m0:m1], -1)
         softmax_grad_(z, lse_c.contiguous(), tgt, scale[m0:m1].contiguous(), label_smoothing=eps,
-                      z_loss=zl)                                           # phase 2 (the reference on CPU tensors)
-        dz_tail = None if tl is None else softmax_grad_reference_(tl, lse_c, tgt - v8, scale[m0:m1], z_loss=zl)
+                      z_loss=zl, softcap=softcap)                          # phase 2 (the reference on CPU tensors)
+        dz_tail = None if tl is None else softmax_grad_reference_(tl, lse_c, tgt - v8, scale[m0:m1], z_loss=zl,
+                                                                  softcap=softcap)
         if need_x:                                                         # phase 3
             if dz_tail is None:
                 gemm(z, w8.t(), out=dx[m0:m1])

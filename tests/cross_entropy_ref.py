@@ -8,9 +8,12 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def torch_loss(x, w, t, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0):
-    """F.cross_entropy(x @ w.T, ...) + z_loss * logsumexp**2 on non-ignored rows, reduced like the loss."""
+def torch_loss(x, w, t, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None):
+    """F.cross_entropy(x @ w.T, ...) + z_loss * logsumexp**2 on non-ignored rows, reduced like the loss; with
+    ``softcap`` of the capped logits softcap * tanh(x @ w.T / softcap) (Gemma 2)."""
     logits = x @ w.T
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     loss = F.cross_entropy(logits, t, ignore_index=ignore_index, reduction=reduction,
                            label_smoothing=label_smoothing)
     if z_loss:
@@ -26,3 +29,4 @@ def run(fn, x, w, t, up, **kw):
     loss = fn(xs, ws, t, **kw)
     (loss.double() * up).sum().backward()
     return loss.detach(), xs.grad, ws.grad
+

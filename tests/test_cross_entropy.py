@@ -373,16 +373,16 @@ def test_check_targets_false_skips_the_sync_only():
 
 
 # ------------------------------------------------------------------------------------------------ torch.library
-@pytest.mark.parametrize("reduction,smooth,zl", [("mean", 0.0, 0.0), ("none", 0.1, 1e-2), ("sum", 0.0, 1e-3)])
-def test_opcheck(reduction, smooth, zl):
+@pytest.mark.parametrize("reduction,smooth,zl,cap", [("mean", 0.0, 0.0, None), ("none", 0.1, 1e-2, None),
+                                                      ("sum", 0.0, 1e-3, 3.0)])
+def test_opcheck(reduction, smooth, zl, cap):
     x, w, t = _problem(13, 37, 16)
     x.requires_grad_()
     w.requires_grad_()
-    torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default, (x, w, t, -100, reduction, smooth, zl, 8))
-    torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default,
-                          (x, w, t, -100, reduction, smooth, zl, 8, "off"))
-    torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default,
-                          (x, w, t, -100, reduction, smooth, zl, 8, "async"))
+    args = (x, w, t, -100, reduction, smooth, zl, cap, 8)
+    torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default, args)
+    torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default, (*args, "off"))
+    torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default, (*args, "async"))
 
 
 def test_compile_fullgraph():
@@ -519,3 +519,46 @@ def test_scale_by_in_place_pass():
     res = epilogue_pass(coda.reference.gemm, t, 37, 24, epilogue=scale_by, out=t, t=t, s=s)
     assert res.data_ptr() == t.data_ptr()
     assert torch.equal(t.isnan(), want.isnan()) and torch.equal(t.nan_to_num(), want.nan_to_num())
+
+
+# ------------------------------------------------------------------------------------------------ logit soft-capping
+@pytest.mark.parametrize("M,V,H", CASES)
+@pytest.mark.parametrize("mode,reduction", [("lean", "mean"), ("lean", "none"), ("fast", "mean"), ("fast", "sum")])
+@pytest.mark.parametrize("smooth,zl", [(0.0, 0.0), (0.1, 1e-3)])
+def test_softcap_matches_torch_2x_rule(M, V, H, mode, reduction, smooth, zl):
+    """softcap * tanh(z / softcap) (Gemma 2) in both modes vs float64 torch of the capped logits: loss, dx, dw within
+    2x torch-in-bf16's error; a cap below the logits' range (the capped and raw losses differ)."""
+    if mode == "fast" and smooth > 0 and V % 8:
+        return  # the lean mode runs (test_fast_mode_matches_torch_2x_rule)
+    x, w, t = _problem(M, V, H)
+    kw = dict(reduction=reduction, label_smoothing=smooth, z_loss=zl, softcap=2.0)
+    up = torch.randn(M, dtype=torch.float64) if reduction == "none" else torch.tensor(1.5, dtype=torch.float64)
+    ours = run(lce, x, w, t, up, chunk_size=16, mode=mode, **kw)
+    want = run(torch_loss, x.double(), w.double(), t, up, **kw)
+    theirs = run(torch_loss, x, w, t, up, **kw)
+    raw = run(torch_loss, x.double(), w.double(), t, up, **{**kw, "softcap": None})
+    assert rel(raw[0], want[0]) > 1e-2  # the cap changes the loss
+    for name, a, b, c in zip(("loss", "dx", "dw"), ours, want, theirs):
+        assert a.shape == b.shape, name
+        assert rel(a, b) <= 2 * rel(c, b) + 1e-4, (name, rel(a, b), rel(c, b))
+
+
+def test_softcap_argument_errors():
+    x, w, t = _problem(8, 16, 8)
+    for bad, err in ((0.0, ValueError), (-1.0, ValueError), (math.inf, ValueError), (math.nan, ValueError),
+                     (True, TypeError), ("30", TypeError)):
+        with pytest.raises(err, match="softcap"):
+            lce(x, w, t, softcap=bad)
+
+
+def test_softcap_epilogues_compile_for_sm90():
+    """The capped forward (lean, fast) and backward epilogues compile for sm_90a on the CPU (the GPU runs them in
+    tests/test_cross_entropy_gpu.py)."""
+    from coda.check import compile_variant
+    from coda.config import GemmConfig
+    cfg = GemmConfig(tile_m=128, tile_n=256, cluster_m=2)
+    for epi in (ce.ce_forward_cap, ce.ce_backward_cap, ce.ce_forward_logits(torch.bfloat16, False, True)):
+        row = compile_variant(cfg, epi, count=("ex2",))
+        assert row["ok"] and row["spill_bytes"] == 0, (epi.name, row["error"], row["spill_bytes"])
+        # two exponentials per element of a thread's 64 x 256 / 128 = 128: the cap's tanh and the softmax's exp
+        assert row["count"]["ex2"] >= 2 * 128, (epi.name, row["count"])

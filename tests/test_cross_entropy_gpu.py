@@ -53,6 +53,25 @@ def test_matches_torch_2x_rule(M, V, H, chunk, reduction, smooth, zl, mode):
         assert rel(a, b) <= 2 * rel(c, b) + 1e-4, (name, rel(a, b), rel(c, b))
 
 
+@pytest.mark.parametrize("M,V,H,chunk", [(333, 1003, 256, 512), (512, 8195, 512, 256)])
+@pytest.mark.parametrize("smooth,zl", [(0.0, 0.0), (0.1, 1e-3)])
+@pytest.mark.parametrize("mode", ["lean", "fast"])
+def test_softcap_matches_torch_2x_rule(M, V, H, chunk, smooth, zl, mode):
+    """Logit soft-capping (softcap * tanh(z / softcap), Gemma 2) on the kernels -- the lean mode's capped forward and
+    backward epilogues, the fast mode's capped logits epilogue and ce_grad's softcap factor -- vs float64 torch of
+    the capped logits (a cap of 5 bends logits of scale 3)."""
+    x, w, t = _problem(M, V, H)
+    kw = dict(reduction="mean", label_smoothing=smooth, z_loss=zl, softcap=5.0)
+    budget = max(1, M // 3) * V * 2 if mode == "fast" else None
+    up = torch.tensor(0.37, device=DEV, dtype=torch.float64)
+    ours = run(lce, x, w, t, up, chunk_size=chunk, mode=mode, memory_budget=budget, **kw)
+    want = run(torch_loss, x.double(), w.double(), t, up, **kw)
+    theirs = run(torch_loss, x, w, t, up, **kw)
+    for name, a, b, c in zip(("loss", "dx", "dw"), ours, want, theirs):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) <= 2 * rel(c, b) + 1e-4, (name, rel(a, b), rel(c, b))
+
+
 def test_chunk_sizes_agree():
     x, w, t = _problem(520, 2048, 256)
     up = torch.tensor(1.0, device=DEV, dtype=torch.float64)

@@ -394,3 +394,37 @@ def test_swiglu_under_compile_with_inductor_flag(monkeypatch):
     monkeypatch.setattr(coda.nn, "rmsnorm_swiglu", lambda *a, **k: pytest.fail("the fused op ran under compile"))
     inductor = mlp(x)
     assert ((inductor.float() - fused.float()).norm() / fused.float().norm()).item() < 2e-2
+
+
+def test_lm_head_softcap():
+    """LMHeadCrossEntropy(softcap=c): the bf16 module (coda.ops.linear_cross_entropy with softcap) within 2x the
+    error of torch in bf16 against float64 torch of the capped logits; the logits output is capped too; a bad
+    softcap is refused."""
+    g = torch.Generator().manual_seed(5)
+    H, V, cap = 32, 72, 2.0
+    x, gamma = _randn(4, 64, H, g=g), 1 + _randn(H, g=g) / 5  # 256 rows: the loss's rounding errors average out
+    w, target = _randn(V, H, g=g) * 0.5, torch.randint(0, V, (4, 64), generator=g)
+
+    def stock(dtype):
+        xs, ws = _leaves(x, w, dtype=dtype)
+        logits = F.linear(rms_norm(xs, gamma.to(dtype), EPS), ws).flatten(0, 1)
+        logits = cap * torch.tanh(logits / cap)  # in the model's dtype, as a Gemma 2 model caps them
+        loss = F.cross_entropy(logits.to(torch.promote_types(dtype, torch.float32)), target.flatten())
+        loss.backward()
+        return loss, xs.grad, ws.grad
+
+    ref, theirs = stock(torch.float64), stock(torch.bfloat16)
+    mod = LMHeadCrossEntropy(H, V, EPS, softcap=cap, dtype=torch.bfloat16)
+    mod.load_state_dict({"norm.weight": gamma, "weight": w})
+    xb = x.detach().bfloat16().requires_grad_()
+    loss = mod(xb, target)
+    loss.backward()
+    # the loss is one number: torch's bf16 error can cancel by chance, so its floor is the bf16 rounding of the
+    # logits averaged over the rows (2^-8 |loss| / sqrt(rows)); the gradients take the 2x rule as they are
+    e, e_torch = _err(loss, ref[0]), _err(theirs[0], ref[0])
+    assert e <= 2 * e_torch + 2 ** -8 * ref[0].abs().item() / target.numel() ** 0.5, ("loss", e, e_torch)
+    for name, a, t, r in zip(("dx", "dw"), (xb.grad, mod.weight.grad), theirs[1:], ref[1:]):
+        _two_x(name, a, t, r)
+    assert mod(xb.detach()).abs().max() <= cap and "softcap=2.0" in repr(mod)
+    with pytest.raises(ValueError, match="softcap"):
+        LMHeadCrossEntropy(H, V, EPS, softcap=0.0)
