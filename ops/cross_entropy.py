@@ -2,7 +2,9 @@
 
 ``loss = cross_entropy(x @ weight.T, target)`` with torch's ``F.cross_entropy`` semantics (``ignore_index``,
 ``reduction``, ``label_smoothing``) plus an optional z-loss ``z_loss * lse**2`` per (non-ignored) row, where
-lse = logsumexp of the row's logits (PaLM's auxiliary loss; averaged like the rest under ``reduction="mean"``).
+lse = logsumexp of the row's logits (PaLM's auxiliary loss; averaged like the rest under ``reduction="mean"``),
+and optional logit soft-capping (Gemma 2): with ``softcap`` c every logit z is replaced by c tanh(z / c), in the
+epilogues of both modes (``ce_forward_cap`` / ``ce_backward_cap``; the fast mode stores the capped logits).
 The algebra is in ``coda/epilogues/cross_entropy.py``.
 
 Forward: one GEMM x W^T whose epilogue stores no logits, only per-row reductions: lse (logsumexp) and the target
