@@ -42,6 +42,7 @@ i.e. a collective between two launches of each chunk).
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Optional
 
 import torch
@@ -103,19 +104,21 @@ def _check_layout(ranges: Tensor, target: Tensor, valid: Tensor, check_targets: 
 
 
 # ------------------------------------------------------------------------------------------------ phases
-def _local_stats(x: Tensor, weight: Tensor, tloc: Tensor):
+def _local_stats(x: Tensor, weight: Tensor, tloc: Tensor, softcap: Optional[float] = None):
     """Phase 1: (lse_r, zt_r) of this shard from one GEMM whose epilogue reduces the logits (never stored);
-    ``tloc`` the target column within the shard as float (no column matches a value outside [0, rows))."""
-    from coda.epilogues.cross_entropy import ce_forward
+    ``tloc`` the target column within the shard as float (no column matches a value outside [0, rows)); with a
+    ``softcap`` of the capped logits (``ce_forward_cap``)."""
+    from coda.epilogues.cross_entropy import ce_forward, ce_forward_cap
     from coda.ops.cross_entropy import ALIGN, gemm_for, tail_logits
+    epi, cap = (ce_forward, {}) if softcap is None else (ce_forward_cap, {"cap": softcap})
     M, V = x.shape[0], weight.shape[0]
     wide = x.dtype in (torch.float32, torch.float64)  # the reference path: no alignment rules, no tail
     v8 = V if wide else V // ALIGN * ALIGN
     parts = []
     if M and v8:
-        parts.append(gemm_for(x.device, ENTRY)(x, weight[:v8], epilogue=ce_forward, t=tloc))
+        parts.append(gemm_for(x.device, ENTRY)(x, weight[:v8], epilogue=epi, t=tloc, **cap))
     if M and v8 < V:  # the last V % 8 rows of the shard: the op's tail path (M x 8 logits, torch epilogue)
-        parts.append(ce_forward.reference(tail_logits(x, weight, v8), t=tloc - v8))
+        parts.append(epi.reference(tail_logits(x, weight, v8), t=tloc - v8, **cap))
     if not parts:
         empty = x.new_empty((0,), dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
         return empty, empty
@@ -138,12 +141,14 @@ def _gather_stats(lse: Tensor, zt: Tensor, v0: int, rows: int, group):
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name first
 
 
-def _backward_wide(grad, x, weight, tloc, lse, valid, reduction, chunk_size):
+def _backward_wide(grad, x, weight, tloc, lse, valid, reduction, chunk_size, softcap=None):
     """The same chunked recompute for float32 / float64 (CPU reference path only), which the op's lean backward
-    does not take: per chunk, dz from ``ce_backward`` on recomputed logits, then dX += dz W_c, dW_c = dz^T x in
-    x's precision (no alignment rules on this path)."""
-    from coda.epilogues.cross_entropy import ce_backward
+    does not take: per chunk, dz from ``ce_backward`` (``ce_backward_cap`` with a ``softcap``) on recomputed
+    logits, then dX += dz W_c, dW_c = dz^T x in x's precision (no alignment rules on this path)."""
+    from coda.epilogues.cross_entropy import ce_backward, ce_backward_cap
     from coda.ops.cross_entropy import chunk_columns, gemm_for
+    epi, extra = ((ce_backward, {}) if softcap is None else
+                  (ce_backward_cap, dict(smoothing=0.0, z_loss=0.0, inv_v=1.0, cap=softcap)))
     M, V = x.shape[0], weight.shape[0]
     g = grad.to(lse.dtype)
     if reduction == "mean":
@@ -153,7 +158,7 @@ def _backward_wide(grad, x, weight, tloc, lse, valid, reduction, chunk_size):
     dx, dw = torch.zeros_like(x), torch.empty_like(weight)
     for c0 in range(0, V, vc):
         w = weight[c0:c0 + vc]
-        dz = gemm_for(x.device, ENTRY)(x, w, epilogue=ce_backward, t=tloc - c0, lse=lse, g=g)
+        dz = gemm_for(x.device, ENTRY)(x, w, epilogue=epi, t=tloc - c0, lse=lse, g=g, **extra)
         dx.addmm_(dz, w)
         dw[c0:c0 + vc] = dz.t() @ x
     return dx, dw
@@ -161,45 +166,45 @@ def _backward_wide(grad, x, weight, tloc, lse, valid, reduction, chunk_size):
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target, group, ignore_index, reduction, v0, chunk_size, check_targets):
+    def forward(ctx, x, weight, target, group, ignore_index, reduction, v0, chunk_size, check_targets, softcap):
         from coda.ops.cross_entropy import finish_loss
         valid = target != ignore_index
         rows = weight.shape[0]
         tloc = torch.where(valid, target - v0, -1).to(torch.float32)  # -1 / out of [0, rows): matches no column
-        lse_r, zt_r = _local_stats(x, weight, tloc)
+        lse_r, zt_r = _local_stats(x, weight, tloc, softcap)
         lse, zt, ranges = _gather_stats(lse_r, zt_r, v0, rows, group)
         V = _check_layout(ranges, target, valid, check_targets)
         loss = finish_loss(lse, {"zt": zt}, valid, V, reduction, 0.0, 0.0)
         ctx.save_for_backward(x, weight, target, lse)
-        ctx.args = (group, ignore_index, reduction, v0, chunk_size)
+        ctx.args = (group, ignore_index, reduction, v0, chunk_size, softcap)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         from coda.ops.cross_entropy import lean_backward
         x, weight, target, lse = ctx.saved_tensors
-        group, ignore_index, reduction, v0, chunk_size = ctx.args
+        group, ignore_index, reduction, v0, chunk_size, softcap = ctx.args
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # the lean backward of coda.ops on this shard, with the global lse and the target shifted by v0; the
         # ignored rows get a sentinel no shifted valid target can equal (those lie in [-v0, V - v0))
         valid = target != ignore_index
         if x.dtype in (torch.float32, torch.float64):
             tloc = torch.where(valid, target - v0, -1).to(lse.dtype)
-            dx, dw = _backward_wide(grad, x, weight, tloc, lse, valid, reduction, chunk_size)
+            dx, dw = _backward_wide(grad, x, weight, tloc, lse, valid, reduction, chunk_size, softcap)
         else:
             sentinel = -v0 - 1
             shifted = torch.where(valid, target - v0, sentinel)
             dx, dw = lean_backward(grad, x, weight, shifted, lse, sentinel, reduction, 0.0, 0.0, chunk_size, need_x,
-                               need_w)
+                                   need_w, softcap=softcap)
         if need_x:
             dist.all_reduce(dx, op=dist.ReduceOp.SUM, group=group)  # dX = sum_r dz_r W_r
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(x: Tensor, weight_shard: Tensor, target: Tensor, group=None,
                                  ignore_index: int = -100, reduction: str = "mean",
                                  vocab_start: Optional[int] = None, *, chunk_size: Optional[int] = None,
-                                 check_targets: bool = True) -> Tensor:
+                                 check_targets: bool = True, softcap: Optional[float] = None) -> Tensor:
     """``F.cross_entropy(x @ W.T, target)`` with W's vocabulary rows sharded over the ranks of ``group``.
 
     Every rank passes the same x (..., H) and target (...) (int64 in [0, V) or ``ignore_index``) and its own
@@ -209,16 +214,21 @@ def vocab_parallel_cross_entropy(x: Tensor, weight_shard: Tensor, target: Tensor
     (float32; float64 for float64 inputs), the same on every rank; ``reduction`` "mean" (over non-ignored rows),
     "sum" or "none". Backward: x.grad is the full dX on every rank (all-reduced), ``weight_shard.grad`` this
     shard's rows of dW. ``chunk_size``: vocabulary columns per backward chunk (as ``coda.ops.linear_cross_entropy``).
-    ``check_targets``: check after the gather that the targets lie in [0, V) (a host sync). One all-gather of
+    ``check_targets``: check after the gather that the targets lie in [0, V) (a host sync). ``softcap``: the loss
+    of the soft-capped logits c tanh(z / c) (Gemma 2; as ``coda.ops.linear_cross_entropy``). One all-gather of
     2 M + 2 floats per rank in forward, one all-reduce of M x H in backward. See the module docstring."""
     _check(x, weight_shard, target, ignore_index, reduction, vocab_start)
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not 0.0 < softcap < math.inf):
+        raise ValueError(f"{ENTRY}: softcap must be a positive finite number or None, got {softcap!r}")
     if not dist.is_initialized():
         raise RuntimeError(f"{ENTRY}: torch.distributed is not initialized (call init_process_group first)")
     rows = weight_shard.shape[0]
     v0 = dist.get_rank(group) * rows if vocab_start is None else vocab_start
     H = x.shape[-1]
     loss = _VocabParallelCE.apply(x.reshape(-1, H), weight_shard, target.reshape(-1), group, ignore_index,
-                                  reduction, v0, chunk_size, bool(check_targets))
+                                  reduction, v0, chunk_size, bool(check_targets),
+                                  None if softcap is None else float(softcap))
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 

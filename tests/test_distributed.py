@@ -111,13 +111,44 @@ def _ce_errors_worker(rank):
         cd.vocab_parallel_cross_entropy(x, shard.float(), t)
     with pytest.raises(ValueError, match="reduction"):
         cd.vocab_parallel_cross_entropy(x, shard, t, reduction="max")
+    with pytest.raises(ValueError, match="softcap"):
+        cd.vocab_parallel_cross_entropy(x, shard, t, softcap=-1.0)
     loss = cd.vocab_parallel_cross_entropy(x, shard, t)  # the group still works after the errors
     assert torch.isfinite(loss)
+
+
+def _ce_softcap_worker(rank, dtype):
+    """softcap: the vocab-parallel loss of capped logits vs float64 torch (float64: to 1e-7; bf16: the 2x rule) and,
+    in bf16, vs the single-process lean op with the same cap (loss and dW shards to 1e-6)."""
+    import coda.ops
+    M, V, H, split = 24, 203, 40, 104
+    lo, hi = (0, split) if rank == 0 else (split, V)
+    x, w, t = _ce_problem(M, V, H, dtype)
+    up = torch.tensor(1.5, dtype=torch.float64)
+    kw = dict(reduction="mean", softcap=2.0)
+    ours = _vp_run(x, w, t, up, lo, hi, chunk_size=16, **kw)
+    want = run(torch_loss, x.double(), w.double(), t, up, **kw)
+    want = (want[0], want[1], want[2][lo:hi])
+    if dtype == torch.float64:
+        for name, a, b in zip(("loss", "dx", "dw"), ours, want):
+            assert rel(a, b) <= 1e-7, (name, rel(a, b), rank)
+        return
+    theirs = run(torch_loss, x, w, t, up, **kw)
+    theirs = (theirs[0], theirs[1], theirs[2][lo:hi])
+    for name, a, b, c in zip(("loss", "dx", "dw"), ours, want, theirs):
+        assert rel(a, b) <= 2 * rel(c, b) + 1e-4, (name, rel(a, b), rel(c, b), rank)
+    lean = run(coda.ops.linear_cross_entropy, x, w, t, up, mode="lean", chunk_size=16, **kw)
+    assert rel(ours[0], lean[0]) <= 1e-6 and rel(ours[2], lean[2][lo:hi]) <= 1e-6, rank
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_vocab_parallel_ce(dtype):
     _spawn(_ce_worker, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_vocab_parallel_ce_softcap(dtype):
+    _spawn(_ce_softcap_worker, dtype)
 
 
 def test_vocab_parallel_ce_errors():
