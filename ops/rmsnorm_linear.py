@@ -152,27 +152,12 @@ def normed_operands(h: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Te
     inv_k = 1.0 / max(K, 1)
     if 0 < M <= weight.shape[0]:
         res = epilogue_pass(gemm, h, M, K, epilogue=scale_sumsq, out_dtype=h.dtype, h=h, gamma=norm_weight)
-        a, b = res["out"], weight
-        r = None if eps is None else torch.add(_eps(eps, h.device), res["ss"], alpha=inv_k).rsqrt_()
+        a, b, ss = res["out"], weight, res["ss"]
     else:
         a, b = h, fold(weight, norm_weight, gemm)
-        n = None if eps is None else torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32)
-        r = None if eps is None else torch.addcmul(_eps(eps, h.device), n, n, value=inv_k).rsqrt_()
-    # (two or three small kernels between the big launches, not four or five: the forward's host time, session 24)
-    return a, b, r
-
-
-_eps_cache: dict = {}
-
-
-def _eps(eps: float, device) -> torch.Tensor:
-    """eps as a 1-element fp32 tensor on ``device`` (made once per value and device), for the fused add of r."""
-    key = (float(eps), str(device))
-    t = _eps_cache.get(key)
-    if t is None:  # allocated outside a CUDA-graph tree's private pool (it outlives the call: coda.gemm's rule)
-        from coda.gemm import _persistent_zeros
-        t = _eps_cache[key] = _persistent_zeros(1, torch.float32, torch.device(device)).add_(float(eps))
-    return t
+        ss = None if eps is None else torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32).square()
+    # r = rsqrt(ss / K + eps): one new fp32 vector, then in place on it
+    return a, b, (None if eps is None else ss.mul(inv_k).add_(eps).rsqrt_())
 
 
 # ---------------------------------------------------------------------------------------- the custom ops (2-D)
