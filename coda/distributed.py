@@ -42,7 +42,6 @@ i.e. a collective between two launches of each chunk).
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Optional
 
 import torch
@@ -218,9 +217,8 @@ def vocab_parallel_cross_entropy(x: Tensor, weight_shard: Tensor, target: Tensor
     of the soft-capped logits c tanh(z / c) (Gemma 2; as ``coda.ops.linear_cross_entropy``). One all-gather of
     2 M + 2 floats per rank in forward, one all-reduce of M x H in backward. See the module docstring."""
     _check(x, weight_shard, target, ignore_index, reduction, vocab_start)
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                or not 0.0 < softcap < math.inf):
-        raise ValueError(f"{ENTRY}: softcap must be a positive finite number or None, got {softcap!r}")
+    from coda.ops.cross_entropy import check_softcap
+    check_softcap(ENTRY, softcap)
     if not dist.is_initialized():
         raise RuntimeError(f"{ENTRY}: torch.distributed is not initialized (call init_process_group first)")
     rows = weight_shard.shape[0]

@@ -30,7 +30,6 @@ float64) run the same math in plain torch (``coda.ops`` are 16-bit only); shapes
 """
 from __future__ import annotations
 
-import math
 import os
 
 from typing import Optional, Sequence, Union
@@ -40,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from coda import ops
-from coda.ops.cross_entropy import check_targets_option
+from coda.ops.cross_entropy import check_softcap, check_targets_option
 from coda.ops.mlp import rms_swiglu, rmsnorm_swiglu  # noqa: F401 (re-exported)
 
 __all__ = ["RMSNormLinear", "SwiGLUMLP", "LMHeadCrossEntropy", "DeferredRMSNorm", "rms_norm", "rmsnorm_swiglu",
@@ -356,9 +355,7 @@ class LMHeadCrossEntropy(_NormConsumer):
                  dtype=None):
         super().__init__()
         _check_aligned("LMHeadCrossEntropy", hidden_size=hidden_size)
-        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                    or not 0.0 < softcap < math.inf):
-            raise ValueError(f"LMHeadCrossEntropy: softcap must be a positive finite number or None, got {softcap!r}")
+        check_softcap("LMHeadCrossEntropy", softcap)
         check_targets_option("LMHeadCrossEntropy", check_targets)
         self.check_targets = check_targets
         self.hidden_size, self.vocab_size = hidden_size, vocab_size

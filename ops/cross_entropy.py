@@ -120,11 +120,7 @@ def _check(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, 
             raise TypeError(f"linear_cross_entropy: {name} must be a number, got {type(v).__name__}")
         if not (0.0 <= v <= hi) or math.isnan(v) or math.isinf(v):
             raise ValueError(f"linear_cross_entropy: {name} must be in [0, {hi}], got {v}")
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-            raise TypeError(f"linear_cross_entropy: softcap must be a number or None, got {type(softcap).__name__}")
-        if not 0.0 < softcap < math.inf:
-            raise ValueError(f"linear_cross_entropy: softcap must be positive and finite, got {softcap}")
+    check_softcap("linear_cross_entropy", softcap)
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
             raise TypeError(f"linear_cross_entropy: chunk_size must be an int or None, got "
@@ -132,6 +128,16 @@ def _check(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, 
         if chunk_size <= 0 or chunk_size % ALIGN:
             raise ValueError(f"linear_cross_entropy: chunk_size must be a positive multiple of {ALIGN} "
                              f"(vocabulary columns per backward chunk), got {chunk_size}")
+
+
+def check_softcap(entry: str, softcap) -> None:
+    """``softcap``: None or a positive finite number (``TypeError`` / ``ValueError`` naming ``entry``)."""
+    if softcap is None:
+        return
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"{entry}: softcap must be a number or None, got {type(softcap).__name__}")
+    if not 0.0 < softcap < math.inf:
+        raise ValueError(f"{entry}: softcap must be positive and finite, got {softcap}")
 
 
 _CHECKS = {True: "sync", "async": "async", False: "off"}  # check_targets -> the custom op's ``check``

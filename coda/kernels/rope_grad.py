@@ -29,6 +29,8 @@ import threading
 
 import torch
 
+from .ce_grad import _cutlass_dtype  # (the 16-bit element types, one table)
+
 THREADS = 256
 WARPS = THREADS // 32
 VEC = 8  # 16-bit elements per 16-byte access
@@ -172,11 +174,6 @@ def _kernel_class():
             return dot
 
     return RopeGradSm90
-
-
-def _cutlass_dtype(dtype):
-    import cutlass
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
 
 
 def compile_kernel(dtype=torch.bfloat16, inv_k: float = 1.0 / 2048, *, options=None, fake=True, args=None):
