@@ -237,10 +237,11 @@ def linear_residual(o: Tensor, weight: Tensor, res: Tensor) -> Tensor:
     projection writing straight into the residual stream. o (..., K), weight (N, K), res (..., N), one dtype (bf16
     / fp16; float32 / float64 on CPU tensors). The gradient of res is dy itself.
 
-    The same as ``coda.ops.linear(o, weight, epilogue=residual_add, res=res)``, as an op of its own because this one
-    sits in a forward whose launches are host-late (session 24): ``linear``'s generic path (epilogue by name,
-    operand lists, the derived backward) took ~40 us more host time a call (CPU reference path, 128 vs 170 us), and
-    its backward forms the acc-free gradient of res from a zero scalar it allocates."""
+    The same as ``coda.ops.linear(o, weight, epilogue=residual_add, res=res)``, as an op of its own: ``linear``'s
+    generic path (epilogue by name, operand lists, the derived backward) takes ~40 us more host time a call (CPU
+    reference path, 128 vs 170 us; the fused step's forward is host-late under the profiler, though not in the
+    timed step: session 25), and its backward forms the acc-free gradient of res from a zero scalar it allocates
+    (one more kernel a layer)."""
     check_inputs(LR_ENTRY, o, weight)
     if weight.dim() != 2 or weight.shape[1] != o.shape[-1] or tuple(res.shape) != (*o.shape[:-1], weight.shape[0]):
         raise ValueError(f"{LR_ENTRY}: expected o (..., K), weight (N, K), res (..., N); got {tuple(o.shape)}, "
