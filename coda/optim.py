@@ -24,7 +24,11 @@ gradient accumulation over several backward passes, clipping by the global norm,
 does a weight updated in backward that also received a ``.grad``.
 
 Hyper-parameters are read from ``param_groups`` at each update (a learning-rate scheduler works as with torch): they
-reach the kernels as run-time device scalars, one small host-to-device copy per group and step.
+reach the kernels as run-time device scalars, one small host-to-device copy per group and step. With
+``capturable=True`` (as torch's) the step count stays on the device and the step-dependent terms are computed there,
+so a whole training step -- forward, backward with its in-backward updates, ``step()`` -- can be captured in one CUDA
+graph and replayed (``torch.cuda.graph``; run one step before capturing; the learning rate is then the captured
+one, as with torch's capturable AdamW and a float lr).
 """
 from __future__ import annotations
 
@@ -97,8 +101,8 @@ class AdamW(torch.optim.AdamW):
                  *, in_backward: bool = True, **kwargs):
         if not isinstance(in_backward, bool):
             raise TypeError(f"coda.optim.AdamW: in_backward must be True or False, got {in_backward!r}")
-        if in_backward and any(kwargs.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable")):
-            raise ValueError("coda.optim.AdamW: in_backward=True supports neither amsgrad, maximize, capturable nor "
+        if in_backward and any(kwargs.get(k) for k in ("amsgrad", "maximize", "differentiable")):
+            raise ValueError("coda.optim.AdamW: in_backward=True supports neither amsgrad, maximize nor "
                              "differentiable; pass in_backward=False")
         if isinstance(lr, bool) or not isinstance(lr, (float, int)):
             raise TypeError(f"coda.optim.AdamW: lr must be a float, got {type(lr).__name__}")
@@ -107,6 +111,7 @@ class AdamW(torch.optim.AdamW):
         self._done: dict = {}  # id(p) -> p: updated in backward since the last step()
         self._steps: dict = {}  # id(p) -> host step count of the parameters updated in backward
         self._hyper: dict = {}  # (group, step, device, hyper-parameters) -> (8, 4) fp32 device tensor
+        self._const: dict = {}  # capturable: (group, device, hyper-parameters) -> the step-independent rows
         if in_backward:
             me = weakref.ref(self)
             for gi, group in enumerate(self.param_groups):
@@ -123,16 +128,20 @@ class AdamW(torch.optim.AdamW):
         if id(p) in self._done:
             raise RuntimeError("coda.optim.AdamW: a weight was updated in backward twice without optimizer.step() "
                                "(gradient accumulation or a second backward): pass in_backward=False")
-        if not state:  # torch's AdamW state layout (fused: a float32 step tensor on the parameter's device)
-            fused = self.defaults.get("fused")
-            state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
+        group = self.param_groups[gi]
+        if not state:  # torch's AdamW state layout (fused / capturable: a float32 step tensor on p's device)
+            on_device = self.defaults.get("fused") or group["capturable"]
+            state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
                              else torch.tensor(0.0, dtype=torch.float32))
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if id(p) not in self._steps:  # first in-backward update (or resumed from a state dict): one host read
-            self._steps[id(p)] = int(state["step"].item())
         from coda.epilogues.adamw import HYPER
-        hyper = self._hyper_tensor(gi, self.param_groups[gi], self._steps[id(p)] + 1, p.device)
+        if group["capturable"]:  # no host read: the step's terms from the device step count
+            hyper = self._hyper_on_device(gi, group, state["step"], p.device)
+        else:
+            if id(p) not in self._steps:  # first in-backward update (or resumed from a state dict): one host read
+                self._steps[id(p)] = int(state["step"].item())
+            hyper = self._hyper_tensor(gi, group, self._steps[id(p)] + 1, p.device)
         self._done[id(p)] = p
         ops = dict(p=p.detach(), m=state["exp_avg"], v=state["exp_avg_sq"])
         ops.update({name: hyper[i, :1] for i, name in enumerate(HYPER)})
@@ -151,6 +160,30 @@ class AdamW(torch.optim.AdamW):
             if device.type == "cuda":
                 host = host.pin_memory()
             h = self._hyper[key] = host.to(device, non_blocking=True)
+        return h
+
+    def _hyper_on_device(self, gi: int, group: dict, step: torch.Tensor, device) -> torch.Tensor:
+        """``_hyper_tensor``'s rows with t = step + 1 read on the device (``capturable``): a few small kernels
+        once per group and step, no host read, so that a CUDA graph of the step replays with the right t. The
+        group's parameters share one step count (as torch's steps keep them); the step-independent rows are
+        made once, outside any capture (the first update of a group, e.g. in the warm-up before a capture)."""
+        key = (gi, device)
+        h = self._hyper.get(key)
+        if h is not None:
+            return h
+        lr, (b1, b2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
+        ckey = (gi, device, lr, b1, b2, eps, wd)
+        const = self._const.get(ckey)
+        if const is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("coda.optim.AdamW(capturable=True): run one step before the capture (the "
+                                   "hyper-parameters changed, or this is the first step)")
+            const = self._const[ckey] = self._hyper_tensor(gi, group, 1, device)
+        t = step.to(device=device, dtype=torch.float32) + 1.0
+        h = const.clone()
+        h[4].copy_(torch.rsqrt(1.0 - torch.pow(b2, t)).expand(4))
+        h[6].copy_((lr / (1.0 - torch.pow(b1, t))).expand(4))
+        self._hyper[key] = h
         return h
 
     # -- step ------------------------------------------------------------------------------------------------------
@@ -173,7 +206,8 @@ class AdamW(torch.optim.AdamW):
                 for s in steps:
                     s.add_(1.0)
             for p in done:
-                self._steps[id(p)] += 1
+                if id(p) in self._steps:
+                    self._steps[id(p)] += 1
         mine = {id(p) for p in done}
         for group in self.param_groups:  # torch's step advanced these: their host counts are re-read if needed
             for p in group["params"]:

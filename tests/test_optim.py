@@ -187,6 +187,20 @@ def test_bad_arguments():
         coda.optim.AdamW([p], lr=torch.tensor(1e-3))
     with pytest.raises(TypeError, match="in_backward must be True or False"):
         coda.optim.AdamW([p], in_backward="yes")
+    coda.optim.AdamW([p], capturable=True)  # in backward too (a CUDA graph of the step: test_graphs_gpu.py)
+
+
+@pytest.mark.parametrize("t", [1, 2, 7, 1000])
+def test_capturable_hyper_parameters_from_the_device_step(t):
+    """capturable=True: the update's step-dependent terms come from the device step count (no host read) and
+    equal the host path's to float32 rounding; the step-independent rows are the same tensor values."""
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    opt = coda.optim.AdamW([p], lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, capturable=True)
+    group = opt.param_groups[0]
+    dev = opt._hyper_on_device(0, group, torch.tensor(float(t - 1)), p.device)
+    host = opt._hyper_tensor(0, group, t, p.device)
+    torch.testing.assert_close(dev, host, rtol=2e-6, atol=0)
+    assert opt._hyper_on_device(0, group, torch.tensor(0.0), p.device) is dev  # once per group and step
 
 
 @pytest.mark.parametrize("name", ["adamw", "adamw_fold", "adamw_scaled"])

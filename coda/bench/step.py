@@ -2,7 +2,9 @@
 
 Trains the stock Llama-style model of ``examples/llama_model.py`` (Hugging Face's ``LlamaForCausalLM`` when that file
 is not there and transformers is installed) in several modes -- ``stock``, ``stock+compile``, ``fused``
-(``coda.fuse``), ``fused+compile``, the ``-ro`` variants (torch.compile mode="reduce-overhead") and the ``-noattn``
+(``coda.fuse``), ``fused+compile``, the ``-ro`` variants (torch.compile mode="reduce-overhead"), the ``+graph``
+variants (the eager step -- forward, backward, optimizer step -- captured whole in one CUDA graph after two eager
+steps, then replayed; the optimizer ``capturable``) and the ``-noattn``
 variants (``coda.fuse(model, attention=False)``: the attention half left stock) -- each in its own
 process (same seed, same init, same data), and reports per mode: tokens/s (median step over the timed steps),
 MFU (model FLOPs over the measured GEMM peak and over the datasheet peak), peak memory, the loss of the last step,
@@ -35,7 +37,7 @@ PRESETS = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "tiny": dict(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, vocab=256),  # CPU smoke tests
 }
 MODES = ("stock", "stock+compile", "fused", "fused+compile", "stock+compile-ro", "fused+compile-ro",
-         "fused-noattn", "fused-noattn+compile")  # -noattn: coda.fuse(model, attention=False)
+         "fused-noattn", "fused-noattn+compile", "stock+graph", "fused+graph")  # -noattn: attention=False
 DEFAULT_MODES = MODES[:4]
 RESULT = "CODA_STEP_RESULT "
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -142,6 +144,12 @@ def run_mode(args) -> dict:
     elif "+compile" in mode:
         step_fn = torch.compile(model, **compile_kw)
     kw = {"foreach": True} if args.optimizer == "adamw-foreach" else {"fused": True}
+    graphed = mode.endswith("+graph")
+    if graphed:
+        if dev.type != "cuda" or world > 1:
+            raise ValueError(f"--modes {mode}: a CUDA graph of the step needs one CUDA device (--device cuda, "
+                             "--nproc 1)")
+        kw["capturable"] = True
     if args.optimizer == "coda-adamw" and mode.startswith("fused") and world == 1:
         # coda.optim.AdamW: CODA-fused weights updated inside the backward (eager; under compile step() does it)
         import coda.optim
@@ -154,15 +162,41 @@ def run_mode(args) -> dict:
         torch.cuda.reset_peak_memory_stats(dev)
     phase("batches + optimizer")
 
-    def step(i):
+    def eager_step(ids):
         if mode.endswith("-ro"):
             torch.compiler.cudagraph_mark_step_begin()
-        ids = batches[i % len(batches)]
         loss = step_fn(ids, labels=ids)
         loss.backward()
         opt.step()
+        return loss
+
+    def step(i):
+        if graphed:
+            return graph_step(i)
+        loss = eager_step(batches[i % len(batches)])
         opt.zero_grad(set_to_none=True)
         return loss
+
+    graph, static = {}, batches[0].clone()
+
+    def graph_step(i):
+        """Steps 0 and 1 eager on a side stream (compiles, warms up), step 2 captured whole, then replays; each
+        call is one training step (a capture records without running: it is followed by its replay)."""
+        static.copy_(batches[i % len(batches)])
+        if "g" not in graph and i < 2:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                loss = eager_step(static)
+                opt.zero_grad(set_to_none=True)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            return loss
+        if "g" not in graph:
+            graph["g"] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph["g"]):
+                graph["loss"] = eager_step(static)
+        graph["g"].replay()
+        return graph["loss"]
 
     loss = step(0)
     first_loss = loss.item()
