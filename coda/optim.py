@@ -78,17 +78,21 @@ def in_backward_operands(weight: torch.Tensor) -> Optional[dict]:
     return opt._in_backward(p, group)
 
 
-# the configs of the update's launches (coda.bench.optim, H100, llama-1b shapes): the dW GEMMs with the AdamW epilogue
-# in the epilogue warps (below), the LM head's K = 0 pass at 128 x 128 (1.47 ms vs the K = 0 heuristic's 3.76)
-def update_config(k_zero: bool = False):
-    """The config of an in-backward update's dW GEMM: 128 x 256 tiles whose epilogue runs in the epilogue warps
-    (``epi_wg``, hidden under the next tile's mainloop); of a K = 0 pass (``k_zero``: nothing to hide under): 128 x
-    128 tiles, every warp on the epilogue. Measured on the H100 (session 23; ms): gate/up 16384 x 2048 (with dgamma)
-    0.887 vs 0.995 at 128 x 128 (``python -m coda.bench.optim``; dW alone 0.706 + torch's step 0.276); the down
-    projection's 2048 x 8192 0.433 vs 0.600 heuristic, cuBLAS dW 0.387 (``python -m coda.bench.epi_wg --only
-    adamw_wide``)."""
+# the configs of the update's launches (coda.bench.optim, H100 / H200, llama-1b shapes): the dW GEMMs with the AdamW
+# epilogue in the epilogue warps (below) when they have tiles to hide it under, 128 x 128 cooperative tiles (every
+# warp on the epilogue) when they fill fewer than two waves, and for the LM head's K = 0 pass (1.47 ms vs 3.76)
+def update_config(k_zero: bool = False, mn=None, sm_count: int = 132):
+    """The config of an in-backward update's dW GEMM (``mn``: its M x N, the weight's shape): 128 x 256 tiles whose
+    epilogue runs in the epilogue warps (``epi_wg``, hidden under the next tile's mainloop); with fewer 128 x 256
+    tiles than two waves of ``sm_count`` SMs, and for a K = 0 pass (``k_zero``: nothing to hide under), 128 x 128
+    cooperative tiles, dynamic schedule, every consumer warp on the epilogue. Measured (``python -m
+    coda.bench.optim``, ms): H100, session 23: gate/up 16384 x 2048 (with dgamma) 0.887 vs 0.995 at 128 x 128;
+    down 2048 x 8192 0.433 vs 0.600 heuristic (cuBLAS dW 0.387); H200, session 26: qkv 3072 x 2048 (192 tiles)
+    0.188 at 128 x 128 vs 0.211 in the epilogue warps, o 2048 x 2048 0.129 vs 0.130, down 0.421 vs 0.502, gate/up
+    0.855 vs 0.988."""
     from coda.config import GemmConfig, epi_wg_config
-    if k_zero:
+    few = mn is not None and -(-mn[0] // 128) * -(-mn[1] // 256) < 2 * sm_count
+    if k_zero or few:
         return GemmConfig(tile_m=128, tile_n=128, cluster_m=2, sched="dynamic", epi_n=32)
     return epi_wg_config()
 

@@ -105,7 +105,8 @@ def update_in_backward(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, e
     if ops is None:
         return None
     # the reference path takes no config
-    cfg = {"config": update_config(a.shape[-1] == 0)} if weight.is_cuda else {}
+    cfg = {"config": update_config(a.shape[-1] == 0, weight.shape, _device.sm_count(weight.device))
+           } if weight.is_cuda else {}
     return gemm_for(weight.device, entry)(a, b, epilogue=epilogue, out=ops["p"], **cfg, **operands, **ops)
 
 

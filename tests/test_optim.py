@@ -190,6 +190,18 @@ def test_bad_arguments():
     coda.optim.AdamW([p], capturable=True)  # in backward too (a CUDA graph of the step: test_graphs_gpu.py)
 
 
+def test_update_config_by_tile_count():
+    """The dW GEMMs with the update: in the epilogue warps when 128 x 256 tiles make two waves or more, else (and
+    for a K = 0 pass) 128 x 128 cooperative tiles with every warp on the epilogue."""
+    from coda.optim import update_config
+    assert update_config(mn=(16384, 2048)).epi_wg and update_config(mn=(2048, 8192)).epi_wg  # 1024, 512 tiles
+    for mn in ((3072, 2048), (2048, 2048), (100, 100)):  # 192, 128, 1 tiles
+        cfg = update_config(mn=mn)
+        assert not cfg.epi_wg and (cfg.tile_m, cfg.tile_n) == (128, 128) and cfg == update_config(k_zero=True)
+    assert update_config(mn=(3072, 2048), sm_count=78).epi_wg  # 192 tiles >= two waves of 78 SMs
+    assert update_config() == update_config(mn=None) and update_config().epi_wg
+
+
 @pytest.mark.parametrize("t", [1, 2, 7, 1000])
 def test_capturable_hyper_parameters_from_the_device_step(t):
     """capturable=True: the update's step-dependent terms come from the device step count (no host read) and
