@@ -43,15 +43,15 @@ _recorder: Optional["Recorder"] = None  # process-wide: the autograd engine runs
 class ArgSpec:
     """One argument of a compiled function, as metadata. ``kind``: "tensor", "stream", "scalar" or "none";
     tensors: ``dtype`` (cutlass type name), ``shape`` / ``stride`` (None where dynamic, else the static value),
-    ``memspace`` (cutlass AddressSpace name), ``align`` (assumed bytes), ``stride32`` and ``text`` (``str`` of the
-    runtime tensor, the DSL's host-function name is made of it); a stream: ``value`` (its handle); a scalar:
-    ``dtype`` and ``value``."""
+    ``memspace`` (cutlass AddressSpace name), ``align`` (assumed bytes; None: the element size), ``stride32`` and
+    ``text`` (``str`` of the runtime tensor, the DSL's host-function name is made of it); a stream: ``value`` (its
+    handle); a scalar: ``dtype`` and ``value``."""
     kind: str
     dtype: str = ""
     shape: tuple = ()
     stride: tuple = ()
     memspace: str = ""
-    align: int = 0
+    align: Optional[int] = None
     stride32: bool = False
     text: str = ""
     value: Any = None
@@ -74,7 +74,7 @@ def spec_of(arg: Any) -> ArgSpec:
         shape = tuple(None if dyn else int(s) for dyn, s in zip(arg.dynamic_shapes_mask, arg.shape))
         stride = tuple(None if dyn else int(s) for dyn, s in zip(arg.dynamic_strides_mask, arg.stride))
         return ArgSpec("tensor", arg.element_type.__name__, shape, stride, arg.memspace.name,
-                       int(arg.__cache_key__[1]), bool(getattr(arg, "_use_32bit_stride", False)), str(arg))
+                       arg.__cache_key__[1], bool(getattr(arg, "_use_32bit_stride", False)), str(arg))
     if hasattr(arg, "value") and type(arg).__module__.startswith("cutlass"):
         return ArgSpec("scalar", type(arg).__name__, value=arg.value)
     raise TypeError(f"coda.precompile: cannot describe a kernel argument of type {type(arg).__name__}")
@@ -133,10 +133,10 @@ def _gemm_key(params: tuple, arch: str, specs) -> str:
     return kernel_key(arch, max_clusters, cfg, epi, in_dtype, out_dtype, arg_sig)
 
 
-def _gemm_build(params: tuple, args: list, arch: str):
+def _gemm_build(params: tuple, args: list, arch: str, specs, options: Optional[str] = None):
     from . import compile_cache
     cfg, epi, in_dtype, out_dtype, arg_sig, max_clusters = params
-    return compile_cache.compile_kernel(cfg, epi, in_dtype, out_dtype, arg_sig, args, max_clusters, arch)
+    return compile_cache.compile_kernel(cfg, epi, in_dtype, out_dtype, arg_sig, args, max_clusters, arch, options)
 
 
 def _named(name: str):
@@ -144,23 +144,25 @@ def _named(name: str):
         from .keys import named_kernel_key
         return named_kernel_key(name, arch, params, arg_signature(specs))
 
-    def build(params: tuple, args: list, arch: str):
+    def build(params: tuple, args: list, arch: str, specs, options: Optional[str] = None):
         import importlib
 
         from . import compile_cache
         mod = importlib.import_module(f"coda.kernels.{name}")
-        k = key(params, arch, [spec_of(a) for a in args]) if compile_cache.enabled() else None
-        return compile_cache.cached(k, lambda: mod.compile_kernel(*params, fake=False, args=args))
+        k = key(params, arch, specs) if compile_cache.enabled() else None
+        return compile_cache.cached(k, lambda: mod.compile_kernel(*params, fake=False, args=args, options=options))
     return key, build
 
 
-# kind -> (key(params, arch, specs), build(params, args, arch) -> (fn, how)): the compile points' own paths
+# kind -> (key(params, arch, specs), build(params, args, arch, specs, options) -> (fn, how)): the compile points'
+# own paths (``specs``: the ArgSpecs of the runtime's arguments, ``args`` may be their fake stand-ins; options
+# None: the runtime's, the arch then comes from the device or CUTE_DSL_ARCH)
 KINDS: dict = {"gemm": (_gemm_key, _gemm_build), "ce_grad": _named("ce_grad"), "rope_grad": _named("rope_grad")}
 
 
 def load_or_compile(kind: str, params: tuple, args: list, arch: str) -> tuple:
     """``(fn, how)`` of a compile point outside a dry run: the disk cache, else compiled and stored."""
-    return KINDS[kind][1](params, args, arch)
+    return KINDS[kind][1](params, args, arch, [spec_of(a) for a in args])
 
 
 # ---------------------------------------------------------------------------------------------------- recipes
@@ -341,15 +343,19 @@ def compile_recipe(recipe: Recipe) -> str:
     if compile_cache.stored(key):
         return "disk"
     args = [build_arg(s) for s in recipe.args]
-    _, how = KINDS[recipe.kind][1](recipe.params, args, recipe.arch)
+    import torch  # a process without a GPU (or CUTE_DSL_ARCH) is told the arch; the object is the same
+    options = None if os.environ.get("CUTE_DSL_ARCH") or torch.cuda.is_available() else f"--gpu-arch={recipe.arch}"
+    _, how = KINDS[recipe.kind][1](recipe.params, args, recipe.arch, recipe.args, options)
     if not compile_cache.stored(key):
         raise RecipeError(f"{recipe.label}: compiled but not stored (see the warning above)")
     return how
 
 
 def _worker_init(arch: str) -> None:
-    """Spawned worker: compile for the parent's arch without a GPU; import cutlass once."""
+    """Spawned worker: compile for the parent's arch without a GPU (none is visible: no CUDA context, no device
+    memory taken); import cutlass once."""
     os.environ["CUTE_DSL_ARCH"] = arch
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import cutlass.cute  # noqa: F401
 
 
