@@ -86,7 +86,10 @@ def test_recipes_pickle_and_epilogues_keep_their_structure_and_key():
     def local(acc, t: coda.TileMN):  # a closure: plain pickle refuses its function
         return coda.where(acc > 0, acc * scale, t) / (1 + coda.exp(-acc))
 
-    epis = _epilogues() + [local]
+    from coda import autodiff
+    derived = [autodiff.with_preact(bias_silu_row), autodiff.backward_epilogue(bias_silu_row, ("out",), ("bias",))]
+    assert all(e.fn is None for e in derived)  # (derived programs have no Python function)
+    epis = _epilogues() + [local] + derived
     assert len(epis) > 20
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
         pickle.dumps(local)
@@ -281,3 +284,17 @@ def test_a_recipe_from_another_source_is_refused(cpu_gemm):
     r.fingerprint = "0" * 64
     with pytest.raises(pc.RecipeError, match="epilogue differs"):
         pc.compile_recipe(r)
+
+
+class _ExitOnLoad:
+    """Unpickling it ends the process at once (a worker killed mid-compile)."""
+
+    def __reduce__(self):
+        return os._exit, (3,)
+
+
+def test_a_broken_worker_pool_does_not_hang():
+    payloads = [(0, pickle.dumps(_ExitOnLoad())), (1, pickle.dumps(_ExitOnLoad()))]
+    with pytest.warns(RuntimeWarning, match="compile worker failed"):
+        res = pc._run_workers(payloads, 1, "sm_90a")
+    assert sorted(r[0] for r in res) == [0, 1] and all(r[1] is None for r in res)

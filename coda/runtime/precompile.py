@@ -303,8 +303,8 @@ class _Pickler(pickle.Pickler):
     or a local function would not pickle; the kernel is generated from the expressions)."""
 
     def reducer_override(self, obj):
-        if _is_epilogue(obj) and "fn" in vars(obj):
-            state = {k: v for k, v in vars(obj).items() if k != "fn"}
+        if _is_epilogue(obj) and callable(vars(obj).get("fn")):
+            state = dict(vars(obj))
             state["fn"] = _traced_elsewhere  # (a function, as fn was: not part of the key's fingerprint)
             return _restore_epilogue, (type(obj), state)
         return NotImplemented
@@ -353,7 +353,7 @@ def compile_recipe(recipe: Recipe) -> str:
 
 def _worker_init(arch: str) -> None:
     """Spawned worker: compile for the parent's arch without a GPU (none is visible: no CUDA context, no device
-    memory taken); import cutlass once."""
+    memory taken; the environment it was started with says so already); import cutlass once."""
     os.environ["CUTE_DSL_ARCH"] = arch
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import cutlass.cute  # noqa: F401
@@ -400,6 +400,7 @@ class Summary:
     workers: int = 0
     seconds: float = 0.0
     errors: list = dataclasses.field(default_factory=list)
+    kinds: dict = dataclasses.field(default_factory=dict)  # kind of kernel -> how many found ("gemm", "ce_grad", ...)
 
     def __str__(self) -> str:
         s = (f"coda.precompile: {self.found} kernels, {self.cached} cached, {self.compiled} compiled "
@@ -417,6 +418,8 @@ def compile_recipes(recipes, workers: Optional[int] = None) -> Summary:
         if not isinstance(r, Recipe):
             raise TypeError(f"coda.precompile: expected Recipe objects, got {type(r).__name__}")
     s = Summary(found=len(recipes))
+    for r in recipes:
+        s.kinds[r.kind] = s.kinds.get(r.kind, 0) + 1
     if not compile_cache.enabled() or not compile_cache._usable():
         why = "CODA_COMPILE_CACHE=0" if not compile_cache.enabled() else "the cache dir is not usable"
         if recipes:
@@ -461,13 +464,25 @@ def compile_recipes(recipes, workers: Optional[int] = None) -> Summary:
 
 
 def _run_workers(payloads: list, n: int, arch: str) -> list:
-    """Results of :func:`_worker_compile` over ``payloads`` in ``n`` spawned processes; a pool that fails as a whole
-    (no ``if __name__ == "__main__":`` guard in the script, resources) gives every unfinished payload an error."""
+    """Results of :func:`_worker_compile` over ``payloads`` in ``n`` spawned processes, started with no GPU visible
+    and ``CUTE_DSL_ARCH`` = ``arch`` (from their first line: the main script they import again included). A pool
+    that breaks (a worker killed, a script without ``if __name__ == "__main__":``) gives every unfinished payload an
+    error (the parent then compiles it) instead of hanging."""
+    import concurrent.futures as cf
     import multiprocessing as mp
     results, done = [], set()
     try:
-        with mp.get_context("spawn").Pool(n, initializer=_worker_init, initargs=(arch,)) as pool:
-            for res in pool.imap_unordered(_worker_compile, payloads):
+        with cf.ProcessPoolExecutor(n, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                                    initargs=(arch,)) as ex:
+            with _environ(CUTE_DSL_ARCH=arch, CUDA_VISIBLE_DEVICES=""):  # what the workers inherit
+                futures = [ex.submit(_worker_compile, p) for p in payloads]
+            for f in cf.as_completed(futures):
+                try:
+                    res = f.result()
+                except Exception as e:  # BrokenProcessPool: the rest fail alike
+                    warnings.warn(f"coda.precompile: a compile worker failed ({type(e).__name__}: {e}); compiling "
+                                  "the rest in this process", RuntimeWarning, stacklevel=3)
+                    break
                 results.append(res)
                 done.add(res[0])
     except Exception as e:
@@ -476,3 +491,16 @@ def _run_workers(payloads: list, n: int, arch: str) -> list:
     results += [(i, None, 0.0, "worker pool failed") for i, _ in payloads if i not in done]
     return results
 
+
+@contextlib.contextmanager
+def _environ(**values):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
