@@ -146,10 +146,13 @@ def test_precompile_compiles_in_a_worker_under_the_runtime_key(cpu_gemm, tmp_pat
     w = torch.nn.Parameter(torch.zeros(16, 8, dtype=BF))
     opt = coda.optim.AdamW([w], lr=1e-3)
     x = torch.randn(4, 8)
+    held = torch.nn.Linear(8, 8)
+    held(x).sum().backward()  # a gradient held before the dry run (accumulation): it must come back unchanged
+    held_grad = held.weight.grad.clone()
 
     def step(x):
         coda.gemm(a, b, epilogue=bias_silu_row, **ops)
-        lin(x).sum().backward()  # a real torch backward: its .grad must not survive
+        (lin(x).sum() + held(x).sum()).backward()  # a real torch backward: its .grad must not survive
         with coda.optim.eager_backward():
             assert coda.optim.in_backward_operands(w) is not None  # the dW kernel's bookkeeping is committed
         return torch.rand(3)  # draws from the RNG
@@ -162,6 +165,7 @@ def test_precompile_compiles_in_a_worker_under_the_runtime_key(cpu_gemm, tmp_pat
     assert torch.equal(after, torch.rand(3)) and not torch.equal(before, after)  # RNG as it was
     assert (s.found, s.cached, s.compiled, s.workers, s.in_parent, s.failed) == (1, 0, 1, 1, 0, 0), str(s)
     assert lin.weight.grad is None and lin.bias.grad is None and w.grad is None
+    assert torch.equal(held.weight.grad, held_grad)
     assert not opt._done and not opt._steps and not opt._hyper and not opt.state
     assert not gemm_mod._cache and not gemm_mod._plans
     # the key the runtime computes for this call names the worker's object, which loads
