@@ -6,6 +6,8 @@ resolved on first use:
 - :func:`coda.gemm` -- ``a @ b.T`` (``F.linear`` semantics) on a Hopper GPU, with an optional fused epilogue;
 - :class:`coda.GemmConfig` -- the kernel's compile-time knobs;
 - :mod:`coda.reference` -- the torch reference (any device), with the same argument checks as :func:`coda.gemm`;
+- :func:`coda.precompile` -- a dry run of one training step that compiles every kernel it needs ahead, in
+  parallel worker processes, into the disk cache (the first real step then compiles nothing);
 - :mod:`coda.ops`, :mod:`coda.nn`, :mod:`coda.autotune`, :func:`coda.fuse` -- the subpackages, imported on first
   attribute access (``import coda; coda.ops.linear(...)`` works).
 """
@@ -29,6 +31,7 @@ _LAZY = {
     "fuse": ("coda.fuse", "fuse"),
     "unfuse": ("coda.fuse", "unfuse"),
     "stock_grads": ("coda.fuse", "stock_grads"),
+    "precompile": ("coda.dry_run", "precompile"),
 }
 # the epilogue DSL: @coda.epilogue, operand kinds, math on traced values (coda/dsl.py)
 _DSL = ["epilogue", "VecM", "VecN", "Scalar", "TileMN", "EpilogueError", "row", "col", "reduce_n", "reduce_m", "exp",
@@ -42,7 +45,9 @@ __all__ = ["__version__", *_LAZY]
 def _tune_on_miss(a, b, epi, out_dtype, operands):
     """The tuner ``coda.runtime.select`` runs on a miss with ``CODA_AUTOTUNE=1`` (the package root wires the layers:
     the runtime below never imports the autotuner above it; ``coda.runtime.select.set_tuner`` replaces this)."""
-    return importlib.import_module("coda.autotune.tuner").tune(a, b, epi, out_dtype, operands)
+    from coda.runtime.precompile import paused
+    with paused():  # in a dry run (coda.precompile) the tuner still times real launches
+        return importlib.import_module("coda.autotune.tuner").tune(a, b, epi, out_dtype, operands)
 
 
 def _resolve(name: str):

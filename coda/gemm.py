@@ -29,6 +29,7 @@ from .config import GemmConfig, split_k
 from .kernels.operand_kinds import SCALAR
 from .kernels.epilogue import (Epilogue, check_call, check_epilogue, empty_reductions,
                                finish_reduction, out_flags)
+from .runtime import precompile as _precompile
 from .runtime.select import select_config
 
 _TORCH_TO_CUTLASS = {}
@@ -155,6 +156,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
     if _grad_tracked(a, b, out, operands):  # not differentiable (coda.ops.linear is): plain views of the data
         a, b, out, operands = _detach(a, b, out, operands)
     pkey = _plan_key(a, b, epilogue, out, out_dtype, config, operands)
+    if pkey is not None and _precompile.recorder() is not None:  # a dry run: no plan is used or made
+        pkey = None
     if pkey is not None:
         plan = _plans.get(pkey)
         if plan is not None:
@@ -300,7 +303,15 @@ def _persistent_zeros(size: int, dtype, device) -> torch.Tensor:
 
 
 def _compiled(key, cfg: GemmConfig, epi: Epilogue, prob, cute_args):
-    """The compiled host function for ``key``: in memory, else the on-disk compile cache, else compiled."""
+    """The compiled host function for ``key``: in memory, else the on-disk compile cache, else compiled. In a dry
+    run (``coda.runtime.precompile.recording``): the kernel's recipe is recorded and a no-op is returned."""
+    rec = _precompile.recorder()
+    if rec is not None:
+        from coda.runtime.keys import device_info
+        params = (cfg, epi, prob.in_dtype, prob.out_dtype, key[-1],
+                  _max_active_clusters(cfg.cluster_m * cfg.cluster_n, prob.device))
+        return rec.add("gemm", params, cute_args, device_info(prob.device).arch, in_memory=key in _cache,
+                       label=f"gemm {epi.name} {cfg.name}")
     fn = _cache.get(key)
     if fn is None:
         with _lock:

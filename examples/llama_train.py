@@ -7,6 +7,10 @@
     python examples/llama_train.py --device cpu --steps 3                     # tiny smoke test (reference path)
     python examples/llama_train.py --device cuda --grad-check [--compile]     # one batch: gradients vs float64
 
+The fused model (eager, CUDA) first runs ``coda.precompile`` on its first batch: a dry run of one step finds every
+kernel it needs and worker processes compile them in parallel into the disk cache (``--no-precompile``: the first
+step compiles them one after another, as before).
+
 Data: sequences from a fixed random sparse bigram chain (each token has 4 likely successors), so the loss falls
 from log(V) towards the chain's entropy. Prints loss points, tokens/s (after --warmup steps) and peak memory.
 Parameters in --dtype (default bfloat16) with AdamW.
@@ -74,6 +78,11 @@ def train(mode: str, args, cfg: LlamaConfig) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     chain, g = make_chain(cfg.vocab_size, args.seed), torch.Generator().manual_seed(args.seed + 1)
     data = [batch(chain, args.batch, args.seq, g) for _ in range(min(args.steps, 64))]
+    if mode == "fused" and step_fn is model and dev.type == "cuda" and args.precompile:
+        # the first step's kernels, compiled in parallel worker processes (a dry run of the step finds them; no
+        # optimizer step in it): the first real step only loads them from the disk cache
+        ids = data[0].to(dev)
+        print(f"  [{mode}] {coda.precompile(lambda: step_fn(ids, labels=ids).backward())}", flush=True)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     points, t0, timed_tokens = [], None, 0
@@ -159,6 +168,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None, help="steps not timed (default min(10, steps // 3))")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-precompile", dest="precompile", action="store_false",
+                   help="fused (eager): compile the kernels in the first step, one after another, instead of ahead "
+                        "in worker processes (coda.precompile)")
     p.add_argument("--grad-check", action="store_true",
                    help="no training: one batch's loss and gradients of stock / fused (--dtype) vs stock float64")
     args = p.parse_args(argv)

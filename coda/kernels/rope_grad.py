@@ -29,7 +29,9 @@ import threading
 
 import torch
 
-from .ce_grad import _cutlass_dtype  # (the 16-bit element types, one table)
+from coda.runtime import precompile
+
+from .ce_grad import _cutlass_dtype, compiled_variant  # (the 16-bit element types, one table)
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -219,7 +221,8 @@ def _launch_kernel(views, inv_k: float) -> None:
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     handle = _launch.stream_handle(index)
     key = (inv_k, tuple(_launch.tensor_sig(v) for v in views))
-    plan = _plans.get(key)
+    dry = precompile.recorder() is not None  # a dry run (coda.runtime.precompile): no plan is used or made
+    plan = None if dry else _plans.get(key)
     if plan is not None:
         plan.launch([v.data_ptr() for v in views], handle)
         return
@@ -229,15 +232,11 @@ def _launch_kernel(views, inv_k: float) -> None:
     cute_args += [from_dlpack(v, assumed_align=a).mark_layout_dynamic(leading_dim=ld)
                   for v, a, ld in zip(views[6:], (4, 16, 16, 4), (0, 0, 1, 0))]
     cute_args.insert(3, cuda.CUstream(handle))
-    ckey = (views[8].dtype, inv_k)
-    fn = _compiled.get(ckey)
-    if fn is None:
-        with _lock:
-            fn = _compiled.get(ckey)
-            if fn is None:
-                fn = _compiled[ckey] = compile_kernel(views[8].dtype, inv_k, fake=False, args=cute_args)
+    fn = compiled_variant("rope_grad", (views[8].dtype, inv_k), cute_args, dev, _compiled, _lock)
     with torch.cuda.device(dev):
         fn(*cute_args)
+    if dry:
+        return
     try:
         plan = _launch.Plan(fn, cute_args, views, handle)
     except _launch.PlanError:

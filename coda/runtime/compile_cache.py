@@ -197,19 +197,39 @@ def compile_kernel(cfg: Any, epi: Any, in_dtype: Any, out_dtype: Any, arg_sig: t
 
     Returns ``(fn, how)`` with ``how`` in ``{"disk", "compiled"}``."""
     key = kernel_key(arch, max_clusters, cfg, epi, in_dtype, out_dtype, arg_sig) if enabled() else None
+
+    def build():
+        import cutlass.cute as cute
+
+        from coda.kernels.gemm_sm90 import GemmSm90
+        kw = {"options": options} if options else {}
+        aligned = dict((x[0], x[1]) for x in arg_sig if isinstance(x[0], str) and len(x) == 2).get("tile_aligned")
+        return cute.compile(host_entry(GemmSm90(cfg, epi, tile_aligned=aligned), max_clusters), *args, **kw)
+    return cached(key, build)
+
+
+def cached(key: Optional[str], build) -> tuple:
+    """``(fn, how)``: the function stored under ``key`` (``how`` = ``"disk"``), else ``build()`` saved under ``key``
+    (``"compiled"``); ``key`` None: built, not stored (the cache is off)."""
     if key is not None:
         fn = load(key)
         if fn is not None:
             return fn, "disk"
-    import cutlass.cute as cute
-
-    from coda.kernels.gemm_sm90 import GemmSm90
-    kw = {"options": options} if options else {}
-    aligned = dict((x[0], x[1]) for x in arg_sig if isinstance(x[0], str) and len(x) == 2).get("tile_aligned")
-    fn = cute.compile(host_entry(GemmSm90(cfg, epi, tile_aligned=aligned), max_clusters), *args, **kw)
+    fn = build()
     if key is not None:
         save(key, fn)
     return fn, "compiled"
+
+
+def stored(key: str) -> bool:
+    """Whether an object whose bytes match its checksum is stored under ``key`` (in a usable cache dir); nothing is
+    loaded (what ``coda.runtime.precompile`` skips)."""
+    if not enabled() or not _usable():
+        return False
+    try:
+        return _verified(key) is None
+    except FileNotFoundError:
+        return False
 
 
 def max_active_clusters(dev: Any, cluster_size: int, compute) -> int:

@@ -205,6 +205,17 @@ def kernel_key(arch: str, max_clusters: int, cfg: Any, epi: Any, in_dtype: Any, 
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
+def named_kernel_key(name: str, arch: str, params: tuple, arg_sig: tuple, source_hash: Optional[str] = None) -> str:
+    """sha256 hex naming one compiled kernel of a kernel with its own compile function (``coda.kernels.ce_grad``,
+    ``coda.kernels.rope_grad``): its name, arch, compile-time parameters (dtypes by name), the cute types of its
+    arguments (``coda.runtime.precompile.arg_signature``), the versions and the kernel sources' hash."""
+    ps = tuple(dtype_name(p) if "dtype" in type(p).__name__ else p for p in params)
+    parts = (f"schema {SCHEMA}", f"kernel {name}", arch, repr(ps), repr(arg_sig),
+             f"cutlass-dsl {cutlass_dsl_version()}", f"coda {coda_version()}",
+             source_hash if source_hash is not None else kernel_source_hash())
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
 # ------------------------------------------------------------------------------------------ stored entries
 MAX_CLUSTERS_LIMIT = 1 << 16  # bound on a stored max-active-clusters count (an H100 answers at most 132)
 
