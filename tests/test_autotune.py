@@ -191,6 +191,30 @@ def test_epilogue_key_sensitive_to_math_not_to_variable_names(tmp_path):
     assert keys.epilogue_key(e) != base
 
 
+def test_epilogue_key_ignores_the_op_name_counter():
+    """A DSL epilogue's ``op_name`` counts the programs built earlier in the process: the same program built after
+    another one has the same kernel and tuning keys."""
+    import coda
+
+    def make():
+        @coda.epilogue
+        def scaled_tanh(acc, s: coda.Scalar):
+            return coda.tanh(acc * s)
+        return scaled_tanh
+
+    first = make()
+
+    @coda.epilogue
+    def unrelated(acc, bias: coda.VecN):
+        return acc * bias + 1.5
+
+    import coda.dsl as dsl
+    dsl._OP_NAMES.pop(first._key)  # as if this process had built ``unrelated`` first
+    second = make()
+    assert first.op_name != second.op_name
+    assert keys.epilogue_key(first) == keys.epilogue_key(second)
+
+
 def test_epilogue_key_is_stable_across_processes(tmp_path):
     (tmp_path / "epi_mod_y.py").write_text(EPI_SRC.replace("VAR", "y").replace("MUL", "2.0").replace("ALPHA", "1"))
     code = ("import sys; sys.path.insert(0, %r); import epi_mod_y; from coda.autotune import keys; "

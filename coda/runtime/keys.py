@@ -118,9 +118,15 @@ def _function_of(attr: Any) -> Optional[types.FunctionType]:
     return attr if isinstance(attr, types.FunctionType) else None
 
 
+# instance attributes that name an epilogue rather than define it: ``op_name`` (coda.dsl) counts the programs made
+# earlier in the process, so it differs between programs that build the same epilogue in another order
+_NOT_CODE = frozenset({"op_name"})
+
+
 def code_fingerprint(epi: Any) -> str:
     """sha256 over the code of every method of ``type(epi)`` (and its bases below :class:`Epilogue`), plain class
-    attributes and plain instance attributes. Excludes local names, line numbers and file names."""
+    attributes and plain instance attributes (except ``_NOT_CODE``). Excludes local names, line numbers and file
+    names."""
     from coda.kernels.epilogue import Epilogue
     parts: list = [f"py{sys.version_info[0]}.{sys.version_info[1]}".encode()]
     for cls in type(epi).__mro__:
@@ -144,6 +150,8 @@ def code_fingerprint(epi: Any) -> str:
                     parts.append(f"attr:{name}".encode())
                     parts.extend(sub)
     for name in sorted(getattr(epi, "__dict__", {})):
+        if name in _NOT_CODE:
+            continue
         sub = []
         if _value_parts(epi.__dict__[name], sub):
             parts.append(f"inst:{name}".encode())
