@@ -17,12 +17,14 @@ DEV = "cuda"
 CFGS = [GemmConfig(), GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1)]
 
 
-def rel(x, ref):
+def rel(x, ref, scale=1e-30):
+    """||x - ref|| / max(||ref||, scale) over the elements where x and ref differ (equal infinities, NaN with NaN:
+    no error)."""
     x, ref = x.double(), ref.double()
     if not torch.isfinite(ref).all():
         same = (x == ref) | (torch.isnan(x) & torch.isnan(ref))
         x, ref = torch.where(same, 0, x), torch.where(same, 0, ref)
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return ((x - ref).norm() / ref.norm().clamp_min(scale)).item()
 
 
 @coda.epilogue
@@ -60,7 +62,11 @@ def _check_fused(epi, M, N, K, ops64, cfg=None, L=None, floor=1e-5):
         if k == "out" or k in epi.outputs:
             theirs[k] = theirs[k].to(torch.bfloat16)
             assert not torch.isnan(got[k]).any() or torch.isnan(ref[k]).any(), f"{k}: unwritten (NaN) elements"
-        e_ours, e_theirs = rel(got[k], ref[k]), rel(theirs[k], ref[k])
+        # an output whose float64 value is (almost) exactly zero -- a generated backward's terms that cancel --
+        # is measured against 1e-3 of the accumulator's RMS over as many elements (its rounding noise is that of
+        # its terms, not of a zero result; session 25: ~1e-4-sized values against an exactly-zero reference)
+        scale = 1e-3 * acc64.norm().item() * (ref[k].numel() / acc64.numel()) ** 0.5
+        e_ours, e_theirs = rel(got[k], ref[k], scale), rel(theirs[k], ref[k], scale)
         assert e_ours <= 2 * e_theirs + floor, (k, e_ours, e_theirs)
 
 
