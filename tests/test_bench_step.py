@@ -50,6 +50,11 @@ KERNELS = {
     "void at::native::(anonymous namespace)::indexSelectLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, true>":
         "other",
     "Memcpy DtoD (Device -> Device)": "other",
+    # cuDNN SDPA backward's own auxiliary kernels
+    "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void const*, void*, void*, unsigned int)":
+        "attention",
+    "void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, unsigned int, unsigned int)": "attention",
+    "void cudnn::fusion::fmha_reduce_head<true>(void const*, void*, unsigned int, unsigned int)": "attention",
     "kernel_cutlass_softmax_grad_kernel_coda_kernels_ce_grad": "other",
 }
 

@@ -28,7 +28,9 @@ RULES = (
     ("optimizer", r"GemmSm90_adamw_scaled"),
     ("gemm", r"GemmSm90_adamw"),
     ("optimizer", r"multi_tensor_apply|fused_?adam|adamw|_fused_sgd|FusedAdam"),
-    ("attention", r"flash|fmha|sdpa|attention|_mha_|mha_fwd|mha_bwd"),
+    # cuDNN's SDPA backward runs its preprocessing (rowsum(dO * O)) and the dQ accumulator's conversion as kernels
+    # of their own (cudnn::fusion::compute_dot_do_o, convert_dq_to_16bits): attention time, as in FlashAttention
+    ("attention", r"flash|fmha|sdpa|attention|_mha_|mha_fwd|mha_bwd|compute_dot_do_o|convert_dq_to_16bits"),
     ("gemm", r"nvjet|gemm|gemv|xmma|splitkreduce|cutlass|triton_tem_\w*mm"),
 )
 _COMPILED = tuple((c, re.compile(p, re.IGNORECASE)) for c, p in RULES)
