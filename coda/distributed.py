@@ -33,11 +33,20 @@ and target (M,) are the same on every rank):
   it is reduced in x's dtype, as Megatron does (each dX_r is rounded once to x's dtype before the sum).
   dW_r stays local: it is the gradient of this rank's shard.
 
-On CPU tensors every GEMM is CODA's torch reference (float32 / float64 inputs taken too), so this runs under gloo;
-on Hopper GPUs it runs CODA's kernels under NCCL. Not supported here: label smoothing and z-loss (their backward
-needs the global V in the epilogue; the op's ``ce_backward_general`` takes it as a scalar, a small extension), and
-the CE fast mode (its in-place softmax gradient needs the global lse before the logits chunk is turned into dz,
-i.e. a collective between two launches of each chunk).
+The fast mode (``mode="fast"``, or "auto" when gradients are needed, the reduction is "mean" or "sum", the inputs
+are 16-bit and a logits chunk of at least ``MIN_ROWS`` rows of the shard fits ``memory_budget``; the lean mode
+above otherwise) forms the gradients in the forward at the cost of three GEMMs per rank, as
+``coda.ops.linear_cross_entropy``'s fast mode does (``ops/cross_entropy_fast.py``), with one collective per row
+chunk between its phases 1 and 2: the chunk's logits z_r = x_c W_r^T are stored (in a reused chunk buffer of the
+shard's width) by the GEMM whose epilogue also reduces them to (lse_r, zt_r); an all-gather of those (as phase 2
+above, 2 x rows + 2 floats) gives the chunk's global lse and zt; the in-place softmax gradient turns z_r into dz_r
+with the global lse; then dX_r[chunk] = dz_r W_r and dW_r (+)= dz_r^T x_c. The backward all-reduces dX_r (in x's
+dtype) and scales both by the upstream gradient.
+
+On CPU tensors every GEMM is CODA's torch reference (float32 / float64 inputs taken too, lean mode), so this runs
+under gloo; on Hopper GPUs it runs CODA's kernels under NCCL. Not supported here: label smoothing and z-loss (their
+backward needs the global V in the epilogue; the op's ``ce_backward_general`` takes it as a scalar, a small
+extension).
 """
 from __future__ import annotations
 
@@ -200,10 +209,65 @@ class _VocabParallelCE(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None, None, None
 
 
+class _VocabParallelCEFast(torch.autograd.Function):
+    """The fast mode (module docstring): the gradients formed in the forward, scaled in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, target, group, ignore_index, reduction, v0, rows, check_targets, softcap):
+        from coda.ops.cross_entropy import finish_loss, forward_with_grads, tail_logits
+        valid = target != ignore_index
+        shifted = torch.where(valid, target - v0, -1)  # a target outside the shard matches no column
+        ranges = []
+
+        def combine(lse_c, zt_c):  # one all-gather per chunk (the shard layout rides along)
+            lse_g, zt_g, rng = _gather_stats(lse_c, zt_c, v0, weight.shape[0], group)
+            ranges.append(rng)
+            return lse_g, zt_g
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        lse, stats, dx, dw = forward_with_grads(x, weight, shifted, valid, shifted.to(torch.float32), reduction, 0.0,
+                                                0.0, rows, need_x, need_w, ENTRY, tail_logits, softcap,
+                                                combine=combine)
+        V = _check_layout(ranges[0], target, valid, check_targets)
+        ctx.save_for_backward(dx if need_x else None, dw if need_w else None)
+        ctx.group = group
+        return finish_loss(lse, stats, valid, V, reduction, 0.0, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from coda.ops.cross_entropy import _scale_in_place
+        dx, dw = ctx.saved_tensors
+        g = grad.to(torch.float32)
+        if dx is not None:
+            dist.all_reduce(dx, op=dist.ReduceOp.SUM, group=ctx.group)  # dX = sum_r dz_r W_r, in x's dtype
+            dx = _scale_in_place(dx, g)
+        if dw is not None:
+            dw = _scale_in_place(dw, g)
+        return dx, dw, None, None, None, None, None, None, None, None
+
+
+MODES = ("auto", "fast", "lean")
+
+
+def _fast_rows(x: Tensor, weight: Tensor, reduction: str, mode: str, memory_budget, group) -> Optional[int]:
+    """Rows per chunk of the fast mode, or None for the lean mode (module docstring). Every rank must choose the
+    same (the chunks' collectives pair up): the arguments are the same on every rank, and the chunk buffer is
+    sized for the widest shard (one all-reduce of one integer, only when the fast mode is possible)."""
+    from coda.ops.cross_entropy import _fast_rows as rows_for
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] == 0:
+        return None
+
+    def widest():
+        w = torch.tensor([weight.shape[0]], dtype=torch.int64, device=x.device)
+        dist.all_reduce(w, op=dist.ReduceOp.MAX, group=group)
+        return int(w.item())
+    return rows_for(x, weight, reduction, 0.0, mode, memory_budget, width=widest)
+
+
 def vocab_parallel_cross_entropy(x: Tensor, weight_shard: Tensor, target: Tensor, group=None,
                                  ignore_index: int = -100, reduction: str = "mean",
                                  vocab_start: Optional[int] = None, *, chunk_size: Optional[int] = None,
-                                 check_targets: bool = True, softcap: Optional[float] = None) -> Tensor:
+                                 check_targets: bool = True, softcap: Optional[float] = None, mode: str = "auto",
+                                 memory_budget: Optional[int] = None) -> Tensor:
     """``F.cross_entropy(x @ W.T, target)`` with W's vocabulary rows sharded over the ranks of ``group``.
 
     Every rank passes the same x (..., H) and target (...) (int64 in [0, V) or ``ignore_index``) and its own
@@ -215,18 +279,29 @@ def vocab_parallel_cross_entropy(x: Tensor, weight_shard: Tensor, target: Tensor
     shard's rows of dW. ``chunk_size``: vocabulary columns per backward chunk (as ``coda.ops.linear_cross_entropy``).
     ``check_targets``: check after the gather that the targets lie in [0, V) (a host sync). ``softcap``: the loss
     of the soft-capped logits c tanh(z / c) (Gemma 2; as ``coda.ops.linear_cross_entropy``). One all-gather of
-    2 M + 2 floats per rank in forward, one all-reduce of M x H in backward. See the module docstring."""
+    2 M + 2 floats per rank in forward, one all-reduce of M x H in backward. ``mode`` "auto" / "fast" / "lean" and
+    ``memory_budget`` (bytes of the fast mode's logits chunk, default ``coda.ops.cross_entropy.MEMORY_BUDGET``) as
+    ``coda.ops.linear_cross_entropy``'s; every rank must pass the same. See the module docstring."""
     _check(x, weight_shard, target, ignore_index, reduction, vocab_start)
     from coda.ops.cross_entropy import check_softcap
     check_softcap(ENTRY, softcap)
+    if mode not in MODES:
+        raise ValueError(f"{ENTRY}: mode must be one of {MODES}, got {mode!r}")
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
+                                      or memory_budget <= 0):
+        raise ValueError(f"{ENTRY}: memory_budget must be a positive int (bytes), got {memory_budget!r}")
     if not dist.is_initialized():
         raise RuntimeError(f"{ENTRY}: torch.distributed is not initialized (call init_process_group first)")
     rows = weight_shard.shape[0]
     v0 = dist.get_rank(group) * rows if vocab_start is None else vocab_start
     H = x.shape[-1]
+    softcap = None if softcap is None else float(softcap)
+    chunk_rows = _fast_rows(x.reshape(-1, H), weight_shard, reduction, mode, memory_budget, group)
+    if chunk_rows is not None:
+        return _VocabParallelCEFast.apply(x.reshape(-1, H), weight_shard, target.reshape(-1), group, ignore_index,
+                                          reduction, v0, chunk_rows, bool(check_targets), softcap)
     loss = _VocabParallelCE.apply(x.reshape(-1, H), weight_shard, target.reshape(-1), group, ignore_index,
-                                  reduction, v0, chunk_size, bool(check_targets),
-                                  None if softcap is None else float(softcap))
+                                  reduction, v0, chunk_size, bool(check_targets), softcap)
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 

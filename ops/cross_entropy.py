@@ -421,14 +421,15 @@ MEMORY_BUDGET = int(os.environ.get("CODA_CE_MEMORY_BUDGET", 10 ** 9))  # bytes o
 MODES = ("auto", "fast", "lean")
 
 
-def _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget) -> Optional[int]:
-    """Rows per chunk of the fast mode, or None for the lean mode (see ``linear_cross_entropy``)."""
+def _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget, width=None) -> Optional[int]:
+    """Rows per chunk of the fast mode, or None for the lean mode (see ``linear_cross_entropy``). ``width()``: the
+    chunk buffer's column count when it is not ``weight``'s rows (``coda.distributed``: the widest shard)."""
     mode = os.environ.get("CODA_CE_MODE", mode) if mode == "auto" else mode  # the global override
     if mode == "lean" or reduction == "none":
         return None
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return None
-    V = weight.shape[0]
+    V = weight.shape[0] if width is None else width()
     if label_smoothing > 0 and V % ALIGN:  # the in-place pass would divide eps by the chunk's V8
         return None
     budget = MEMORY_BUDGET if memory_budget is None else memory_budget

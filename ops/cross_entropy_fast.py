@@ -57,8 +57,10 @@ def plan_rows(M: int, V: int, esize: int, budget: int, force: bool = False) -> O
 
 def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, tcol: Tensor, reduction: str,
                        eps: float, zl: float, rows: int, need_x: bool, need_w: bool, entry: str, tail_logits,
-                       softcap: Optional[float] = None):
-    """(lse, stats, dx, dw) for g = 1; see the module docstring. ``tail_logits(x_c, weight, v8)`` gives the fp32
+                       softcap: Optional[float] = None, combine=None):
+    """(lse, stats, dx, dw) for g = 1; see the module docstring. ``combine(lse_c, zt_c)`` (``coda.distributed``'s
+    vocabulary-parallel CE, ``weight`` one rank's shard and ``target`` shifted into it): a chunk's per-row
+    statistics over every shard, (lse_c, zt_c), between phases 1 and 2 (no label smoothing there). ``tail_logits(x_c, weight, v8)`` gives the fp32
     logits of the last V % 8 columns (label smoothing with such a tail takes the lean mode: the in-place pass
     would divide eps by the chunk's width). ``softcap``: the stored logits are capped (``softcap * tanh(z /
     softcap)``, in the epilogue) and phase 2 multiplies by their derivative."""
@@ -94,6 +96,8 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
             tres = ce_forward.reference(tl, t=tcol[m0:m1] - v8)
             lse_c = torch.logaddexp(lse_c, tres["lse"])
             stats["zt"][m0:m1] += tres["zt"]
+        if combine is not None:  # the vocabulary shards' statistics, before the softmax gradient needs them
+            lse_c, stats["zt"][m0:m1] = combine(lse_c, stats["zt"][m0:m1])
         lse[m0:m1] = lse_c
         tgt = torch.where(valid[m0:m1], target[m0:m1], -1)
         softmax_grad_(z, lse_c.contiguous(), tgt, scale[m0:m1].contiguous(), label_smoothing=eps,

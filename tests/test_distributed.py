@@ -68,7 +68,7 @@ def _ce_worker(rank, dtype):
             up = (torch.randn(M, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
                   if reduction == "none" else torch.tensor(1.5, dtype=torch.float64))
             kw = dict(reduction=reduction)
-            ours = _vp_run(x, w, t, up, lo, hi, chunk_size=16, **kw)
+            ours = _vp_run(x, w, t, up, lo, hi, chunk_size=16, mode="lean", **kw)
             want = run(torch_loss, x.double(), w.double(), t, up, **kw)
             want = (want[0], want[1], want[2][lo:hi])
             case = (M, V, H, split, reduction, rank)
@@ -93,8 +93,52 @@ def _ce_worker(rank, dtype):
             assert rel(ours[1], lean[1]) <= 2 ** -7, ("dx vs lean", rel(ours[1], lean[1]), case)
     # every row ignored: loss NaN under "mean" (as torch), gradients zero
     x, w, t = _ce_problem(8, 64, 16, dtype, ignored=range(8))
-    loss, dx, dw = _vp_run(x, w, t, torch.tensor(1.0, dtype=torch.float64), 32 * rank, 32 * rank + 32)
-    assert torch.isnan(loss) and not dx.any() and not dw.any()
+    for mode in ("lean", "fast"):
+        loss, dx, dw = _vp_run(x, w, t, torch.tensor(1.0, dtype=torch.float64), 32 * rank, 32 * rank + 32,
+                               mode=mode)
+        assert torch.isnan(loss) and not dx.any() and not dw.any(), mode
+
+
+def _ce_fast_worker(rank):
+    """The fast mode (gradients in the forward, one all-gather per row chunk) on 2 ranks, bf16: the 2x rule vs
+    float64 torch, and vs the single-process fast op with the same chunk rows (the loss to 1e-6: the same stored
+    logits, another order of the fp32 logsumexp; dX and the dW shard within bf16 rounding); one chunk or several
+    (budget of 8 rows of the widest shard), an uneven split with a 99-row shard, softcap, ignored rows; "auto"
+    takes it, reduction "none" takes the lean mode."""
+    import coda.ops
+    import coda.ops.cross_entropy as ce_op
+    calls = []
+    real = ce_op.forward_with_grads
+    ce_op.forward_with_grads = lambda *a, **k: calls.append(k.get("combine") is not None) or real(*a, **k)
+    for M, V, H, split in [(24, 256, 40, None), (24, 203, 40, 104), (40, 96, 16, None)]:
+        split = V // 2 if split is None else split
+        lo, hi = (0, split) if rank == 0 else (split, V)
+        x, w, t = _ce_problem(M, V, H, torch.bfloat16)
+        widest = max(split, V - split) // 8 * 8
+        for budget in (None, 8 * widest * 2):
+            for reduction, softcap in (("mean", None), ("sum", None), ("mean", 2.0)):
+                up = torch.tensor(1.5, dtype=torch.float64)
+                kw = dict(reduction=reduction, softcap=softcap)
+                calls.clear()  # auto takes the fast mode; below MIN_ROWS rows a chunk only when asked
+                ours = _vp_run(x, w, t, up, lo, hi, memory_budget=budget, mode="fast" if budget else "auto", **kw)
+                assert calls == [True], calls
+                case = (M, V, H, split, budget, reduction, softcap, rank)
+                want = run(torch_loss, x.double(), w.double(), t, up, **kw)
+                theirs = run(torch_loss, x, w, t, up, **kw)
+                for name, a, b, c in zip(("loss", "dx", "dw"), ours, want, theirs):
+                    b, c = (b[lo:hi], c[lo:hi]) if name == "dw" else (b, c)
+                    assert rel(a, b) <= 2 * rel(c, b) + 1e-4, (name, rel(a, b), rel(c, b), case)
+                rows = None if budget is None else budget // (widest * 2)
+                one = run(coda.ops.linear_cross_entropy, x, w, t, up, mode="fast",
+                          memory_budget=None if rows is None else rows * (V // 8 * 8) * 2, **kw)
+                assert rel(ours[0], one[0]) <= 1e-6, ("loss vs one process", rel(ours[0], one[0]), case)
+                assert rel(ours[1], one[1]) <= 2 ** -7, ("dx vs one process", rel(ours[1], one[1]), case)
+                assert rel(ours[2], one[2][lo:hi]) <= 2 ** -7, ("dw vs one process", case)
+    calls.clear()
+    x, w, t = _ce_problem(24, 256, 40, torch.bfloat16)
+    _vp_run(x, w, t, torch.randn(24, dtype=torch.float64), 128 * rank, 128 * rank + 128, reduction="none",
+            mode="fast")
+    assert calls == []  # reduction "none": the lean mode (the upstream gradient is a vector)
 
 
 def _ce_errors_worker(rank):
@@ -113,6 +157,13 @@ def _ce_errors_worker(rank):
         cd.vocab_parallel_cross_entropy(x, shard, t, reduction="max")
     with pytest.raises(ValueError, match="softcap"):
         cd.vocab_parallel_cross_entropy(x, shard, t, softcap=-1.0)
+    with pytest.raises(ValueError, match="mode"):
+        cd.vocab_parallel_cross_entropy(x, shard, t, mode="quick")
+    with pytest.raises(ValueError, match="memory_budget"):
+        cd.vocab_parallel_cross_entropy(x, shard, t, memory_budget=0)
+    xs, ws = x.clone().requires_grad_(), shard.clone().requires_grad_()
+    with pytest.raises(ValueError, match="target values must be in"):  # the fast mode checks as well
+        cd.vocab_parallel_cross_entropy(xs, ws, bad, mode="fast")
     loss = cd.vocab_parallel_cross_entropy(x, shard, t)  # the group still works after the errors
     assert torch.isfinite(loss)
 
@@ -126,7 +177,7 @@ def _ce_softcap_worker(rank, dtype):
     x, w, t = _ce_problem(M, V, H, dtype)
     up = torch.tensor(1.5, dtype=torch.float64)
     kw = dict(reduction="mean", softcap=2.0)
-    ours = _vp_run(x, w, t, up, lo, hi, chunk_size=16, **kw)
+    ours = _vp_run(x, w, t, up, lo, hi, chunk_size=16, mode="lean", **kw)
     want = run(torch_loss, x.double(), w.double(), t, up, **kw)
     want = (want[0], want[1], want[2][lo:hi])
     if dtype == torch.float64:
@@ -149,6 +200,10 @@ def test_vocab_parallel_ce(dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_vocab_parallel_ce_softcap(dtype):
     _spawn(_ce_softcap_worker, dtype)
+
+
+def test_vocab_parallel_ce_fast_mode():
+    _spawn(_ce_fast_worker)
 
 
 def test_vocab_parallel_ce_errors():
