@@ -14,8 +14,11 @@ run leaves behind is undone here:
   nothing (the weights and moments were never written: the kernels did not run);
 - the CPU and current CUDA device's random number generators (dropout draws the same masks in the real step).
 
-Module buffers changed by a forward (batch-norm statistics) are not restored. Eager mode only: a step under
-``torch.compile`` or a CUDA graph compiles its kernels its own way. The worker processes use ``multiprocessing``'s
+Module buffers changed by a forward (batch-norm statistics) are not restored. ``fn`` runs eagerly; for a step that
+will run under ``torch.compile`` pass the uncompiled model's step with ``dispatcher=True``: the ops then go through
+torch's dispatcher as they do in a compiled graph (``coda.ops._common.EAGER_FUNCTIONS = False``: their backward
+returns every gradient, no in-backward optimizer update), so the dry run meets the compiled step's kernels (those
+whose operands inductor lays out differently still compile in the step). The worker processes use ``multiprocessing``'s
 "spawn", which imports the main script again in each worker: a script must keep its top-level code under
 ``if __name__ == "__main__":`` (Python's rule for spawned processes).
 """
@@ -31,25 +34,42 @@ import torch
 from .runtime import precompile as _pc
 
 
-def precompile(fn, *args, workers: Optional[int] = None, **kwargs) -> _pc.Summary:
+def precompile(fn, *args, workers: Optional[int] = None, dispatcher: bool = False, **kwargs) -> _pc.Summary:
     """Dry-run ``fn(*args, **kwargs)`` (one step's forward and backward, no optimizer step) and compile the kernels
     it needs in ``workers`` processes (default ``CODA_COMPILE_WORKERS``, else min(kernels, cores - 1, 8); 0: record
-    only, the step compiles as before). Returns a :class:`coda.runtime.precompile.Summary` (kernels found, already
-    cached, compiled, seconds). ``fn``'s result is discarded (computed from unwritten kernel outputs)."""
+    only, the step compiles as before). ``dispatcher``: the kernels of a step that will run under torch.compile
+    (module docstring). Returns a :class:`coda.runtime.precompile.Summary` (kernels found, already cached,
+    compiled, seconds). ``fn``'s result is discarded (computed from unwritten kernel outputs)."""
     if not callable(fn):
         raise TypeError(f"coda.precompile: fn must be callable (one training step), got {type(fn).__name__}")
+    if not isinstance(dispatcher, bool):
+        raise TypeError(f"coda.precompile: dispatcher must be True or False, got {dispatcher!r}")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)):
         raise TypeError(f"coda.precompile: workers must be an int or None, got {type(workers).__name__}")
     if workers is not None and workers < 0:
         raise ValueError(f"coda.precompile: workers must be >= 0, got {workers}")
     t0 = time.perf_counter()
-    with _restored(args, kwargs), _pc.recording() as rec:
+    with _restored(args, kwargs), _through_dispatcher(dispatcher), _pc.recording() as rec:
         fn(*args, **kwargs)
     summary = _pc.compile_recipes(rec.pending(), workers)
     summary.found += len(rec.in_memory)
     summary.cached += len(rec.in_memory)
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+@contextlib.contextmanager
+def _through_dispatcher(on: bool):
+    """While active (``on``), ``coda.ops`` calls go through torch's dispatcher, as under torch.compile."""
+    if not on:
+        yield
+        return
+    from coda.ops import _common
+    prev, _common.EAGER_FUNCTIONS = _common.EAGER_FUNCTIONS, False
+    try:
+        yield
+    finally:
+        _common.EAGER_FUNCTIONS = prev
 
 
 @contextlib.contextmanager

@@ -78,11 +78,13 @@ def train(mode: str, args, cfg: LlamaConfig) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     chain, g = make_chain(cfg.vocab_size, args.seed), torch.Generator().manual_seed(args.seed + 1)
     data = [batch(chain, args.batch, args.seq, g) for _ in range(min(args.steps, 64))]
-    if mode == "fused" and step_fn is model and dev.type == "cuda" and args.precompile:
+    if mode == "fused" and dev.type == "cuda" and args.precompile:
         # the first step's kernels, compiled in parallel worker processes (a dry run of the step finds them; no
-        # optimizer step in it): the first real step only loads them from the disk cache
+        # optimizer step in it): the first real step only loads them from the disk cache. A compiled step: the
+        # uncompiled model through the dispatcher, the compiled graph's path
         ids = data[0].to(dev)
-        print(f"  [{mode}] {coda.precompile(lambda: step_fn(ids, labels=ids).backward())}", flush=True)
+        summary = coda.precompile(lambda: model(ids, labels=ids).backward(), dispatcher=step_fn is not model)
+        print(f"  [{mode}] {summary}", flush=True)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     points, t0, timed_tokens = [], None, 0

@@ -18,6 +18,7 @@ from coda import _device
 from coda.runtime import compile_cache, keys
 from coda.runtime import precompile as pc
 from coda.runtime.store import CacheFileWarning
+from test_fuse_families import fp32_ops  # noqa: F401 (fixture: coda.ops on float32 CPU tensors)
 
 gemm_mod = importlib.import_module("coda.gemm")
 ce_grad = importlib.import_module("coda.kernels.ce_grad")
@@ -267,6 +268,8 @@ def test_bad_arguments_raise_clear_errors(monkeypatch):
             coda.precompile(lambda: None, workers=bad)
     with pytest.raises(ValueError, match="workers must be >= 0"):
         coda.precompile(lambda: None, workers=-1)
+    with pytest.raises(TypeError, match="dispatcher must be True or False"):
+        coda.precompile(lambda: None, dispatcher=1)
     with pytest.raises(TypeError, match="expected Recipe"):
         pc.compile_recipes([object()])
     for env in ("x", "-1"):
@@ -302,3 +305,24 @@ def test_a_broken_worker_pool_does_not_hang():
     with pytest.warns(RuntimeWarning, match="compile worker failed"):
         res = pc._run_workers(payloads, 1, "sm_90a")
     assert sorted(r[0] for r in res) == [0, 1] and all(r[1] is None for r in res)
+
+
+def test_dispatcher_dry_run_takes_the_compiled_steps_path(fp32_ops):
+    """dispatcher=True: during the dry run the ops go through torch's dispatcher (as in a torch.compile'd graph),
+    so coda.optim's in-backward update does not run and the weights get gradients, as in the compiled step; after
+    it the eager entry is back and the gradients are undone."""
+    import coda.ops._common as common
+    from test_optim import _models
+    model, _ = _models()
+    opt = coda.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 16))
+    seen = {}
+
+    def step(dispatcher):
+        model(ids, labels=ids).loss.backward()
+        seen[dispatcher] = (common.EAGER_FUNCTIONS, model.model.layers[0].mlp.weight_gu.grad is not None)
+    for dispatcher in (False, True):
+        coda.precompile(step, dispatcher, dispatcher=dispatcher)
+        assert common.EAGER_FUNCTIONS is True
+        assert all(p.grad is None for p in model.parameters()) and not opt._done
+    assert seen == {False: (True, False), True: (False, True)}  # in backward (no .grad) only on the eager path

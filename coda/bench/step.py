@@ -13,8 +13,9 @@ attention, optimizer, other) from torch.profiler, with the step's speed of light
 attention + optimizer). Writes report.json, report.md and step.png into ``--out`` (rendering:
 :mod:`coda.bench.step_report`); ``--from report.json`` re-renders without a GPU.
 
-The eager fused modes call ``coda.precompile`` before their first step (a dry run of one step, its kernels compiled
-in worker processes into the disk cache; env ``CODA_PRECOMPILE=0``: not).
+The fused modes call ``coda.precompile`` before their first step (a dry run of one step, its kernels compiled in
+worker processes into the disk cache; for ``+compile`` modes the uncompiled model through torch's dispatcher; env
+``CODA_PRECOMPILE=0``: not).
 
 Phases of a run: (1) a process measures the GEMM peak (cuBLAS bf16 8192^3, do_bench median); (2) one process per mode
 builds, trains (``--warmup`` untimed steps, then ``--steps`` timed ones, CUDA events per step, one sync at the
@@ -201,11 +202,12 @@ def run_mode(args) -> dict:
         graph["g"].replay()
         return graph["loss"]
 
-    if (mode.startswith("fused") and "+compile" not in mode and world == 1 and cuda
-            and os.environ.get("CODA_PRECOMPILE", "1") != "0"):
-        # coda.precompile: a dry run of the step finds its kernels, worker processes compile them into the disk cache
+    if mode.startswith("fused") and world == 1 and cuda and os.environ.get("CODA_PRECOMPILE", "1") != "0":
+        # coda.precompile: a dry run of the step finds its kernels, worker processes compile them into the disk
+        # cache; for a compiled step the uncompiled model through the dispatcher (the compiled graph's kernels)
         ids0 = batches[0]
-        print(f"  [{mode}] {coda.precompile(lambda: step_fn(ids0, labels=ids0).backward())}", flush=True)
+        summary = coda.precompile(lambda: model(ids0, labels=ids0).backward(), dispatcher="+compile" in mode)
+        print(f"  [{mode}] {summary}", flush=True)
         phase("precompile (dry run + compile workers)")
     loss = step(0)
     first_loss = loss.item()
