@@ -16,8 +16,8 @@ run leaves behind is undone here:
 
 Module buffers changed by a forward (batch-norm statistics) are not restored. ``fn`` runs eagerly; for a step that
 will run under ``torch.compile`` pass the uncompiled model's step with ``dispatcher=True``: the ops then go through
-torch's dispatcher as they do in a compiled graph (``coda.ops._common.EAGER_FUNCTIONS = False``: their backward
-returns every gradient, no in-backward optimizer update), so the dry run meets the compiled step's kernels (those
+torch's dispatcher as they do in a compiled graph (``ops._common.call`` sees the dry run's recorder: their
+backward returns every gradient, no in-backward optimizer update), so the dry run meets the compiled step's kernels (those
 whose operands inductor lays out differently still compile in the step). The worker processes use ``multiprocessing``'s
 "spawn", which imports the main script again in each worker: a script must keep its top-level code under
 ``if __name__ == "__main__":`` (Python's rule for spawned processes).
@@ -49,27 +49,13 @@ def precompile(fn, *args, workers: Optional[int] = None, dispatcher: bool = Fals
     if workers is not None and workers < 0:
         raise ValueError(f"coda.precompile: workers must be >= 0, got {workers}")
     t0 = time.perf_counter()
-    with _restored(args, kwargs), _through_dispatcher(dispatcher), _pc.recording() as rec:
+    with _restored(args, kwargs), _pc.recording(dispatcher) as rec:
         fn(*args, **kwargs)
     summary = _pc.compile_recipes(rec.pending(), workers)
     summary.found += len(rec.in_memory)
     summary.cached += len(rec.in_memory)
     summary.seconds = time.perf_counter() - t0
     return summary
-
-
-@contextlib.contextmanager
-def _through_dispatcher(on: bool):
-    """While active (``on``), ``coda.ops`` calls go through torch's dispatcher, as under torch.compile."""
-    if not on:
-        yield
-        return
-    from coda.ops import _common
-    prev, _common.EAGER_FUNCTIONS = _common.EAGER_FUNCTIONS, False
-    try:
-        yield
-    finally:
-        _common.EAGER_FUNCTIONS = prev
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from coda import _device
+from coda.runtime import precompile as _precompile
 from coda.epilogues.adamw import adamw
 from coda.optim import eager_backward, in_backward_operands, update_config
 
@@ -232,9 +233,11 @@ def _function(name: str, spec: tuple):
 
 def call(name: str, *args, ctx=None):
     """Run ``torch.ops.coda.<name>(*args)``: through the dispatcher under torch.compile / export (and in the
-    backward of a call that went through it: ``ctx`` without ``coda_eager``); otherwise the op's implementation,
+    backward of a call that went through it: ``ctx`` without ``coda_eager``; and in a ``coda.precompile(...,
+    dispatcher=True)`` dry run); otherwise the op's implementation,
     through its eager autograd.Function when it has one (:func:`register_autograd`)."""
-    if (not EAGER_FUNCTIONS or torch.compiler.is_compiling()
+    rec = _precompile.recorder()
+    if (not EAGER_FUNCTIONS or torch.compiler.is_compiling() or (rec is not None and rec.dispatcher)
             or (ctx is not None and not getattr(ctx, "coda_eager", False))):
         return getattr(torch.ops.coda, name)(*args)
     if name not in _eager:

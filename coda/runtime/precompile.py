@@ -183,9 +183,11 @@ def _noop(*args, **kwargs) -> None:
 
 
 class Recorder:
-    """The recipes met by a dry run (one per key, in order), and how many compile points were met."""
+    """The recipes met by a dry run (one per key, in order), and how many compile points were met. ``dispatcher``:
+    ``coda.ops`` calls go through torch's dispatcher meanwhile (``ops._common.call``), as in a compiled graph."""
 
-    def __init__(self):
+    def __init__(self, dispatcher: bool = False):
+        self.dispatcher = dispatcher
         self.recipes: list = []
         self.keys: set = set()
         self.in_memory: set = set()  # keys already compiled in this process (nothing to do)
@@ -219,11 +221,12 @@ def recorder() -> Optional[Recorder]:
 
 
 @contextlib.contextmanager
-def recording():
+def recording(dispatcher: bool = False):
     """A dry run: compile points record recipes and return no-op callables (nothing compiled, nothing launched);
-    launch plans are neither used nor made. Process-wide (every thread); not reentrant."""
+    launch plans are neither used nor made. Process-wide (every thread); not reentrant. ``dispatcher``: see
+    :class:`Recorder`."""
     global _recorder
-    rec = Recorder()
+    rec = Recorder(dispatcher)
     with _lock:
         if _recorder is not None:
             raise RuntimeError("coda.precompile: a dry run is already recording (dry runs do not nest)")
