@@ -117,21 +117,16 @@ def _local_stats(x: Tensor, weight: Tensor, tloc: Tensor, softcap: Optional[floa
     ``tloc`` the target column within the shard as float (no column matches a value outside [0, rows)); with a
     ``softcap`` of the capped logits (``ce_forward_cap``)."""
     from coda.epilogues.cross_entropy import ce_forward, ce_forward_cap
-    from coda.ops.cross_entropy import ALIGN, gemm_for, tail_logits
-    epi, cap = (ce_forward, {}) if softcap is None else (ce_forward_cap, {"cap": softcap})
-    M, V = x.shape[0], weight.shape[0]
+    from coda.ops.cross_entropy import ALIGN, row_statistics
+    V = weight.shape[0]
     wide = x.dtype in (torch.float32, torch.float64)  # the reference path: no alignment rules, no tail
-    v8 = V if wide else V // ALIGN * ALIGN
-    parts = []
-    if M and v8:
-        parts.append(gemm_for(x.device, ENTRY)(x, weight[:v8], epilogue=epi, t=tloc, **cap))
-    if M and v8 < V:  # the last V % 8 rows of the shard: the op's tail path (M x 8 logits, torch epilogue)
-        parts.append(epi.reference(tail_logits(x, weight, v8), t=tloc - v8, **cap))
-    if not parts:
+    # (a shard width not a multiple of 8: its last rows through the op's tail path)
+    lse, stats = row_statistics(x, weight, tloc, ce_forward if softcap is None else ce_forward_cap, softcap,
+                                V if wide else V // ALIGN * ALIGN, ENTRY)
+    if lse is None:
         empty = x.new_empty((0,), dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
         return empty, empty
-    lse = parts[0]["lse"] if len(parts) == 1 else torch.logaddexp(parts[0]["lse"], parts[1]["lse"])
-    return lse, sum(p["zt"] for p in parts)
+    return lse, stats["zt"]
 
 
 def _gather_stats(lse: Tensor, zt: Tensor, v0: int, rows: int, group):

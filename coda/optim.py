@@ -115,7 +115,7 @@ class AdamW(torch.optim.AdamW):
         self._done: dict = {}  # id(p) -> p: updated in backward since the last step()
         self._steps: dict = {}  # id(p) -> host step count of the parameters updated in backward
         self._hyper: dict = {}  # (group, step, device, hyper-parameters) -> (8, 4) fp32 device tensor
-        self._const: dict = {}  # capturable: (group, device, hyper-parameters) -> the step-independent rows
+        self._const: dict = {}  # capturable: (group, device) -> (hyper-parameters, the step-independent rows)
         if in_backward:
             me = weakref.ref(self)
             for gi, group in enumerate(self.param_groups):
@@ -176,13 +176,13 @@ class AdamW(torch.optim.AdamW):
         if h is not None:
             return h
         lr, (b1, b2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
-        ckey = (gi, device, lr, b1, b2, eps, wd)
-        const = self._const.get(ckey)
-        if const is None:
+        made, const = self._const.get(key, (None, None))
+        if made != (lr, b1, b2, eps, wd):  # the first update of the group, or its hyper-parameters changed
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("coda.optim.AdamW(capturable=True): run one step before the capture (the "
                                    "hyper-parameters changed, or this is the first step)")
-            const = self._const[ckey] = self._hyper_tensor(gi, group, 1, device)
+            const = self._hyper_tensor(gi, group, 1, device)
+            self._const[key] = ((lr, b1, b2, eps, wd), const)
         t = step.to(device=device, dtype=torch.float32) + 1.0
         h = const.clone()
         h[4].copy_(torch.rsqrt(1.0 - torch.pow(b2, t)).expand(4))

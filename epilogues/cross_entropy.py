@@ -26,28 +26,36 @@ __all__ = ["ce_forward", "ce_forward_smooth", "ce_backward", "ce_backward_genera
            "ce_forward_cap", "ce_backward_cap"]
 
 
+def _row_stats(z, t, smooth: bool) -> dict:
+    """lse, z_t (and with ``smooth`` sum_v z_v) of the logits z: the forward epilogues' per-row reductions."""
+    out = {"lse": coda.reduce_n(z, "logsumexp"), "zt": coda.reduce_n(coda.where(coda.col() == t, z, 0.0), "sum")}
+    if smooth:
+        out["zsum"] = coda.reduce_n(z, "sum")
+    return out
+
+
+def _dz_general(p, t, lse, g, smoothing, z_loss, inv_v):
+    """(p (1 + 2 zl lse) - (1 - eps) [v == t] - eps / V) g: the general derivative with respect to the logit."""
+    onehot = coda.where(coda.col() == t, 1.0, 0.0)
+    return (p * (1 + 2 * z_loss * lse) - (1 - smoothing) * onehot - smoothing * inv_v) * g
+
+
 @coda.epilogue
 def ce_forward(acc, t: coda.VecM):
     """lse = log sum_v exp(z_v) and the target logit z_t = sum_v [v == t] z_v (0 when t matches no column)."""
-    return {"lse": coda.reduce_n(acc, "logsumexp"),
-            "zt": coda.reduce_n(coda.where(coda.col() == t, acc, 0.0), "sum")}
+    return _row_stats(acc, t, smooth=False)
 
 
 @coda.epilogue
 def ce_forward_smooth(acc, t: coda.VecM):
     """:func:`ce_forward` plus sum_v z_v, the extra statistic label smoothing needs."""
-    return {"lse": coda.reduce_n(acc, "logsumexp"),
-            "zt": coda.reduce_n(coda.where(coda.col() == t, acc, 0.0), "sum"),
-            "zsum": coda.reduce_n(acc, "sum")}
+    return _row_stats(acc, t, smooth=True)
 
 
 @coda.epilogue
 def ce_forward_cap(acc, t: coda.VecM, cap: coda.Scalar):
     """:func:`ce_forward_smooth` of the soft-capped logits z = cap tanh(acc / cap)."""
-    z = cap * coda.tanh(acc / cap)
-    return {"lse": coda.reduce_n(z, "logsumexp"),
-            "zt": coda.reduce_n(coda.where(coda.col() == t, z, 0.0), "sum"),
-            "zsum": coda.reduce_n(z, "sum")}
+    return _row_stats(cap * coda.tanh(acc / cap), t, smooth=True)
 
 
 @coda.epilogue
@@ -61,9 +69,7 @@ def ce_backward_general(acc, t: coda.VecM, lse: coda.VecM, g: coda.VecM, smoothi
                         z_loss: coda.Scalar, inv_v: coda.Scalar):
     """dz_v = (p_v (1 + 2 zl lse) - (1 - eps) [v == t] - eps / V) g, with eps = ``smoothing``, zl = ``z_loss``
     and ``inv_v`` = 1 / V (V of the whole vocabulary, not of the chunk)."""
-    p = coda.exp(acc - lse)
-    onehot = coda.where(coda.col() == t, 1.0, 0.0)
-    return (p * (1 + 2 * z_loss * lse) - (1 - smoothing) * onehot - smoothing * inv_v) * g
+    return _dz_general(coda.exp(acc - lse), t, lse, g, smoothing, z_loss, inv_v)
 
 
 @coda.epilogue
@@ -72,9 +78,7 @@ def ce_backward_cap(acc, t: coda.VecM, lse: coda.VecM, g: coda.VecM, smoothing: 
     """:func:`ce_backward_general` on the soft-capped logits z = cap tanh(acc / cap), times dz / dacc =
     1 - tanh(acc / cap)^2: the gradient with respect to the raw product."""
     th = coda.tanh(acc / cap)
-    p = coda.exp(cap * th - lse)
-    onehot = coda.where(coda.col() == t, 1.0, 0.0)
-    return (p * (1 + 2 * z_loss * lse) - (1 - smoothing) * onehot - smoothing * inv_v) * g * (1 - th * th)
+    return _dz_general(coda.exp(cap * th - lse), t, lse, g, smoothing, z_loss, inv_v) * (1 - th * th)
 
 
 @coda.epilogue
@@ -93,11 +97,7 @@ def _logits_epilogue(dtype, smooth: bool, cap: bool):
         return coda.cast(cap * coda.tanh(acc / cap) if cap is not None else acc, dtype)
 
     def stats(z, t):
-        out = {"out": z, "lse": coda.reduce_n(z, "logsumexp"),
-               "zt": coda.reduce_n(coda.where(coda.col() == t, z, 0.0), "sum")}
-        if smooth:
-            out["zsum"] = coda.reduce_n(z, "sum")
-        return out
+        return {"out": z, **_row_stats(z, t, smooth)}
 
     if cap:
         def ce_forward_logits(acc, t: coda.VecM, cap: coda.Scalar):

@@ -194,20 +194,28 @@ def _forward(x, weight, target, ignore_index, reduction, label_smoothing, z_loss
     valid, tcol = _target_columns(target, ignore_index)
     smooth = label_smoothing > 0
     epi = ce_forward_cap if softcap is not None else ce_forward_smooth if smooth else ce_forward
-    cap = {} if softcap is None else {"cap": softcap}
-    v8 = V // ALIGN * ALIGN
-    parts = []
-    if M and v8:  # the logits are reduced in the epilogue and never stored
-        parts.append(gemm_for(x.device, ENTRY)(x, weight[:v8], epilogue=epi, t=tcol, **cap))
-    if M and v8 < V:
-        parts.append(epi.reference(tail_logits(x, weight, v8), t=tcol - v8, **cap))
-    if parts:
-        lse = parts[0]["lse"] if len(parts) == 1 else torch.logaddexp(parts[0]["lse"], parts[1]["lse"])
-        stats = {k: sum(p[k] for p in parts) for k in parts[0] if k != "lse"}
-    else:  # no rows
+    lse, stats = row_statistics(x, weight, tcol, epi, softcap, V // ALIGN * ALIGN, ENTRY)
+    if lse is None:  # no rows
         lse = x.new_empty((0,), dtype=torch.float32)
         stats = {"zt": lse, "zsum": lse}
     return finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss), lse.contiguous()
+
+
+def row_statistics(x, weight, tcol, epi, softcap, v8, entry):
+    """(lse, the other per-row statistics) of x weight^T reduced by the forward epilogue ``epi`` (``ce_forward``,
+    ``_smooth`` or ``_cap`` with ``softcap``): the first ``v8`` columns in one GEMM whose epilogue stores no
+    logits, the rest (V % 8 columns) by the tail path; (None, None) without rows or columns."""
+    M, V = x.shape[0], weight.shape[0]
+    cap = {} if softcap is None else {"cap": softcap}
+    parts = []
+    if M and v8:  # the logits are reduced in the epilogue and never stored
+        parts.append(gemm_for(x.device, entry)(x, weight[:v8], epilogue=epi, t=tcol, **cap))
+    if M and v8 < V:
+        parts.append(epi.reference(tail_logits(x, weight, v8), t=tcol - v8, **cap))
+    if not parts:
+        return None, None
+    lse = parts[0]["lse"] if len(parts) == 1 else torch.logaddexp(parts[0]["lse"], parts[1]["lse"])
+    return lse, {k: sum(p[k] for p in parts) for k in parts[0] if k != "lse"}
 
 
 def finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss):

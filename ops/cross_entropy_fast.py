@@ -60,8 +60,8 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
                        softcap: Optional[float] = None, combine=None):
     """(lse, stats, dx, dw) for g = 1; see the module docstring. ``combine(lse_c, zt_c)`` (``coda.distributed``'s
     vocabulary-parallel CE, ``weight`` one rank's shard and ``target`` shifted into it): a chunk's per-row
-    statistics over every shard, (lse_c, zt_c), between phases 1 and 2 (no label smoothing there). ``tail_logits(x_c, weight, v8)`` gives the fp32
-    logits of the last V % 8 columns (label smoothing with such a tail takes the lean mode: the in-place pass
+    statistics over every shard, (lse_c, zt_c), between phases 1 and 2 (no label smoothing there).
+    ``tail_logits(x_c, weight, v8)`` gives the fp32 logits of the last V % 8 columns (label smoothing with such a tail takes the lean mode: the in-place pass
     would divide eps by the chunk's width). ``softcap``: the stored logits are capped (``softcap * tanh(z /
     softcap)``, in the epilogue) and phase 2 multiplies by their derivative."""
     M, H = x.shape

@@ -288,24 +288,8 @@ def _cute_args(z, lse, target, row_scale, eps):
 def _compiled_for(key, args, device):
     """The compiled variant ``key`` = (dtype, eps, zl, softcap): in memory, else the disk cache, else compiled (and
     stored); in a dry run (``coda.runtime.precompile``) its recipe is recorded and a no-op returned."""
+    from coda.runtime.precompile import compiled_variant
     return compiled_variant("ce_grad", key, args, device, _compiled, _lock)
-
-
-def compiled_variant(kind: str, key: tuple, args: list, device, memory: dict, lock):
-    """The compile point of a kernel with its own ``compile_kernel(*key, fake=False, args=args)`` (this module's
-    and ``coda.kernels.rope_grad``'s): ``memory[key]``, else ``coda.runtime.precompile.load_or_compile``."""
-    from coda.runtime import precompile
-    from coda.runtime.keys import device_info
-    rec = precompile.recorder()
-    if rec is not None:
-        return rec.add(kind, key, args, device_info(device).arch, in_memory=key in memory, label=f"{kind} {key}")
-    fn = memory.get(key)
-    if fn is None:
-        with lock:
-            fn = memory.get(key)
-            if fn is None:
-                fn = memory[key] = precompile.load_or_compile(kind, key, args, device_info(device).arch)[0]
-    return fn
 
 
 def softmax_grad_(z, lse, target, row_scale, *, label_smoothing=0.0, z_loss=0.0, softcap=None):

@@ -31,7 +31,7 @@ import torch
 
 from coda.runtime import precompile
 
-from .ce_grad import _cutlass_dtype, compiled_variant  # (the 16-bit element types, one table)
+from .ce_grad import _cutlass_dtype  # (the 16-bit element types, one table)
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -232,7 +232,7 @@ def _launch_kernel(views, inv_k: float) -> None:
     cute_args += [from_dlpack(v, assumed_align=a).mark_layout_dynamic(leading_dim=ld)
                   for v, a, ld in zip(views[6:], (4, 16, 16, 4), (0, 0, 1, 0))]
     cute_args.insert(3, cuda.CUstream(handle))
-    fn = compiled_variant("rope_grad", (views[8].dtype, inv_k), cute_args, dev, _compiled, _lock)
+    fn = precompile.compiled_variant("rope_grad", (views[8].dtype, inv_k), cute_args, dev, _compiled, _lock)
     with torch.cuda.device(dev):
         fn(*cute_args)
     if dry:

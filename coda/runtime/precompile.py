@@ -165,6 +165,23 @@ def load_or_compile(kind: str, params: tuple, args: list, arch: str) -> tuple:
     return KINDS[kind][1](params, args, arch, [spec_of(a) for a in args])
 
 
+def compiled_variant(kind: str, key: tuple, args: list, device, memory: dict, lock):
+    """The compile point of a kernel with its own ``compile_kernel(*key, fake=False, args=args)``
+    (``coda.kernels.ce_grad``, ``coda.kernels.rope_grad``): ``memory[key]``, else :func:`load_or_compile` (kept
+    in ``memory``); in a dry run its recipe is recorded and a no-op returned."""
+    from .keys import device_info
+    rec = recorder()
+    if rec is not None:
+        return rec.add(kind, key, args, device_info(device).arch, in_memory=key in memory, label=f"{kind} {key}")
+    fn = memory.get(key)
+    if fn is None:
+        with lock:
+            fn = memory.get(key)
+            if fn is None:
+                fn = memory[key] = load_or_compile(kind, key, args, device_info(device).arch)[0]
+    return fn
+
+
 # ---------------------------------------------------------------------------------------------------- recipes
 @dataclasses.dataclass
 class Recipe:
