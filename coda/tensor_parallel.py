@@ -1,0 +1,433 @@
+"""``coda.tensor_parallel``: Megatron-style tensor parallelism of a :func:`coda.fuse`\\ d Llama-style model (issue 32).
+
+Import it explicitly (``import coda.tensor_parallel``). :func:`parallelize` (model, tp) swaps, in place, each fused
+block for a rank-local module that holds plain local shards of its weights and runs explicit collectives in
+``torch.autograd.Function`` s (so it works under gloo on CPU as under NCCL; no DTensor):
+
+- :class:`TPAttention` (a :class:`coda.nn_attention.FusedAttention`): rank r of tp keeps the query heads
+  [r Hq/tp, (r+1) Hq/tp) and the key/value heads [r Hkv/tp, (r+1) Hkv/tp) (grouped-query heads stay with their
+  queries), i.e. column-parallel QKV, and the matching input columns of ``o_proj`` (row-parallel O);
+- :class:`TPSwiGLUMLP` (a :class:`coda.nn.SwiGLUMLP`): the intermediate pairs [r I/tp, (r+1) I/tp) of the
+  interleaved gate/up weight (whole (gate_j, up_j) row pairs: each rank's SwiGLU pairs stay in its own GEMM) and
+  those input columns of ``down_proj`` (row-parallel down);
+- :class:`VocabParallelLMHead` (a :class:`coda.nn.LMHeadCrossEntropy`): the vocabulary rows [r V/tp, (r+1) V/tp) of
+  the LM head; the loss is :func:`coda.distributed.vocab_parallel_cross_entropy`.
+
+The embedding and every norm weight stay replicated. Every rank of the group must feed the same batch.
+
+The phases of one decoder layer (x: the residual stream, M x H, replicated; f = identity forward / all-reduce
+backward, g = all-reduce forward / identity backward, Megatron's names):
+
+1. Attention in, f(x), f(gamma): the column-parallel QKV GEMM of the rank reads the whole replicated x, so the
+   input norm's row scale r = rsqrt(mean(x^2) + eps) is formed from the full row on every rank (the same value:
+   no collective); gamma, the row scale and RoPE are column-local epilogue work (a head's rotation pairs lie in one
+   rank's columns): ONE GEMM with the single-process epilogue on the rank's (Hq + 2 Hkv) d / tp columns. SDPA on
+   the local heads.
+2. Row-parallel O: o_r W_o[:, cols_r]^T is a partial sum P_r (M x H). g: P = all_reduce_sum(P_r), then h = x + P.
+3. MLP in, f(h), f(gamma'): the gate/up GEMM reads the whole h (r' from the full row again), the SwiGLU pairs
+   epilogue on the rank's 2 I / tp interleaved columns; row-parallel down gives a partial sum D_r; g:
+   out = h + all_reduce_sum(D_r).
+4. LM head: the final norm on the replicated x in torch, then the vocab-parallel cross entropy (one all-gather of
+   2 M + 2 floats in forward, one all-reduce of M x H in backward: its own f).
+
+How the fusion boundary moves. In one process the residual adds live in GEMM epilogues: o_proj's epilogue adds x
+(``ops.linear_residual``; its backward hands the residual gradient to the QKV dX epilogue) and the down
+projection's adds h (``ops.mlp(residual=True)``); the next norm's sum of squares is formed by the consumer from the
+finished row. Under tp a row-parallel GEMM's output is a partial sum: adding the residual in its epilogue would add
+it tp times, and a sum of squares over a partial row is meaningless. So the O and down GEMMs run with a plain
+epilogue (``add_residual`` off inside the rank-local call), the residual add is a torch add *after* the all-reduce,
+and the next norm's r is formed by the next column-parallel GEMM from the all-reduced (replicated) row, exactly as
+the single-process consumer forms it. Everything column-local stays fused: norm scale + gamma + RoPE in the QKV
+epilogue, norm scale + SwiGLU in the gate/up epilogue, and their backward epilogues (the norm's radial term in the
+dX GEMM: it is linear in the upstream gradient, so the ranks' dX partials sum to the full dX in f's backward).
+A sequence-parallel variant would reduce-scatter P_r instead, run the residual + sum-of-squares epilogue on the
+M / tp row shard and all-gather (h, r) into the next column-parallel GEMM; it is not implemented here.
+
+Collectives per decoder layer: forward 2 all-reduces of M x H (after O and after down); backward 2 all-reduces of
+M x H (the dX of f(x) and f(h)) and 2 of H (the two norm weights' gradients, which are partial sums per rank).
+They sum in ``reduce_dtype`` (default float32: a bf16 partial is cast up, summed in fp32 and cast back once to the
+compute dtype, at twice the bytes of a bf16 all-reduce; None: in the compute dtype, as Megatron; float64 stays
+float64).
+
+Gradients: sharded weights get the gradient of their shard; the norm weights get the full gradient through f's
+all-reduce; the embedding (and the final norm) get the full gradient on every rank without a collective, because
+the residual stream's gradient is already complete on every rank. A data-parallel dimension on top (DDP / FSDP2
+over another group) reduces those as usual. Checkpoints: ``state_dict()`` of a parallelized model returns the
+*full* stock layout by stock name (the TP modules' stock-layout hooks all-gather their shards: every rank must call
+it), and ``load_state_dict`` takes a full stock checkpoint and keeps this rank's shard; :func:`stock_grads` /
+:func:`stock_state_dict` spell that out. ``coda.unfuse`` does not apply to a parallelized model.
+"""
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from coda.nn import LMHeadCrossEntropy, SwiGLUMLP, _compute_dtype, _NormConsumer
+from coda.nn_attention import FusedAttention
+
+__all__ = ["parallelize", "stock_grads", "stock_state_dict", "TPAttention", "TPSwiGLUMLP", "VocabParallelLMHead",
+           "copy_to_tp", "reduce_from_tp"]
+
+ENTRY = "coda.tensor_parallel.parallelize"
+ALIGN = 8  # CODA's GEMMs read and write 16-byte rows: every local width a multiple of 8
+
+
+# ------------------------------------------------------------------------------------------------ collectives
+def _all_reduce(t: Tensor, group, reduce_dtype) -> Tensor:
+    """sum over the group, accumulated in promote(t.dtype, reduce_dtype) (t.dtype when None), returned in t.dtype;
+    a new tensor (t is left as it is)."""
+    dt = t.dtype if reduce_dtype is None else torch.promote_types(t.dtype, reduce_dtype)
+    buf = t.to(dtype=dt, memory_format=torch.contiguous_format, copy=True)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    return buf.to(t.dtype)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce of the gradient backward (the input of a column-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, group, reduce_dtype):
+        ctx.group, ctx.reduce_dtype = group, reduce_dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group, ctx.reduce_dtype), None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward (the partial sums of a row-parallel GEMM), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, reduce_dtype):
+        return _all_reduce(x, group, reduce_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherColumns(torch.autograd.Function):
+    """All-gather of equal column shards along the last dim forward; this rank's columns of the gradient backward
+    (every rank computes the same thing from the gathered tensor)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.rank, ctx.n = dist.get_rank(group), x.shape[-1]
+        return torch.cat(_gather(x, group), -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[..., ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
+
+
+def copy_to_tp(x: Tensor, group=None, reduce_dtype: Optional[torch.dtype] = torch.float32) -> Tensor:
+    """Identity; in backward the gradient is summed over ``group`` (see the module docstring)."""
+    return _CopyToTP.apply(x, group, reduce_dtype)
+
+
+def reduce_from_tp(x: Tensor, group=None, reduce_dtype: Optional[torch.dtype] = torch.float32) -> Tensor:
+    """The sum of x over ``group`` (in ``reduce_dtype`` at least, returned in x's dtype); identity backward."""
+    return _ReduceFromTP.apply(x, group, reduce_dtype)
+
+
+def _gather(t: Tensor, group) -> list:
+    """Every rank's ``t`` (same shape on all ranks), in rank order."""
+    t = t.detach().contiguous()
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ rank-local modules
+class _TPBlock:
+    """Shared by the column- then row-parallel blocks: forward = [x +] g(local_forward(f(x))), gamma through f."""
+    tp_group = None
+    tp_rank, tp_size = 0, 1
+    reduce_dtype: Optional[torch.dtype] = torch.float32
+
+    def _setup(self, fused, group, reduce_dtype) -> None:
+        self.tp_group, self.reduce_dtype = group, reduce_dtype
+        self.tp_rank, self.tp_size = dist.get_rank(group), dist.get_world_size(group)
+        self.norm, self._shared_norm = fused.norm, fused._shared_norm  # the norm where the fused module had it
+        self.__dict__["add_residual"] = bool(fused.add_residual)  # whether forward adds x (after the reduction)
+
+    @property
+    def norm_weight(self) -> Optional[Tensor]:
+        # replicated gamma feeds column-local work: each rank's gradient of it is a partial sum (f sums them)
+        w = _NormConsumer.norm_weight.fget(self)
+        return None if w is None else copy_to_tp(w, self.tp_group, self.reduce_dtype)
+
+    def _tp_forward(self, local_forward, args, kwargs):
+        if args:
+            x, args = args[0], (copy_to_tp(args[0], self.tp_group, self.reduce_dtype), *args[1:])
+        else:
+            x = kwargs["hidden_states"]
+            kwargs = {**kwargs, "hidden_states": copy_to_tp(x, self.tp_group, self.reduce_dtype)}
+        # the local GEMMs' outputs are partial sums: no residual in their epilogues (it would be added tp times)
+        residual = self.add_residual
+        self.__dict__["add_residual"] = False
+        try:
+            out = local_forward(self, *args, **kwargs)
+        finally:
+            self.__dict__["add_residual"] = residual
+        rest = None
+        if isinstance(out, tuple):
+            out, rest = out[0], out[1:]
+        out = reduce_from_tp(out, self.tp_group, self.reduce_dtype)
+        if residual:  # the residual add, moved out of the epilogue to after the reduction
+            out = x + out
+        return out if rest is None else (out, *rest)
+
+    def _gathered(self, local: dict, key: str, dim: int) -> None:
+        if key in local:
+            local[key] = torch.cat(_gather(local[key], self.tp_group), dim)
+
+    def _shard(self, local: dict, key: str, dim: int, full: int) -> None:
+        if key in local and local[key].shape[dim] == full:
+            n = full // self.tp_size
+            local[key] = local[key].narrow(dim, self.tp_rank * n, n)
+
+
+def _local_param(p: Tensor, piece: Tensor) -> nn.Parameter:
+    return nn.Parameter(piece.detach().clone(), requires_grad=p.requires_grad)
+
+
+def _local_linear(lin: nn.Linear, cols: slice) -> nn.Linear:
+    """A bias-free ``nn.Linear`` of the input columns ``cols`` of ``lin`` (a row-parallel shard)."""
+    w = lin.weight
+    out = nn.Linear(cols.stop - cols.start, w.shape[0], bias=False, device="meta", dtype=w.dtype)
+    out.weight = _local_param(w, w[:, cols])
+    return out
+
+
+class TPAttention(_TPBlock, FusedAttention):
+    """A :class:`coda.nn_attention.FusedAttention` over this rank's heads: column-parallel norm + QKV + RoPE (one
+    GEMM), SDPA on the local heads, row-parallel ``o_proj`` whose partial sums are all-reduced before the residual
+    add. ``n_heads`` / ``n_kv`` are the local counts; ``state_dict()`` gathers the full stock weights."""
+
+    @classmethod
+    def from_fused(cls, fused: FusedAttention, group, reduce_dtype) -> "TPAttention":
+        tp, r, d = dist.get_world_size(group), dist.get_rank(group), fused.head_dim
+        hq, hk = fused.n_heads // tp, fused.n_kv // tp
+        inv_freq = fused.freqs.view(-1, d // 2)[0]
+        w = fused.weight_qkv
+        out = cls(fused.hidden_size, hq, hk, d, inv_freq, fused.eps, hf_signature=fused.hf_signature,
+                  device="meta", dtype=w.dtype)
+        out._setup(fused, group, reduce_dtype)
+        out.full_heads = (fused.n_heads, fused.n_kv)
+        q, k, v = w.split([fused.n_heads * d, fused.n_kv * d, fused.n_kv * d])
+        out.weight_qkv = _local_param(w, torch.cat([t.chunk(tp)[r] for t in (q, k, v)]))
+        out.o_proj = _local_linear(fused.o_proj, slice(r * hq * d, (r + 1) * hq * d))
+        out.layer_idx = fused.layer_idx
+        return out
+
+    def forward(self, *args, **kwargs):
+        return self._tp_forward(FusedAttention.forward, args, kwargs)
+
+    def _full(self):
+        return types.SimpleNamespace(n_heads=self.full_heads[0], n_kv=self.full_heads[1], head_dim=self.head_dim)
+
+    def _to_stock(self, local):
+        if "weight_qkv" in local:
+            d = self.head_dim
+            parts = [w.split([self.n_heads * d, self.n_kv * d, self.n_kv * d])
+                     for w in _gather(local["weight_qkv"], self.tp_group)]
+            local["weight_qkv"] = torch.cat([torch.cat(p) for p in zip(*parts)])
+        self._gathered(local, "o_proj.weight", 1)
+        return FusedAttention._to_stock(self._full(), local)
+
+    def _from_stock(self, local):
+        local = FusedAttention._from_stock(self, local)  # full q, k, v -> the full weight_qkv (head_dim only)
+        full = self._full()
+        if "weight_qkv" in local and local["weight_qkv"].shape[0] == (full.n_heads + 2 * full.n_kv) * self.head_dim:
+            d, tp, r = self.head_dim, self.tp_size, self.tp_rank
+            q, k, v = local["weight_qkv"].split([full.n_heads * d, full.n_kv * d, full.n_kv * d])
+            local["weight_qkv"] = torch.cat([t.chunk(tp)[r] for t in (q, k, v)])
+        self._shard(local, "o_proj.weight", 1, full.n_heads * self.head_dim)
+        return local
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, tp rank {self.tp_rank} of {self.tp_size} (local heads)"
+
+
+class TPSwiGLUMLP(_TPBlock, SwiGLUMLP):
+    """A :class:`coda.nn.SwiGLUMLP` over this rank's intermediate pairs: column-parallel norm + gate/up + SwiGLU
+    (whole interleaved pairs), row-parallel ``down_proj`` whose partial sums are all-reduced before the residual
+    add. ``intermediate_size`` is the local one; ``state_dict()`` gathers the full stock weights."""
+
+    @classmethod
+    def from_fused(cls, fused: SwiGLUMLP, group, reduce_dtype) -> "TPSwiGLUMLP":
+        tp, r = dist.get_world_size(group), dist.get_rank(group)
+        n = fused.intermediate_size // tp
+        w = fused.weight_gu
+        out = cls(fused.hidden_size, n, fused.eps, add_residual=False, norm=False, device="meta", dtype=w.dtype)
+        out._setup(fused, group, reduce_dtype)
+        out.full_intermediate = fused.intermediate_size
+        out.weight_gu = _local_param(w, w[2 * r * n:2 * (r + 1) * n])  # rows (gate_j, up_j) for j of this rank
+        out.down_proj = _local_linear(fused.down_proj, slice(r * n, (r + 1) * n))
+        return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._tp_forward(SwiGLUMLP.forward, (x,), {})
+
+    def _to_stock(self, local):
+        self._gathered(local, "weight_gu", 0)  # rank blocks of whole pairs: the concatenation is the full layout
+        self._gathered(local, "down_proj.weight", 1)
+        return SwiGLUMLP._to_stock(self, local)
+
+    def _from_stock(self, local):
+        local = SwiGLUMLP._from_stock(self, local)
+        self._shard(local, "weight_gu", 0, 2 * self.full_intermediate)
+        self._shard(local, "down_proj.weight", 1, self.full_intermediate)
+        return local
+
+
+class VocabParallelLMHead(LMHeadCrossEntropy):
+    """The final norm + LM head + loss with this rank's vocabulary rows [vocab_start, vocab_start + V / tp):
+    ``forward(x, target)`` is :func:`coda.distributed.vocab_parallel_cross_entropy` of the normed x (the norm in
+    torch on the replicated x); ``forward(x)`` the full logits (the local GEMM, then an all-gather of the columns).
+    ``vocab_size`` is the full V; ``state_dict()`` gathers the full weight."""
+
+    @classmethod
+    def from_fused(cls, head: LMHeadCrossEntropy, group, reduce_dtype) -> "VocabParallelLMHead":
+        tp, r = dist.get_world_size(group), dist.get_rank(group)
+        V, w = head.vocab_size, head.weight
+        rows = V // tp
+        out = cls(head.hidden_size, rows, head.eps, norm=False, weight=_local_param(w, w[r * rows:(r + 1) * rows]),
+                  ignore_index=head.ignore_index, softcap=head.softcap, check_targets=head.check_targets)
+        out.norm, out._shared_norm = head.norm, head._shared_norm
+        out.vocab_size, out.vocab_start = V, r * rows
+        out.tp_group, out.reduce_dtype, out.tp_rank, out.tp_size = group, reduce_dtype, r, tp
+        return out
+
+    def forward(self, x: Tensor, target: Optional[Tensor] = None, reduction: str = "mean") -> Tensor:
+        from coda.distributed import vocab_parallel_cross_entropy
+        n = self._normed(x)  # replicated; its gradient is complete (the CE / f all-reduce dn), so are gamma's and x's
+        if target is None:
+            z = F.linear(copy_to_tp(n, self.tp_group, self.reduce_dtype), self.weight)
+            z = _GatherColumns.apply(z, self.tp_group)
+            return z if self.softcap is None else self.softcap * torch.tanh(z / self.softcap)
+        dtype = _compute_dtype(x)
+        return vocab_parallel_cross_entropy(n.to(dtype), self.weight.to(dtype), target, self.tp_group,
+                                            self.ignore_index, reduction, self.vocab_start,
+                                            check_targets=self.check_targets is not False, softcap=self.softcap)
+
+    def _to_stock(self, local):
+        if "weight" in local:
+            local["weight"] = torch.cat(_gather(local["weight"], self.tp_group), 0)
+        return local
+
+    def _from_stock(self, local):
+        if "weight" in local and local["weight"].shape[0] == self.vocab_size:
+            local["weight"] = local["weight"][self.vocab_start:self.vocab_start + self.weight.shape[0]]
+        return local
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, rows [{self.vocab_start}, {self.vocab_start + self.weight.shape[0]}) "
+                f"(tp rank {self.tp_rank} of {self.tp_size})")
+
+
+# ------------------------------------------------------------------------------------------------ entry points
+def _group_of(tp):
+    """A process group from ``tp``: None (the default group), a ProcessGroup or a 1-D DeviceMesh."""
+    if tp is None or isinstance(tp, dist.ProcessGroup):
+        return tp
+    if hasattr(tp, "get_group") and hasattr(tp, "ndim"):
+        if tp.ndim != 1:
+            raise ValueError(f"{ENTRY}: tp must be a 1-D DeviceMesh (e.g. mesh['tp']), got {tp.ndim} dimensions")
+        return tp.get_group()
+    raise TypeError(f"{ENTRY}: tp must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(tp).__name__}")
+
+
+def _plain_linear(lin) -> bool:
+    return type(lin) is nn.Linear and lin.bias is None
+
+
+def _check(model: nn.Module, tp: int) -> None:
+    """Every reason ``model`` cannot be split over tp ranks, as a ValueError, before any collective (every rank
+    holds the same model, so every rank raises)."""
+    if not getattr(model, "_coda_fused", False):
+        raise ValueError(f"{ENTRY}: model must be coda.fuse'd first (coda.fuse(model), then parallelize)")
+    if getattr(model, "_coda_tp", None) is not None:
+        raise ValueError(f"{ENTRY}: model is already parallelized")
+    bad = []
+    for name, m in model.named_modules():
+        if isinstance(m, FusedAttention):
+            d = m.head_dim
+            if m.n_heads % tp or m.n_kv % tp:
+                bad.append(f"{name}: num_attention_heads {m.n_heads} and num_key_value_heads {m.n_kv} must both be "
+                           f"divisible by the tp size {tp}")
+            elif (m.n_heads // tp * d) % ALIGN or (m.n_kv // tp * d) % ALIGN:
+                bad.append(f"{name}: the local q / kv widths {m.n_heads // tp * d} / {m.n_kv // tp * d} must be "
+                           f"multiples of {ALIGN}")
+            if m.q_norm is not None:
+                bad.append(f"{name}: QK-norm (Qwen3) is not supported under tensor parallelism yet")
+            if not _plain_linear(m.o_proj):
+                bad.append(f"{name}.o_proj: needs a bias-free nn.Linear")
+        elif isinstance(m, SwiGLUMLP):
+            n = m.intermediate_size
+            if n % tp or (n // tp) % ALIGN:
+                bad.append(f"{name}: intermediate_size {n} must split into tp = {tp} parts that are multiples of "
+                           f"{ALIGN}")
+            if not _plain_linear(m.down_proj):
+                bad.append(f"{name}.down_proj: needs a bias-free nn.Linear")
+        elif isinstance(m, LMHeadCrossEntropy):
+            if m.vocab_size % tp:
+                bad.append(f"{name}: vocab_size {m.vocab_size} must be divisible by the tp size {tp}")
+            if m.label_smoothing or m.z_loss:
+                bad.append(f"{name}: label smoothing / z-loss are not supported by the vocab-parallel cross entropy")
+            if any(p is m.weight for o in model.modules() if o is not m for p in o.parameters(recurse=False)):
+                bad.append(f"{name}: a weight tied to the embedding (a vocab-parallel embedding is not implemented)")
+    if bad:
+        raise ValueError(f"{ENTRY}: the argument tp (a process group of {tp} ranks) does not split the model: "
+                         + "; ".join(bad))
+
+
+def parallelize(model: nn.Module, tp=None, *, reduce_dtype: Optional[torch.dtype] = torch.float32) -> nn.Module:
+    """Split a :func:`coda.fuse`\\ d model over the ranks of ``tp`` (a ProcessGroup, a 1-D DeviceMesh, or None for
+    the default group), in place; returns ``model``. See the module docstring for what is sharded and the
+    collectives. Checks first (``ValueError`` naming the blocks that do not split over the group's size: heads, kv
+    heads, intermediate size, vocabulary; before any collective). ``reduce_dtype``: the dtype the partial sums and
+    the input gradients are summed in (at least; default float32, None: the compute dtype). Every rank must call it
+    on the same model (the same weights) and afterwards feed the same batch. Create the optimizer afterwards: the
+    sharded weights are new Parameters (an optimizer holding a replaced one raises at ``step()``)."""
+    if not dist.is_initialized():
+        raise RuntimeError(f"{ENTRY}: torch.distributed is not initialized (call init_process_group first)")
+    group = _group_of(tp)
+    size = dist.get_world_size(group)
+    _check(model, size)
+    from coda.fuse import _replaced
+    for name, m in list(model.named_modules()):
+        for attr, child in list(m.named_children()):
+            kind = (TPAttention if isinstance(child, FusedAttention) else TPSwiGLUMLP if isinstance(child, SwiGLUMLP)
+                    else VocabParallelLMHead if isinstance(child, LMHeadCrossEntropy) else None)
+            if kind is None or isinstance(child, (TPAttention, TPSwiGLUMLP, VocabParallelLMHead)):
+                continue
+            local = kind.from_fused(child, group, reduce_dtype)
+            full = f"{name}.{attr}" if name else attr
+            for pname, p in child.named_parameters(recurse=True):
+                if not any(p is q for q in local.parameters()):  # the shards are new: the full weights go
+                    _replaced(p, f"{full}.{pname}")
+            setattr(m, attr, local)
+    model._coda_tp = group
+    return model
+
+
+def stock_grads(model: nn.Module) -> dict:
+    """Every gradient of a parallelized model by stock name, full and in the stock layout (the shards all-gathered;
+    the same dict on every rank). A collective: every rank must call it."""
+    from coda.fuse import stock_grads as _stock_grads
+    return _stock_grads(model)
+
+
+def stock_state_dict(model: nn.Module) -> dict:
+    """The full state dict of a parallelized model by stock name and in the stock layout (what a stock model loads
+    with ``load_state_dict``); the same on every rank. A collective: every rank must call it. (``state_dict()``
+    itself returns the same.)"""
+    return model.state_dict()

@@ -1,0 +1,200 @@
+"""coda.tensor_parallel on the CPU (CI): 2 processes (gloo), the tiny coda.fuse'd Llama of tests/test_distributed.py.
+
+- float32 (the fused modules' plain-torch math), the group given as a 1-D DeviceMesh: the tp = 2 model's loss,
+  logits and every gradient (gathered, by stock name; of the loss and of a function of the logits) equal the
+  single-process fused model's to 1e-5 relative; an optimizer created before parallelize raises at step() (it
+  holds replaced weights); after one SGD step the gathered stock state dict equals the single-process stepped
+  model's and loads into a stock model (one process) that reproduces the single-process loss; a full stock
+  checkpoint loads back into the sharded model (each rank keeps its shard).
+- bfloat16 (coda.ops' reference path), partial sums reduced in float32 (the default) and in bf16: loss and gradients
+  vs the float64 model by the 2x rule (at most 2x the single-process bf16 run's error, plus a 1e-3 floor).
+- Hugging Face's LlamaForCausalLM in float32 (keyword arguments, (out, None) attention outputs, num_items_in_batch:
+  the vocab-parallel CE's "sum" reduction): loss and gradients vs one process to 1e-5.
+- a tp size that does not divide the kv heads raises ValueError naming tp on every rank before any collective.
+"""
+import copy
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cross_entropy_ref import rel  # noqa: E402
+from dist_harness import WORLD, spawn  # noqa: E402
+from test_distributed import CFG, LR, _batch, _stock_model  # noqa: E402
+
+
+def _loss_and_grads(model, ids, stock_grads):
+    loss = model(ids, labels=ids)
+    loss.backward()
+    return loss.detach(), stock_grads(model)
+
+
+def _tp_model(stock, dtype=None, **kw):
+    import coda
+    import coda.tensor_parallel as tp
+    model = coda.fuse(copy.deepcopy(stock) if dtype is None else copy.deepcopy(stock).to(dtype))
+    return tp.parallelize(model, **kw)
+
+
+def _float32_checks(rank, ref, d):
+    import coda
+    import coda.tensor_parallel as tp
+    from torch.distributed.device_mesh import init_device_mesh
+    ids = _batch()  # every tp rank sees the same batch
+    model = coda.fuse(_stock_model())
+    stale = torch.optim.SGD(model.parameters(), lr=LR)  # holds the full weights that parallelize replaces
+    tp.parallelize(model, init_device_mesh("cpu", (WORLD,)))  # a 1-D mesh (the other checks: the default group)
+    with pytest.raises(RuntimeError, match="weight_qkv"):
+        stale.step()
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert (attn.n_heads, attn.n_kv) == (CFG["num_attention_heads"] // WORLD, CFG["num_key_value_heads"] // WORLD)
+    assert mlp.weight_gu.shape == (2 * CFG["intermediate_size"] // WORLD, CFG["hidden_size"])
+    assert model.lm_head.weight.shape == (CFG["vocab_size"] // WORLD, CFG["hidden_size"])
+    logits = model(ids)  # the logits path: local GEMM, all-gather of the vocabulary columns
+    assert rel(logits, ref["logits"]) <= 1e-5, rel(logits, ref["logits"])
+    logits.square().mean().backward()
+    for k, g in tp.stock_grads(model).items():
+        assert rel(g, ref["logit_grads"][k]) <= 1e-5, (k, rank)
+    model.zero_grad(set_to_none=True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    loss, grads = _loss_and_grads(model, ids, tp.stock_grads)
+    assert rel(loss, ref["loss"]) <= 1e-5, (loss, ref["loss"])
+    assert grads.keys() == ref["grads"].keys()
+    for k, g in grads.items():
+        assert rel(g, ref["grads"][k]) <= 1e-5, (k, rel(g, ref["grads"][k]), rank)
+    opt.step()
+    sd = tp.stock_state_dict(model)
+    assert list(sd) == list(ref["stepped"])
+    for k, v in sd.items():
+        assert rel(v, ref["stepped"][k]) <= 1e-5, (k, rank)
+    if rank == 0:
+        torch.save(sd, os.path.join(d, "tp_full.pt"))
+    # a full stock checkpoint back into the sharded model: each rank keeps its shard
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sd = {k: v.clone() for k, v in sd.items()}  # (the replicated entries share the parameters' storage)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model.load_state_dict(sd)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def _bf16_checks(rank, ref, reduce_dtype):
+    import coda.tensor_parallel as tp
+    ids = _batch()
+    model = _tp_model(_stock_model(), torch.bfloat16, reduce_dtype=reduce_dtype)
+    loss, grads = _loss_and_grads(model, ids, tp.stock_grads)
+    want, single = ref["loss64"], ref["loss_bf16"]
+    assert abs(loss.double() - want) <= 2 * abs(single - want) + 1e-3, (loss, single, want, reduce_dtype)
+    assert grads.keys() == ref["grads64"].keys()
+    for k, g in grads.items():
+        assert g.dtype == torch.bfloat16, k
+        e, e1 = rel(g, ref["grads64"][k]), rel(ref["grads_bf16"][k], ref["grads64"][k])
+        assert e <= 2 * e1 + 1e-3, (k, e, e1, reduce_dtype, rank)
+
+
+def _worker(rank, d):
+    ref = torch.load(os.path.join(d, "ref.pt"))
+    _float32_checks(rank, ref, d)
+    for reduce_dtype in (torch.float32, None):
+        _bf16_checks(rank, ref, reduce_dtype)
+
+
+def test_tensor_parallel_fused_llama():
+    import coda
+    stock = _stock_model()
+    ids = _batch()
+    fused = coda.fuse(copy.deepcopy(stock))  # the single-process run
+    logits = fused(ids)
+    logits.square().mean().backward()
+    logit_grads = coda.stock_grads(fused)
+    fused.zero_grad(set_to_none=True)
+    loss, grads = _loss_and_grads(fused, ids, coda.stock_grads)
+    torch.optim.SGD(fused.parameters(), lr=LR).step()
+    loss64, grads64 = _loss_and_grads(coda.fuse(copy.deepcopy(stock).double()), ids, coda.stock_grads)
+    loss_bf16, grads_bf16 = _loss_and_grads(coda.fuse(copy.deepcopy(stock).to(torch.bfloat16)), ids,
+                                            coda.stock_grads)
+    with tempfile.TemporaryDirectory() as d:
+        torch.save({"logits": logits.detach(), "logit_grads": logit_grads, "loss": loss, "grads": grads,
+                    "stepped": fused.state_dict(), "loss64": loss64, "grads64": grads64,
+                    "loss_bf16": loss_bf16.double(), "grads_bf16": grads_bf16}, os.path.join(d, "ref.pt"))
+        spawn(_worker, d)
+        fresh = _stock_model()  # the gathered checkpoint in a stock model, one process
+        fresh.load_state_dict(torch.load(os.path.join(d, "tp_full.pt")))
+    with torch.no_grad():
+        want = fused(ids, labels=ids)
+        got = fresh(ids, labels=ids)
+    assert rel(got, want) <= 1e-5, (got, want)
+
+
+def _hf_stock():
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def _hf_worker(rank, d):
+    import coda.tensor_parallel as tp
+    ref = torch.load(os.path.join(d, "ref.pt"))
+    model = _tp_model(_hf_stock())
+    assert model.model.layers[0].self_attn.hf_signature
+    ids = _batch()
+    out = model(input_ids=ids, labels=ids, num_items_in_batch=100)  # the "sum" reduction of the vocab-parallel CE
+    out.loss.backward()
+    assert rel(out.loss.detach(), ref["loss"]) <= 1e-5, (out.loss, ref["loss"])
+    for k, g in tp.stock_grads(model).items():
+        assert rel(g, ref["grads"][k]) <= 1e-5, (k, rank)
+
+
+def test_tensor_parallel_huggingface_llama():
+    """Hugging Face's LlamaForCausalLM (keyword arguments, position embeddings, (out, None) attention outputs)."""
+    pytest.importorskip("transformers")
+    import coda
+    fused = coda.fuse(_hf_stock())
+    ids = _batch()
+    out = fused(input_ids=ids, labels=ids, num_items_in_batch=100)
+    out.loss.backward()
+    with tempfile.TemporaryDirectory() as d:
+        torch.save({"loss": out.loss.detach(), "grads": coda.stock_grads(fused)}, os.path.join(d, "ref.pt"))
+        spawn(_hf_worker, d)
+
+
+def _bad_size_worker(rank):
+    import coda
+    import coda.tensor_parallel as tp
+    from llama_model import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = coda.fuse(LlamaForCausalLM(LlamaConfig(**{**CFG, "num_key_value_heads": 1})))
+    before = [(n, p) for n, p in model.named_parameters()]
+    msg = r"argument tp \(a process group of 2 ranks\).*num_key_value_heads 1 .*tp size 2"
+    with pytest.raises(ValueError, match=msg):
+        tp.parallelize(model)
+    assert [(n, p) for n, p in model.named_parameters()] == before  # nothing swapped
+    with pytest.raises(ValueError, match="coda.fuse'd first"):
+        tp.parallelize(_stock_model())
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the group is still in step: no rank entered a collective in the failed calls
+    assert t.item() == WORLD
+
+
+def test_tensor_parallel_bad_size():
+    spawn(_bad_size_worker)
+
+
+def test_tensor_parallel_needs_init():
+    import coda
+    import coda.tensor_parallel as tp
+    with pytest.raises(RuntimeError, match="not initialized"):
+        tp.parallelize(coda.fuse(_stock_model()))
