@@ -29,6 +29,7 @@ class Recorded:
     source: str  # what served it: "tuned" (the store), "shipped", "heuristic"
     config: str
     calls: int = 1
+    cfg: Any = None  # the GemmConfig it was served
 
     @property
     def label(self) -> str:
@@ -67,7 +68,8 @@ class Recorder:
                 hit.calls += 1
                 return
             self._by_key[key] = Recorded(prob, epi, _meta(a) if hasattr(a, "stride") else None,
-                                         _meta(b) if hasattr(b, "stride") else None, ops, source, cfg.name)
+                                         _meta(b) if hasattr(b, "stride") else None, ops, source, cfg.name,
+                                         cfg=cfg)
 
     def __enter__(self) -> "Recorder":
         from . import _recorders, _usage_lock

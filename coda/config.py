@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from typing import Iterator, Optional
 
 TILE_K = 64
@@ -45,6 +46,10 @@ class GemmConfig:
     # in shared memory, rounded to bf16, while they start the next tile (kernels/epilogue_wg.py; coda.optim's dW
     # GEMMs); cooperative 128-row tiles, static schedule, bf16 / fp16 outputs
     epi_wg: bool = False
+    # L2 prefetch of the epilogue's TileMN operands: the producer warp spreads prefetches of the tile's operand rows
+    # (prefetch.global.L2, one 128-byte line a lane and instruction) over the last ``l2_prefetch`` k-tiles of the
+    # tile's mainloop, so that the epilogue's loads hit L2 (kernels/gemm_sm90.py, ``_l2_prefetch``); 0: none
+    l2_prefetch: int = 0
 
     # -- derived ---------------------------------------------------------------------------------------------------
     @property
@@ -67,7 +72,8 @@ class GemmConfig:
         st = f"_s{self.stages}" if self.stages else ""
         dyn = "_dyn" if self.sched == "dynamic" else ""
         return (f"{self.tile_m}x{self.tile_n}_{sched}_c{self.cluster_m}x{self.cluster_n}"
-                f"_r{self.raster}{self.swizzle}{st}{dyn}" + ("_ewg" if self.epi_wg else ""))
+                f"_r{self.raster}{self.swizzle}{st}{dyn}" + ("_ewg" if self.epi_wg else "")
+                + (f"_pf{self.l2_prefetch}" if self.l2_prefetch else ""))
 
     def problems(self) -> list[str]:
         """Reasons this config cannot be built (empty list: valid)."""
@@ -96,6 +102,8 @@ class GemmConfig:
             out.append(f"sched must be 'static' or 'dynamic', got {self.sched!r}")
         elif self.sched == "dynamic" and self.pingpong:
             out.append("sched='dynamic' is built for the cooperative schedule only")
+        if self.l2_prefetch < 0 or self.l2_prefetch & (self.l2_prefetch - 1) or self.l2_prefetch > self.tile_m:
+            out.append(f"l2_prefetch must be 0 or a power of two <= tile_m={self.tile_m}, got {self.l2_prefetch}")
         if self.epi_wg and (self.pingpong or self.tile_m != 128 or self.sched != "static"):
             out.append("epi_wg=True is built for cooperative 128-row tiles with sched='static'")
         return out
@@ -142,6 +150,24 @@ class GemmConfig:
         2."""
         base = self.derive_stages(out_bytes, extra_smem, in_bytes)
         return 4 if self.fit_stages(out_bytes, extra_smem, in_bytes, epi_stages=4) == base else 2
+
+
+def l2_prefetch_env(cfg: GemmConfig, tile_operands: bool, zero_k: bool) -> GemmConfig:
+    """``cfg`` with ``l2_prefetch`` from the environment: ``CODA_L2_PREFETCH=P`` (an experiment switch, unset by
+    default) gives every GEMM with TileMN epilogue operands and a mainloop (K > 0) whose config sets none
+    ``l2_prefetch=P``; anything else as given. A value that is no valid ``l2_prefetch`` raises ValueError."""
+    text = os.environ.get("CODA_L2_PREFETCH", "").strip()
+    if not text or cfg.l2_prefetch or not tile_operands or zero_k:
+        return cfg
+    try:
+        p = int(text)
+    except ValueError:
+        p = -1
+    new = dataclasses.replace(cfg, l2_prefetch=max(p, 0))
+    if p < 0 or new.problems():
+        raise ValueError(f"CODA_L2_PREFETCH={text!r}: expected 0 or a power of two <= {cfg.tile_m} "
+                         f"(config {cfg.name})")
+    return new
 
 
 def epi_wg_config() -> GemmConfig:

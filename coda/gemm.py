@@ -8,7 +8,8 @@ and launched on the current stream.
 
 Repeated calls with the same shapes, strides, dtypes, epilogue and config reuse a *launch plan*
 (``coda._launch``): only the data pointers and the stream change, and the compiled host function is called
-directly. ``CODA_LAUNCH_PLANS=0`` turns plans off.
+directly. ``CODA_LAUNCH_PLANS=0`` turns plans off. ``CODA_L2_PREFETCH=P`` (an experiment switch) runs every GEMM
+whose epilogue reads TileMN operands with ``GemmConfig.l2_prefetch=P`` (``coda.config.l2_prefetch_env``).
 
 Split-K (``config=None``, identity epilogue, 2-D operands): a problem whose output tiles fill few SMs and whose K is
 long (``coda.config.split_k``'s model, e.g. the weight gradient of a small layer, K = tokens) runs as one batched
@@ -25,8 +26,8 @@ import torch
 
 from . import _device, _launch
 from ._validate import check_gemm_args
-from .config import GemmConfig, split_k
-from .kernels.operand_kinds import SCALAR
+from .config import GemmConfig, l2_prefetch_env, split_k
+from .kernels.operand_kinds import SCALAR, TILE
 from .kernels.epilogue import (Epilogue, check_call, check_epilogue, empty_reductions,
                                finish_reduction, out_flags)
 from .runtime import precompile as _precompile
@@ -175,6 +176,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
         if split > 1:
             return _split_k(a, b, out, prob, split)
     cfg = (config or select_config(prob, epi, a, b, operands)).validate()
+    cfg = l2_prefetch_env(cfg, any(o.spec is TILE for o in epi.operands), prob.zero_k)
 
     res, key, views, leads, outs, partials = _kernel_views(prob, epi, cfg, a, b, out, operands)
     if key is None:  # empty result: nothing to launch

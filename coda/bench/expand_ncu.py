@@ -28,13 +28,16 @@ METRICS = {"time": "gpu__time_duration.sum",
 
 
 def parse_variant(text: str):
-    """``"tm,tn,pp|coop,cm,static|dynamic,epi_n,stages|-[,ewg]"`` -> GemmConfig (this module's and coda.bench.optim's
-    config arguments; ``ewg``: the epilogue in the epilogue warps, ``epi_wg=True``)."""
+    """``"tm,tn,pp|coop,cm,static|dynamic,epi_n,stages|-[,ewg][,pfP]"`` -> GemmConfig (this module's and
+    coda.bench.optim's config arguments; ``ewg``: the epilogue in the epilogue warps, ``epi_wg=True``; ``pfP``: the
+    L2 prefetch of TileMN operands over the last P k-tiles, ``l2_prefetch=P``)."""
     tm, tn, pp, cm, sched, en, st, *rest = text.split(",")
-    if rest not in ([], ["ewg"]):
-        raise ValueError(f"config {text!r}: an eighth field can only be 'ewg'")
+    pf = [int(r[2:]) for r in rest if r.startswith("pf") and r[2:].isdigit()]
+    if len(rest) != len(set(rest)) or any(r != "ewg" and not (r.startswith("pf") and r[2:].isdigit()) for r in rest):
+        raise ValueError(f"config {text!r}: fields after the seventh can only be 'ewg' and 'pfP'")
     return GemmConfig(tile_m=int(tm), tile_n=int(tn), pingpong=pp == "pp", cluster_m=int(cm), sched=sched,
-                      epi_n=int(en), stages=None if st == "-" else int(st), epi_wg=rest == ["ewg"])
+                      epi_n=int(en), stages=None if st == "-" else int(st), epi_wg="ewg" in rest,
+                      l2_prefetch=pf[0] if pf else 0)
 
 
 def table(raw_csv: str) -> str:

@@ -7,7 +7,8 @@ un-rotation) has no GEMM to compare with and is reported with its bytes moved. P
 per step (x calls) and the totals: what the epilogues add over our plain GEMMs and over cuBLAS.
 ``--only A,B`` keeps the problems whose label contains A or B; ``--configs "F=V,F=V;F=V"`` (``;`` between configs,
 fields as in ``coda.bench.ncu``) also times each kept problem's fused call under those configs (K = 0 passes run
-one all-zero k-tile: ``stages`` as the heuristic sets it).
+one all-zero k-tile: ``stages`` as the heuristic sets it); ``--l2-prefetch 8,16`` also times each problem with
+TileMN operands and a mainloop under the config it was served with ``l2_prefetch`` set (issue 29), paired.
 """
 from __future__ import annotations
 
@@ -16,6 +17,17 @@ import sys
 
 def _bytes(t) -> int:
     return t.numel() * t.element_size() if hasattr(t, "numel") else 0
+
+
+def prefetch_configs(rec, values) -> list:
+    """[(label, config)]: ``rec``'s served config with ``l2_prefetch`` = each of ``values``, where it applies (TileMN
+    operands, K > 0)."""
+    import dataclasses
+
+    from coda.kernels.operand_kinds import TILE
+    if rec.cfg is None or rec.prob.zero_k or not any(o.spec is TILE for o in rec.epi.operands):
+        return []
+    return [(f"pf{v}", dataclasses.replace(rec.cfg, l2_prefetch=v)) for v in values]
 
 
 def time_problem(rec, bench, configs=()) -> dict:
@@ -58,7 +70,10 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None,
                     help="keep the problems whose label contains one of these (comma separated)")
     ap.add_argument("--configs", default=None, help="configs to time the fused call under, ';' between them")
+    ap.add_argument("--l2-prefetch", default=None,
+                    help="l2_prefetch values (comma separated) to time each problem's own config with")
     args = ap.parse_args(argv)
+    pf = [int(v) for v in args.l2_prefetch.split(",")] if args.l2_prefetch else []
     import torch
     from coda.autotune.model import record_model_step
 
@@ -77,9 +92,9 @@ def main(argv=None) -> int:
     tot = dict(fused=0.0, plain=0.0, cublas=0.0, passes=0.0, moved=0)
     for rec in problems:
         try:
-            r = time_problem(rec, bench, configs)
+            r = time_problem(rec, bench, configs + prefetch_configs(rec, pf))
             for label, ms in r["configs"].items():
-                print(f"  {rec.label[:40]:40s} {label:46s} {ms:8.3f} ms", flush=True)
+                print(f"  {rec.label[:40]:40s} {label:46s} {ms:8.3f} ms ({ms / r['fused']:.3f}x fused)", flush=True)
         except Exception as e:  # one problem failing must not lose the others
             print(f"{rec.label[:58]:58s} failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
             continue

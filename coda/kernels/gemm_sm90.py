@@ -43,7 +43,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ..config import GemmConfig
-from . import epilogue_wg, lse, schedule
+from . import epilogue_wg, l2_prefetch, lse, schedule
 from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, EpiEnv, staged_operands,  # noqa: F401 (the x-slots)
                        smem_plan, tile_operand_cols)
 from .operand_kinds import TILE
@@ -77,6 +77,7 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
         if len(self.tile_aligned) != len(self.tiles):
             raise ValueError(f"tile_aligned: {len(self.tile_aligned)} flags for {len(self.tiles)} TileMN operands")
         self.op_tile = (cfg.tile_m, tile_operand_cols(epi, cfg))
+        self.pf_ops = [i for i, o in enumerate(epi.operands) if o.spec is TILE]  # what cfg.l2_prefetch prefetches
         self.ewg = cfg.epi_wg  # the epilogue in warps of the producer warpgroup (kernels/epilogue_wg.py)
         if self.ewg:
             epilogue_wg.check(epi)
@@ -300,6 +301,9 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
                                   mcast_mask=b_mask)
                         mainloop.producer_commit(state)
                         state.advance()
+                        if cutlass.const_expr(cfg.l2_prefetch > 0 and len(self.pf_ops) > 0):
+                            l2_prefetch.chunk(cfg, self.op_tile[1], [op_tensors[i] for i in self.pf_ops],
+                                              m, n, l, k - (k_tiles - cfg.l2_prefetch), tidx)
                     if cutlass.const_expr(self.dynamic):
                         t = schedule.producer_next(sched, ring_state)
                         ring_state.advance()
