@@ -5,8 +5,11 @@ A weight's gradient dW = dY^T X is a GEMM of CODA's kernel; its epilogue holds a
 epilogue (``epilogues/adamw.py``) reads the weight and its two moments, applies torch's fused AdamW update in fp32
 and writes them back in place; the cross entropy's fast mode, which forms the LM head's dW in the forward, applies the
 update in the K = 0 pass that scales dW by the upstream gradient. Parameters whose gradient no CODA op forms
-(embeddings, norm weights, anything stock) are updated by ``step()`` exactly as ``torch.optim.AdamW`` (same ``fused``
-/ ``foreach`` options), with the same state (``exp_avg``, ``exp_avg_sq``, ``step``): ``state_dict()`` is torch's.
+(embeddings, norm weights, anything stock) are updated by ``step()``: a large 16-bit matrix (at least
+``KERNEL_STEP_MIN`` elements, rows of a multiple of 8, moments of its dtype: the input embedding) by the same AdamW
+epilogue over its stored gradient in one K = 0 pass of CODA's kernel (``kernel_step=True``, the default; the LM
+head's update runs this pass too), everything else exactly as ``torch.optim.AdamW`` (same ``fused`` / ``foreach``
+options); one state either way (``exp_avg``, ``exp_avg_sq``, ``step``): ``state_dict()`` is torch's.
 
 What it buys, measured on the H100 (``python -m coda.bench.optim``, llama-1b shapes, T = 8192 tokens): memory -- no
 gradient is allocated for those weights (2 bytes a parameter; for llama-1b 2.5 GB, though its step's peak is in the
@@ -81,6 +84,11 @@ def in_backward_operands(weight: torch.Tensor) -> Optional[dict]:
 # the configs of the update's launches (coda.bench.optim, H100 / H200, llama-1b shapes): the dW GEMMs with the AdamW
 # epilogue in the epilogue warps (below) when they have tiles to hide it under, 128 x 128 cooperative tiles (every
 # warp on the epilogue) when they fill fewer than two waves, and for the LM head's K = 0 pass (1.47 ms vs 3.76)
+# step()'s K = 0 pass: matrices of at least this many elements (the llama-1b embedding: 262 M; H100 session 26,
+# torch's fused AdamW on it 2.4 ms a step, the same pass on the LM head of the same shape 1.6 ms)
+KERNEL_STEP_MIN = 1 << 20
+
+
 def update_config(k_zero: bool = False, mn=None, sm_count: int = 132):
     """The config of an in-backward update's dW GEMM (``mn``: its M x N, the weight's shape): 128 x 256 tiles whose
     epilogue runs in the epilogue warps (``epi_wg``, hidden under the next tile's mainloop); with fewer 128 x 256
@@ -102,16 +110,17 @@ class AdamW(torch.optim.AdamW):
     the backward (module docstring). Create it after ``coda.fuse`` (it registers the Parameters it holds)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 *, in_backward: bool = True, **kwargs):
-        if not isinstance(in_backward, bool):
-            raise TypeError(f"coda.optim.AdamW: in_backward must be True or False, got {in_backward!r}")
+                 *, in_backward: bool = True, kernel_step: bool = True, **kwargs):
+        for name, flag in (("in_backward", in_backward), ("kernel_step", kernel_step)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"coda.optim.AdamW: {name} must be True or False, got {flag!r}")
         if in_backward and any(kwargs.get(k) for k in ("amsgrad", "maximize", "differentiable")):
             raise ValueError("coda.optim.AdamW: in_backward=True supports neither amsgrad, maximize nor "
                              "differentiable; pass in_backward=False")
         if isinstance(lr, bool) or not isinstance(lr, (float, int)):
             raise TypeError(f"coda.optim.AdamW: lr must be a float, got {type(lr).__name__}")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
-        self.in_backward = in_backward
+        self.in_backward, self.kernel_step = in_backward, kernel_step
         self._done: dict = {}  # id(p) -> p: updated in backward since the last step()
         self._steps: dict = {}  # id(p) -> host step count of the parameters updated in backward
         self._hyper: dict = {}  # (group, step, device, hyper-parameters) -> (8, 4) fp32 device tensor
@@ -191,17 +200,64 @@ class AdamW(torch.optim.AdamW):
         return h
 
     # -- step ------------------------------------------------------------------------------------------------------
+    def _on_kernel(self, p: torch.Tensor, group: dict) -> bool:
+        """Whether ``step()`` updates ``p`` by the AdamW epilogue's K = 0 pass over its ``.grad`` (module
+        docstring): a dense, contiguous 16-bit matrix with rows of a multiple of 8 and at least ``KERNEL_STEP_MIN``
+        elements, its gradient of its dtype, moments (if any yet) of its dtype, on a Hopper GPU or the CPU (the
+        reference path), in a group without amsgrad / maximize."""
+        from coda import _device
+        from coda.ops._common import IN_DTYPES
+        g = p.grad
+        if (g is None or p.dim() != 2 or p.dtype not in IN_DTYPES or g.dtype != p.dtype or g.layout != torch.strided
+                or p.numel() < KERNEL_STEP_MIN or p.shape[1] % 8 or not p.is_contiguous() or not g.is_contiguous()
+                or group["amsgrad"] or group["maximize"] or group.get("differentiable")):
+            return False
+        if p.is_cuda and not _device.hopper_available():
+            return False
+        state = self.state[p]
+        return not state or all(state[k].dtype == p.dtype and state[k].is_contiguous()
+                                for k in ("exp_avg", "exp_avg_sq"))
+
+    def _kernel_updates(self) -> list:
+        """Run ``step()``'s K = 0 update passes (``epilogues.adamw.adamw_scaled`` with t = the gradient, s = 1, in
+        place on p, m, v); returns the parameters updated (their ``.grad`` stays)."""
+        from coda import _device
+        from coda.epilogues.adamw import adamw_scaled
+        from coda.ops._common import epilogue_pass, gemm_for
+        out = []
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if id(p) in self._done or not self._on_kernel(p, group):
+                    continue
+                ops = self._in_backward(p, gi)  # state, hyper-parameter rows; counted with the in-backward ones
+                N, K = p.shape
+                cfg = {"config": update_config(True, p.shape, _device.sm_count(p.device))} if p.is_cuda else {}
+                one = torch.ones(4, dtype=torch.float32, device=p.device)[:1]
+                epilogue_pass(gemm_for(p.device, "coda.optim.AdamW.step"), p, N, K, epilogue=adamw_scaled,
+                              out=ops["p"], t=p.grad, s=one, **cfg, **ops)
+                out.append(p)
+        return out
+
     @torch.no_grad()
     def step(self, closure=None):
-        """torch's AdamW step for every parameter with a ``.grad``; the parameters updated in backward since the
-        last step only have their ``step`` counts advanced."""
-        done = list(self._done.values())
-        for p in done:
+        """torch's AdamW step for every parameter with a ``.grad``, large 16-bit matrices by CODA's K = 0 pass
+        (``kernel_step``); the parameters updated in backward since the last step only have their ``step``
+        counts advanced."""
+        for p in self._done.values():
             if p.grad is not None:
                 raise RuntimeError(f"coda.optim.AdamW: a weight of shape {tuple(p.shape)} was updated in backward "
                                    "and also received a gradient (used outside the CODA op too, e.g. tied "
                                    "weights): pass in_backward=False")
-        loss = super().step(closure)
+        kernel = self._kernel_updates() if self.kernel_step and closure is None else []
+        held = [(p, p.grad) for p in kernel]
+        for p, _ in held:  # torch's step skips them
+            p.grad = None
+        try:
+            loss = super().step(closure)
+        finally:
+            for p, g in held:
+                p.grad = g
+        done = list(self._done.values())
         if done:
             steps = [self.state[p]["step"] for p in done]
             if steps[0].is_cuda:
