@@ -1,6 +1,7 @@
 """CPU (CI): the training-step report ``python -m coda.bench --model`` -- kernel classes, FLOP counts, rendering."""
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -155,6 +156,26 @@ def test_tiny_cpu_run_end_to_end(tmp_path):
     assert [m["mode"] for m in rep["modes"]] == ["stock", "fused"]
     losses = [m["loss"] for m in rep["modes"]]
     assert all(math.isfinite(x) for x in losses) and losses[0] == pytest.approx(losses[1], rel=0.05)
+
+
+def test_env_variants_alternate_in_rounds(tmp_path):
+    """--env adds a variant of each mode run with those environment variables (its worker sees them, the mode's
+    does not); --rounds 2 alternates them and pools the step times (a median per round kept)."""
+    env = {k: v for k, v in os.environ.items() if k != "CODA_PRECOMPILE"}
+    proc = subprocess.run([sys.executable, "-m", "coda.bench", "--model", "tiny", "--device", "cpu", "--seq", "16",
+                           "--steps", "2", "--warmup", "1", "--profile-steps", "0", "--modes", "fused",
+                           "--env", "CODA_PRECOMPILE=0", "--rounds", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "x fused's" in proc.stdout
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert [m["mode"] for m in rep["modes"]] == ["fused", "fused [CODA_PRECOMPILE=0]"]
+    base, var = rep["modes"]
+    assert "CODA_PRECOMPILE" not in base["coda_env"] and var["coda_env"]["CODA_PRECOMPILE"] == "0"
+    assert len(base["rounds_ms"]) == len(var["rounds_ms"]) == 2 and len(var["step_ms_all"]) == 4
+    bad = subprocess.run([sys.executable, "-m", "coda.bench", "--model", "tiny", "--env", "NOVALUE"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--env" in bad.stderr
 
 
 def test_tiny_cpu_run_on_two_processes_with_fsdp2(tmp_path):

@@ -15,7 +15,9 @@ attention + optimizer). Writes report.json, report.md and step.png into ``--out`
 
 The fused modes call ``coda.precompile`` before their first step (a dry run of one step, its kernels compiled in
 worker processes into the disk cache; for ``+compile`` modes the uncompiled model through torch's dispatcher; env
-``CODA_PRECOMPILE=0``: not).
+``CODA_PRECOMPILE=0``: not). ``--env NAME=VALUE`` adds a variant of every mode run with those environment variables
+(an experiment switch such as ``CODA_L2_PREFETCH=16``), ``--rounds R`` alternates the mode and its variants R times
+on the same machine: paired numbers.
 
 Phases of a run: (1) a process measures the GEMM peak (cuBLAS bf16 8192^3, do_bench median); (2) one process per mode
 builds, trains (``--warmup`` untimed steps, then ``--steps`` timed ones, CUDA events per step, one sync at the
@@ -31,6 +33,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Optional
 
 from . import step_report as SR
 
@@ -239,7 +242,8 @@ def run_mode(args) -> dict:
         step_ms = [1e3 * s for s in events]
     res = dict(mode=mode, model_source=source, nproc=world, rank=rank, step_ms_all=step_ms, loss=loss.item(),
                first_loss=first_loss, first_step_s=first_step_s, first_step_phases=phases,
-               peak_bytes=torch.cuda.max_memory_allocated(dev) if cuda else 0, kernels={})
+               peak_bytes=torch.cuda.max_memory_allocated(dev) if cuda else 0, kernels={},
+               coda_env={k: v for k, v in os.environ.items() if k.startswith("CODA_") and k != "CODA_STEP_T0"})
     if cuda and args.profile_steps > 0:
         res["kernels"] = profile_kernels(lambda i: step(args.warmup + args.steps + i), args.profile_steps)
     return res
@@ -276,8 +280,8 @@ def measure_peak() -> dict:
 
 
 # -- the parent ----------------------------------------------------------------------------------------------------
-def _spawn(worker_argv: list, timeout: float, nproc: int = 1) -> dict:
-    env = dict(os.environ, CODA_STEP_T0=repr(time.time()))
+def _spawn(worker_argv: list, timeout: float, nproc: int = 1, extra_env: Optional[dict] = None) -> dict:
+    env = dict(os.environ, **(extra_env or {}), CODA_STEP_T0=repr(time.time()))
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
               if nproc > 1 else [sys.executable])
     proc = subprocess.Popen([*launch, "-m", "coda.bench.step", *worker_argv], stdout=subprocess.PIPE,
@@ -318,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nproc", type=int, default=1,
                     help="processes (GPUs) per mode: FSDP2 over them, via torch.distributed.run; --batch is per "
                          "process, tokens/s per GPU (compare with an --nproc 1 report for the scaling)")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                    help="a variant: each mode also runs with these environment variables (repeatable), reported "
+                         "as 'MODE [NAME=VALUE]' with its step time's ratio to the mode's, round by round")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run each mode and its --env variants this many times, alternating (step times pooled)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mode")
     ap.add_argument("--out", default="bench-results/step")
     ap.add_argument("--from", dest="from_", metavar="REPORT_JSON", help="re-render a saved report (no GPU)")
@@ -332,6 +341,28 @@ def parse_modes(text: str) -> list:
     if bad or not modes:
         raise ValueError(f"--modes: choose from {','.join(MODES)}, got {text!r}")
     return modes
+
+
+def parse_env(items: list) -> list:
+    """``--env`` values -> [(label, {name: value})]."""
+    out = []
+    for text in items:
+        pairs = [p.strip() for p in text.split(",") if p.strip()]
+        if not pairs or any("=" not in p or not p.split("=", 1)[0] for p in pairs):
+            raise ValueError(f"--env: expected NAME=VALUE[,NAME=VALUE], got {text!r}")
+        out.append((",".join(pairs), dict(p.split("=", 1) for p in pairs)))
+    return out
+
+
+def _pool(runs: list) -> dict:
+    """One mode's result from its rounds: the last round's, with every round's step times."""
+    ok = [r for r in runs if not r.get("error")]
+    if not ok:
+        return runs[-1]
+    res = dict(ok[-1])
+    res["step_ms_all"] = [t for r in ok for t in r["step_ms_all"]]
+    res["rounds_ms"] = [SR.median(r["step_ms_all"]) for r in ok]
+    return res
 
 
 def main(argv=None) -> int:
@@ -364,6 +395,12 @@ def main(argv=None) -> int:
         ap.error(str(e))
     if args.nproc < 1:
         ap.error("--nproc must be >= 1")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    try:
+        variants = [("", {})] + parse_env(args.env)
+    except ValueError as e:
+        ap.error(str(e))
     # CODA_AUTOTUNE as the user set it: unset is the library's default (the tuning store, the shipped configs of
     # this GPU, else the heuristic; never tunes); 0 is the heuristic alone (the step reports before session 21)
     from . import _git, _version
@@ -383,17 +420,26 @@ def main(argv=None) -> int:
     print(f"coda.bench --model {args.model} on {meta['device']}: GEMM peak "
           f"{SR._f(report['gemm_peak_tflops'], '{:.0f}')} TFLOP/s; modes {', '.join(modes)}", flush=True)
     for mode in modes:
-        t0 = time.time()
-        res = _spawn(common + ["--worker", mode], args.timeout, args.nproc)
-        res.setdefault("mode", mode)
-        res["wall_s"] = time.time() - t0
-        report["modes"].append(res)
-        if not res.get("error"):
-            print(f"  {mode}: {SR.median(res['step_ms_all']):.1f} ms/step, "
-                  f"{args.batch * args.seq / SR.median(res['step_ms_all']) * 1e3:,.0f} tok/s, peak "
-                  f"{res['peak_bytes'] / 1e9:.1f} GB ({res['wall_s']:.0f} s)", flush=True)
-        else:
-            print(f"  {mode}: FAILED {res['error']}", flush=True)
+        runs: dict = {label: [] for label, _ in variants}
+        for _ in range(args.rounds):  # the mode, then each variant, alternating round by round
+            for label, env in variants:
+                name = f"{mode} [{label}]" if label else mode
+                t0 = time.time()
+                res = _spawn(common + ["--worker", mode], args.timeout, args.nproc, env)
+                res["mode"], res["wall_s"] = name, time.time() - t0
+                if env:
+                    res["env"] = env
+                runs[label].append(res)
+                if not res.get("error"):
+                    base = runs[""][-1]
+                    ratio = ("" if not label or base.get("error") else
+                             f", {SR.median(res['step_ms_all']) / SR.median(base['step_ms_all']):.3f}x {mode}'s")
+                    print(f"  {name}: {SR.median(res['step_ms_all']):.1f} ms/step{ratio}, "
+                          f"{args.batch * args.seq / SR.median(res['step_ms_all']) * 1e3:,.0f} tok/s, peak "
+                          f"{res['peak_bytes'] / 1e9:.1f} GB ({res['wall_s']:.0f} s)", flush=True)
+                else:
+                    print(f"  {name}: FAILED {res['error']}", flush=True)
+        report["modes"] += [_pool(runs[label]) for label, _ in variants]
         SR.write_step_report(report, args.out)
     for p in SR.write_step_report(report, args.out):
         print(f"wrote {p}")
