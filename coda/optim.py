@@ -125,6 +125,7 @@ class AdamW(torch.optim.AdamW):
         self._steps: dict = {}  # id(p) -> host step count of the parameters updated in backward
         self._hyper: dict = {}  # (group, step, device, hyper-parameters) -> (8, 4) fp32 device tensor
         self._const: dict = {}  # capturable: (group, device) -> (hyper-parameters, the step-independent rows)
+        self._ones: dict = {}  # device -> the K = 0 update pass's scale operand (kernel_step)
         if in_backward:
             me = weakref.ref(self)
             for gi, group in enumerate(self.param_groups):
@@ -232,7 +233,9 @@ class AdamW(torch.optim.AdamW):
                 ops = self._in_backward(p, gi)  # state, hyper-parameter rows; counted with the in-backward ones
                 N, K = p.shape
                 cfg = {"config": update_config(True, p.shape, _device.sm_count(p.device))} if p.is_cuda else {}
-                one = torch.ones(4, dtype=torch.float32, device=p.device)[:1]
+                one = self._ones.get(p.device)
+                if one is None:  # the scale s = 1 (a 16-byte aligned fp32 Scalar operand), one per device
+                    one = self._ones[p.device] = torch.ones(4, dtype=torch.float32, device=p.device)[:1]
                 epilogue_pass(gemm_for(p.device, "coda.optim.AdamW.step"), p, N, K, epilogue=adamw_scaled,
                               out=ops["p"], t=p.grad, s=one, **cfg, **ops)
                 out.append(p)

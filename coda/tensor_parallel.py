@@ -64,10 +64,12 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from coda.nn import LMHeadCrossEntropy, SwiGLUMLP, _compute_dtype, _NormConsumer
+import coda.nn as _nn
+from coda.nn import LMHeadCrossEntropy, SwiGLUMLP, _compute_dtype
 from coda.nn_attention import FusedAttention
 
 __all__ = ["parallelize", "stock_grads", "stock_state_dict", "TPAttention", "TPSwiGLUMLP", "VocabParallelLMHead",
@@ -80,11 +82,18 @@ ALIGN = 8  # CODA's GEMMs read and write 16-byte rows: every local width a multi
 # ------------------------------------------------------------------------------------------------ collectives
 def _all_reduce(t: Tensor, group, reduce_dtype) -> Tensor:
     """sum over the group, accumulated in promote(t.dtype, reduce_dtype) (t.dtype when None), returned in t.dtype;
-    a new tensor (t is left as it is)."""
+    a new tensor (t is left as it is). A functional collective: torch.compile traces it into the graph."""
     dt = t.dtype if reduce_dtype is None else torch.promote_types(t.dtype, reduce_dtype)
-    buf = t.to(dtype=dt, memory_format=torch.contiguous_format, copy=True)
-    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
-    return buf.to(t.dtype)
+    out = funcol.all_reduce(t.to(dt).contiguous(), "sum", _pg(group))
+    return out.to(t.dtype) if dt != t.dtype else funcol.wait_tensor(out)
+
+
+_all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # the newer name first
+
+
+def _pg(group):
+    """The process group a functional collective takes (None: the default group)."""
+    return dist.group.WORLD if group is None else group
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -117,13 +126,13 @@ class _GatherColumns(torch.autograd.Function):
     (every rank computes the same thing from the gathered tensor)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.rank, ctx.n = dist.get_rank(group), x.shape[-1]
-        return torch.cat(_gather(x, group), -1)
+    def forward(ctx, x, group, rank):
+        ctx.rank, ctx.n = rank, x.shape[-1]
+        return funcol.wait_tensor(_all_gather_single(x.contiguous(), x.dim() - 1, _pg(group)))
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[..., ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
+        return grad[..., ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None, None
 
 
 def copy_to_tp(x: Tensor, group=None, reduce_dtype: Optional[torch.dtype] = torch.float32) -> Tensor:
@@ -146,21 +155,28 @@ def _gather(t: Tensor, group) -> list:
 
 # ------------------------------------------------------------------------------------------------ rank-local modules
 class _TPBlock:
-    """Shared by the column- then row-parallel blocks: forward = [x +] g(local_forward(f(x))), gamma through f."""
+    """Shared by the column- then row-parallel blocks: forward = [x +] g(local_forward(f(x))), gamma through f.
+
+    ``add_residual`` is False: the rank-local forward's output is a partial sum, and its epilogue must not add x
+    (it would be added tp times). ``residual_after_reduce``: whether forward adds x after the reduction instead.
+    Both are fixed at construction (nothing is toggled during forward, which torch.compile traces)."""
     tp_group = None
     tp_rank, tp_size = 0, 1
     reduce_dtype: Optional[torch.dtype] = torch.float32
+    add_residual = False
+    residual_after_reduce = False
 
-    def _setup(self, fused, group, reduce_dtype) -> None:
+    def _setup(self, fused, group, reduce_dtype, residual_after_reduce: bool) -> None:
         self.tp_group, self.reduce_dtype = group, reduce_dtype
         self.tp_rank, self.tp_size = dist.get_rank(group), dist.get_world_size(group)
         self.norm, self._shared_norm = fused.norm, fused._shared_norm  # the norm where the fused module had it
-        self.__dict__["add_residual"] = bool(fused.add_residual)  # whether forward adds x (after the reduction)
+        self.add_residual, self.residual_after_reduce = False, bool(residual_after_reduce)
 
     @property
     def norm_weight(self) -> Optional[Tensor]:
         # replicated gamma feeds column-local work: each rank's gradient of it is a partial sum (f sums them)
-        w = _NormConsumer.norm_weight.fget(self)
+        m = self.norm_module  # (as _NormConsumer.norm_weight; dynamo does not trace a super() property)
+        w = None if m is None else m.weight
         return None if w is None else copy_to_tp(w, self.tp_group, self.reduce_dtype)
 
     def _tp_forward(self, local_forward, args, kwargs):
@@ -169,18 +185,12 @@ class _TPBlock:
         else:
             x = kwargs["hidden_states"]
             kwargs = {**kwargs, "hidden_states": copy_to_tp(x, self.tp_group, self.reduce_dtype)}
-        # the local GEMMs' outputs are partial sums: no residual in their epilogues (it would be added tp times)
-        residual = self.add_residual
-        self.__dict__["add_residual"] = False
-        try:
-            out = local_forward(self, *args, **kwargs)
-        finally:
-            self.__dict__["add_residual"] = residual
+        out = local_forward(self, *args, **kwargs)  # add_residual is False: a partial sum, no x in its epilogue
         rest = None
         if isinstance(out, tuple):
             out, rest = out[0], out[1:]
         out = reduce_from_tp(out, self.tp_group, self.reduce_dtype)
-        if residual:  # the residual add, moved out of the epilogue to after the reduction
+        if self.residual_after_reduce:  # the residual add, moved out of the epilogue to after the reduction
             out = x + out
         return out if rest is None else (out, *rest)
 
@@ -219,7 +229,8 @@ class TPAttention(_TPBlock, FusedAttention):
         w = fused.weight_qkv
         out = cls(fused.hidden_size, hq, hk, d, inv_freq, fused.eps, hf_signature=fused.hf_signature,
                   device="meta", dtype=w.dtype)
-        out._setup(fused, group, reduce_dtype)
+        # the decoder layer reads add_residual (False here) and adds x itself (coda.fuse's patched layer forward)
+        out._setup(fused, group, reduce_dtype, residual_after_reduce=False)
         out.full_heads = (fused.n_heads, fused.n_kv)
         q, k, v = w.split([fused.n_heads * d, fused.n_kv * d, fused.n_kv * d])
         out.weight_qkv = _local_param(w, torch.cat([t.chunk(tp)[r] for t in (q, k, v)]))
@@ -267,7 +278,8 @@ class TPSwiGLUMLP(_TPBlock, SwiGLUMLP):
         n = fused.intermediate_size // tp
         w = fused.weight_gu
         out = cls(fused.hidden_size, n, fused.eps, add_residual=False, norm=False, device="meta", dtype=w.dtype)
-        out._setup(fused, group, reduce_dtype)
+        # the patched layer returns mlp(h) and relies on the MLP to add h: after the reduction here
+        out._setup(fused, group, reduce_dtype, residual_after_reduce=fused.add_residual)
         out.full_intermediate = fused.intermediate_size
         out.weight_gu = _local_param(w, w[2 * r * n:2 * (r + 1) * n])  # rows (gate_j, up_j) for j of this rank
         out.down_proj = _local_linear(fused.down_proj, slice(r * n, (r + 1) * n))
@@ -292,7 +304,14 @@ class VocabParallelLMHead(LMHeadCrossEntropy):
     """The final norm + LM head + loss with this rank's vocabulary rows [vocab_start, vocab_start + V / tp):
     ``forward(x, target)`` is :func:`coda.distributed.vocab_parallel_cross_entropy` of the normed x (the norm in
     torch on the replicated x); ``forward(x)`` the full logits (the local GEMM, then an all-gather of the columns).
-    ``vocab_size`` is the full V; ``state_dict()`` gathers the full weight."""
+    ``vocab_size`` is the full V; ``state_dict()`` gathers the full weight.
+
+    ``inductor_under_compile`` (class attribute, default True): while torch.compile traces, the loss is the same
+    vocab-parallel cross entropy written in torch ops that dynamo traces (:meth:`_traced_loss`: this shard's
+    M x V / tp logits are stored), so the model stays one graph; coda.distributed's op (logits never stored) is an
+    autograd Function with host-side checks and CODA's GEMMs inside, which dynamo splits into ~9 graphs."""
+
+    inductor_under_compile = True
 
     @classmethod
     def from_fused(cls, head: LMHeadCrossEntropy, group, reduce_dtype) -> "VocabParallelLMHead":
@@ -310,13 +329,40 @@ class VocabParallelLMHead(LMHeadCrossEntropy):
         from coda.distributed import vocab_parallel_cross_entropy
         n = self._normed(x)  # replicated; its gradient is complete (the CE / f all-reduce dn), so are gamma's and x's
         if target is None:
-            z = F.linear(copy_to_tp(n, self.tp_group, self.reduce_dtype), self.weight)
-            z = _GatherColumns.apply(z, self.tp_group)
-            return z if self.softcap is None else self.softcap * torch.tanh(z / self.softcap)
+            return _GatherColumns.apply(self._local_logits(n), self.tp_group, self.tp_rank)
         dtype = _compute_dtype(x)
+        if _nn.compiling() and self.inductor_under_compile:
+            return self._traced_loss(n.to(dtype), target, reduction)
         return vocab_parallel_cross_entropy(n.to(dtype), self.weight.to(dtype), target, self.tp_group,
                                             self.ignore_index, reduction, self.vocab_start,
                                             check_targets=self.check_targets is not False, softcap=self.softcap)
+
+    def _local_logits(self, n: Tensor) -> Tensor:
+        """This shard's (soft-capped) logits of f(n): their gradient with respect to n is summed over the ranks."""
+        z = F.linear(copy_to_tp(n, self.tp_group, self.reduce_dtype), self.weight.to(n.dtype))
+        return z if self.softcap is None else self.softcap * torch.tanh(z / self.softcap)
+
+    def _traced_loss(self, n: Tensor, target: Tensor, reduction: str) -> Tensor:
+        """The vocab-parallel cross entropy in traceable torch ops (under torch.compile): per row this shard's
+        lse_r (fp32 at least) and z_t (0 where the target is another shard's), all-gathered (2 M floats per rank;
+        backward: this rank's columns), then lse = logsumexp_r lse_r, z_t = sum_r, and the loss as the op's
+        ``finish_loss``. Targets outside [0, V) fail a ``torch._assert_async`` (unless check_targets is False)."""
+        from coda.ops.cross_entropy import finish_loss
+        z = self._local_logits(n).flatten(0, -2)
+        z = z.to(torch.promote_types(z.dtype, torch.float32))
+        t = target.reshape(-1)
+        valid = t != self.ignore_index
+        col = t - self.vocab_start
+        mine = valid & (col >= 0) & (col < z.shape[-1])
+        zt = torch.where(mine, z.gather(-1, col.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1), 0.0)
+        stats = _GatherColumns.apply(torch.stack((z.logsumexp(-1), zt), -1), self.tp_group, self.tp_rank)
+        stats = stats.unflatten(-1, (self.tp_size, 2))  # (M, tp, (lse_r, zt_r)) in rank order: the same on all ranks
+        if self.check_targets is not False:
+            torch._assert_async(((t >= 0) & (t < self.vocab_size) | ~valid).all(),
+                                f"{ENTRY}: target values must be in [0, {self.vocab_size}) or equal ignore_index")
+        loss = finish_loss(stats[..., 0].logsumexp(-1), {"zt": stats[..., 1].sum(-1)}, valid, self.vocab_size,
+                           reduction, 0.0, 0.0)
+        return loss.reshape(target.shape) if reduction == "none" else loss
 
     def _to_stock(self, local):
         if "weight" in local:
