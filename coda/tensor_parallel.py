@@ -1,8 +1,9 @@
 """``coda.tensor_parallel``: Megatron-style tensor parallelism of a :func:`coda.fuse`\\ d Llama-style model (issue 32).
 
 Import it explicitly (``import coda.tensor_parallel``). :func:`parallelize` (model, tp) swaps, in place, each fused
-block for a rank-local module that holds plain local shards of its weights and runs explicit collectives in
-``torch.autograd.Function`` s (so it works under gloo on CPU as under NCCL; no DTensor):
+block for a rank-local module that holds plain local shards of its weights and runs explicit collectives
+(``torch.distributed._functional_collectives``) in ``torch.autograd.Function`` s (so it works under gloo on CPU as
+under NCCL, eager and under ``torch.compile``; no DTensor):
 
 - :class:`TPAttention` (a :class:`coda.nn_attention.FusedAttention`): rank r of tp keeps the query heads
   [r Hq/tp, (r+1) Hq/tp) and the key/value heads [r Hkv/tp, (r+1) Hkv/tp) (grouped-query heads stay with their
@@ -35,7 +36,8 @@ How the fusion boundary moves. In one process the residual adds live in GEMM epi
 projection's adds h (``ops.mlp(residual=True)``); the next norm's sum of squares is formed by the consumer from the
 finished row. Under tp a row-parallel GEMM's output is a partial sum: adding the residual in its epilogue would add
 it tp times, and a sum of squares over a partial row is meaningless. So the O and down GEMMs run with a plain
-epilogue (``add_residual`` off inside the rank-local call), the residual add is a torch add *after* the all-reduce,
+epilogue (the TP modules' ``add_residual`` is False), the residual add is a torch add *after* the all-reduce (the
+decoder layer adds x, as it does for an attention without ``add_residual``; ``TPSwiGLUMLP`` adds h itself),
 and the next norm's r is formed by the next column-parallel GEMM from the all-reduced (replicated) row, exactly as
 the single-process consumer forms it. Everything column-local stays fused: norm scale + gamma + RoPE in the QKV
 epilogue, norm scale + SwiGLU in the gate/up epilogue, and their backward epilogues (the norm's radial term in the
@@ -56,6 +58,20 @@ over another group) reduces those as usual. Checkpoints: ``state_dict()`` of a p
 *full* stock layout by stock name (the TP modules' stock-layout hooks all-gather their shards: every rank must call
 it), and ``load_state_dict`` takes a full stock checkpoint and keeps this rank's shard; :func:`stock_grads` /
 :func:`stock_state_dict` spell that out. ``coda.unfuse`` does not apply to a parallelized model.
+
+torch.compile: a parallelized model compiles as one graph (no graph break in a forward + loss, counted by dynamo's
+``counters["graph_break"]`` and the graphs handed to the backend). The collectives are functional collectives
+(out-of-place, traced into the graph) inside the autograd Functions; the residual flags are fixed at construction
+(parallelize's first version switched ``add_residual`` off and on around the rank-local call, and read the norm
+weight through ``property.fget``: 17 graph breaks, 18 graphs, by ``torch._dynamo.explain``); and while dynamo
+traces, the loss is :class:`VocabParallelLMHead`'s torch form of the vocab-parallel cross entropy (this shard's
+logits stored; ``inductor_under_compile = False`` restores coda.distributed's op, which dynamo splits into 10
+graphs at its host-side layout / target checks and CODA's reference GEMMs). Checked on CPU (2 ranks, gloo,
+float32, tests/test_tensor_parallel.py): with backend "aot_eager" the loss, every gathered gradient and the logits
+equal the eager tp run's to 1e-5 relative (loss and gradients with either LM head path); the default inductor
+backend gives the same (by hand: within 5e-7) but takes ~50 s to compile forward + backward on 2 CPU cores, so the
+test uses aot_eager. A target outside [0, V) fails the traced loss's ``torch._assert_async`` (RuntimeError; by hand).
+Not checked under compile: bfloat16, NCCL on GPUs, the Hugging Face model.
 """
 from __future__ import annotations
 
@@ -309,7 +325,7 @@ class VocabParallelLMHead(LMHeadCrossEntropy):
     ``inductor_under_compile`` (class attribute, default True): while torch.compile traces, the loss is the same
     vocab-parallel cross entropy written in torch ops that dynamo traces (:meth:`_traced_loss`: this shard's
     M x V / tp logits are stored), so the model stays one graph; coda.distributed's op (logits never stored) is an
-    autograd Function with host-side checks and CODA's GEMMs inside, which dynamo splits into ~9 graphs."""
+    autograd Function with host-side checks and CODA's GEMMs inside, which dynamo splits (10 graphs here)."""
 
     inductor_under_compile = True
 
