@@ -204,12 +204,13 @@ class AdamW(torch.optim.AdamW):
     def _on_kernel(self, p: torch.Tensor, group: dict) -> bool:
         """Whether ``step()`` updates ``p`` by the AdamW epilogue's K = 0 pass over its ``.grad`` (module
         docstring): a dense, contiguous 16-bit matrix with rows of a multiple of 8 and at least ``KERNEL_STEP_MIN``
-        elements, its gradient of its dtype, moments (if any yet) of its dtype, on a Hopper GPU or the CPU (the
-        reference path), in a group without amsgrad / maximize."""
+        elements, its gradient of its dtype, moments (if any yet) of its dtype, plain tensors (not a DTensor shard),
+        on a Hopper GPU or the CPU (the reference path), in a group without amsgrad / maximize."""
         from coda import _device
         from coda.ops._common import IN_DTYPES
         g = p.grad
-        if (g is None or p.dim() != 2 or p.dtype not in IN_DTYPES or g.dtype != p.dtype or g.layout != torch.strided
+        if (g is None or type(p.data) is not torch.Tensor or type(g) is not torch.Tensor  # a DTensor (FSDP2): torch
+                or p.dim() != 2 or p.dtype not in IN_DTYPES or g.dtype != p.dtype or g.layout != torch.strided
                 or p.numel() < KERNEL_STEP_MIN or p.shape[1] % 8 or not p.is_contiguous() or not g.is_contiguous()
                 or group["amsgrad"] or group["maximize"] or group.get("differentiable")):
             return False

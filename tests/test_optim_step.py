@@ -84,6 +84,22 @@ def test_closure_and_float32_moments_take_torch_step():
     assert not opt._on_kernel(params[0], opt.param_groups[0])
 
 
+class _Sub(torch.Tensor):  # stands for a DTensor shard (FSDP2): not a plain tensor
+    pass
+
+
+def test_tensor_subclasses_take_torch_step():
+    p = torch.nn.Parameter(torch.randn(KERNEL_STEP_MIN // 512, 512).to(BF))
+    opt = coda.optim.AdamW([p], **HP)
+    p.grad = torch.randn(p.shape).to(BF)
+    assert opt._on_kernel(p, opt.param_groups[0])
+    p.grad = p.grad.as_subclass(_Sub)
+    assert not opt._on_kernel(p, opt.param_groups[0])
+    q = torch.nn.Parameter(torch.randn(KERNEL_STEP_MIN // 512, 512).to(BF).as_subclass(_Sub))
+    q.grad = torch.randn(q.shape).to(BF)
+    assert not opt._on_kernel(q, opt.param_groups[0])
+
+
 def test_bad_flag():
     with pytest.raises(TypeError, match="kernel_step must be True or False"):
         coda.optim.AdamW([torch.nn.Parameter(torch.randn(2, 2))], kernel_step=1)
