@@ -42,14 +42,47 @@ and the next norm's r is formed by the next column-parallel GEMM from the all-re
 the single-process consumer forms it. Everything column-local stays fused: norm scale + gamma + RoPE in the QKV
 epilogue, norm scale + SwiGLU in the gate/up epilogue, and their backward epilogues (the norm's radial term in the
 dX GEMM: it is linear in the upstream gradient, so the ranks' dX partials sum to the full dX in f's backward).
-A sequence-parallel variant would reduce-scatter P_r instead, run the residual + sum-of-squares epilogue on the
-M / tp row shard and all-gather (h, r) into the next column-parallel GEMM; it is not implemented here.
 
 Collectives per decoder layer: forward 2 all-reduces of M x H (after O and after down); backward 2 all-reduces of
 M x H (the dX of f(x) and f(h)) and 2 of H (the two norm weights' gradients, which are partial sums per rank).
 They sum in ``reduce_dtype`` (default float32: a bf16 partial is cast up, summed in fp32 and cast back once to the
 compute dtype, at twice the bytes of a bf16 all-reduce; None: in the compute dtype, as Megatron; float64 stays
 float64).
+
+Sequence parallelism (``parallelize(..., sequence_parallel=True)``; Megatron-SP, torchtitan's SequenceParallel).
+Between the blocks the hidden states (B, T, H) are sharded along the sequence: rank r keeps positions
+[r T/tp, (r+1) T/tp) of every sequence, (B, T/tp, H), i.e. M/tp of the M = B T tokens (torchtitan's Shard(1);
+Megatron's split of s in its (s, b, h) layout). T must be divisible by tp (no padding): otherwise the first
+decoder layer raises a ValueError naming the sequence length, on every rank (each feeds the same batch) and before
+any collective of that forward. Sharding the flattened rows instead (only M divisible) would need (B, T) carried
+to every gather (attention needs the full sequences): a side channel this design avoids. Per block f becomes an
+all-gather of the rows along T (backward: a reduce-scatter of the ranks' partial dX, summed in ``reduce_dtype``)
+and g a reduce-scatter of the partial sums (backward: an all-gather of the gradient); the residual add runs on the
+local (B, T/tp, H) shard. Where the fusion boundary moves: only the residual add, which was already outside the
+row-parallel epilogue under tp, now runs on the shard after the reduce-scatter. The next norm's row scale r is
+*not* computed on the shard: the consumer column-parallel GEMM forms it from the gathered rows, exactly as
+without SP (the simpler of the two correct choices: all-gathering r with the rows would need a second gather, or a
+packed one, and a GEMM variant that takes r instead of forming it, for M floats saved per norm). So gamma feeds
+column-local work on all M rows, and its gradient is a partial sum over the *column* shards, all-reduced by f as
+without SP (Megatron all-reduces its SP norm weights because there the norm runs on the row shard). The ends:
+a forward pre-hook on the first decoder layer splits its input (the embedding output, replicated; backward: an
+all-gather, so the embedding's gradient is complete on every rank), and one on the final norm (``model.norm``, the
+fused LM head's DeferredRMSNorm) all-gathers the rows before it: the backbone returns the replicated (B, T, H),
+and the LM head, logits and vocab-parallel loss run unchanged (the head's dX is already complete and the same on
+every rank, so the gather's backward just keeps this rank's slice: no collective). The scatter sits at the first
+layer rather than on the embedding so that a Hugging Face backbone derives positions and masks from the full
+sequence. Every decoder layer's attention and MLP must be fused (a stock block would see a shard).
+
+Collectives per decoder layer with SP: forward 2 all-gathers of M x H (before QKV, before gate/up) and
+2 reduce-scatters of M x H (after O, after down), the same bytes as the 2 all-reduces; backward the conjugates,
+2 all-gathers (the gradients of the reduce-scatters) and 2 reduce-scatters (dX of the gathers), plus the same 2
+all-reduces of H (gamma). Once per forward: the final gather (M x H forward) and the embedding's (M x H backward).
+Activation memory per rank: the residual stream and its adds are (B, T/tp, H); the column-parallel GEMMs still
+save their gathered M x H input for dW, as without SP (Megatron saves the shard and gathers it again in backward;
+that needs the fused ops to save a shard: not done), so the stored activations per layer are those of tp without
+SP: the 2 gathered M x H inputs (QKV, gate/up) plus the rank's column shards (q, k, v, the attention output, the
+gate/up and SwiGLU intermediates: 1/tp of one process's). What SP divides by tp here is the transient residual
+stream (block outputs, residual adds: M H / tp instead of M H) and the elementwise work on it.
 
 Gradients: sharded weights get the gradient of their shard; the norm weights get the full gradient through f's
 all-reduce; the embedding (and the final norm) get the full gradient on every rank without a collective, because
@@ -68,7 +101,8 @@ traces, the loss is :class:`VocabParallelLMHead`'s torch form of the vocab-paral
 logits stored; ``inductor_under_compile = False`` restores coda.distributed's op, which dynamo splits into 10
 graphs at its host-side layout / target checks and CODA's reference GEMMs). Checked on CPU (2 ranks, gloo,
 float32, tests/test_tensor_parallel.py): with backend "aot_eager" the loss, every gathered gradient and the logits
-equal the eager tp run's to 1e-5 relative (loss and gradients with either LM head path); the default inductor
+equal the eager tp run's to 1e-5 relative (loss and gradients with either LM head path), with sequence parallelism
+as well (one graph too: the hooks and the SP collectives trace); the default inductor
 backend gives the same (by hand: within 5e-7) but takes ~50 s to compile forward + backward on 2 CPU cores, so the
 test uses aot_eager. A target outside [0, V) fails the traced loss's ``torch._assert_async`` (RuntimeError; by hand).
 Not checked under compile: bfloat16, NCCL on GPUs, the Hugging Face model.
@@ -93,18 +127,42 @@ __all__ = ["parallelize", "stock_grads", "stock_state_dict", "TPAttention", "TPS
 
 ENTRY = "coda.tensor_parallel.parallelize"
 ALIGN = 8  # CODA's GEMMs read and write 16-byte rows: every local width a multiple of 8
+SEQ_DIM = 1  # sequence parallelism shards the hidden states (B, T, H) along T
 
 
 # ------------------------------------------------------------------------------------------------ collectives
+def _sum_dtype(t: Tensor, reduce_dtype) -> torch.dtype:
+    return t.dtype if reduce_dtype is None else torch.promote_types(t.dtype, reduce_dtype)
+
+
 def _all_reduce(t: Tensor, group, reduce_dtype) -> Tensor:
     """sum over the group, accumulated in promote(t.dtype, reduce_dtype) (t.dtype when None), returned in t.dtype;
     a new tensor (t is left as it is). A functional collective: torch.compile traces it into the graph."""
-    dt = t.dtype if reduce_dtype is None else torch.promote_types(t.dtype, reduce_dtype)
+    dt = _sum_dtype(t, reduce_dtype)
     out = funcol.all_reduce(t.to(dt).contiguous(), "sum", _pg(group))
     return out.to(t.dtype) if dt != t.dtype else funcol.wait_tensor(out)
 
 
-_all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # the newer name first
+def _reduce_scatter(t: Tensor, group, reduce_dtype, dim: int) -> Tensor:
+    """This rank's 1/tp slice along ``dim`` of the sum over the group (summed as :func:`_all_reduce`)."""
+    dt = _sum_dtype(t, reduce_dtype)
+    out = funcol.wait_tensor(_reduce_scatter_single(t.to(dt).contiguous(), "sum", dim % t.dim(), _pg(group)))
+    return out.to(t.dtype)
+
+
+def _all_gather(t: Tensor, group, dim: int) -> Tensor:
+    """Every rank's ``t`` concatenated along ``dim`` in rank order (exact: nothing is summed)."""
+    return funcol.wait_tensor(_all_gather_single(t.contiguous(), dim % t.dim(), _pg(group)))
+
+
+def _my_slice(t: Tensor, rank: int, size: int, dim: int) -> Tensor:
+    n = t.shape[dim] // size
+    return t.narrow(dim, rank * n, n)
+
+
+# the newer names first
+_all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 def _pg(group):
@@ -137,18 +195,61 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None, None
 
 
-class _GatherColumns(torch.autograd.Function):
-    """All-gather of equal column shards along the last dim forward; this rank's columns of the gradient backward
-    (every rank computes the same thing from the gathered tensor)."""
+class _GatherSlices(torch.autograd.Function):
+    """All-gather of equal shards along ``dim`` forward; this rank's slice of the gradient backward (for a gathered
+    tensor whose gradient is complete and the same on every rank: every rank computes the same thing from it)."""
 
     @staticmethod
-    def forward(ctx, x, group, rank):
-        ctx.rank, ctx.n = rank, x.shape[-1]
-        return funcol.wait_tensor(_all_gather_single(x.contiguous(), x.dim() - 1, _pg(group)))
+    def forward(ctx, x, group, rank, dim):
+        ctx.start, ctx.n, ctx.dim = rank * x.shape[dim], x.shape[dim], dim
+        return _all_gather(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[..., ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None, None
+        return grad.narrow(ctx.dim, ctx.start, ctx.n), None, None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Sequence parallelism's entry to a column-parallel region (Megatron's all-gather / reduce-scatter pair):
+    the rows all-gathered along ``dim`` forward; backward, the ranks' partial input gradients reduce-scattered
+    (summed in ``reduce_dtype`` at least, as f's all-reduce), each rank keeping its rows."""
+
+    @staticmethod
+    def forward(ctx, x, group, reduce_dtype, dim):
+        ctx.group, ctx.reduce_dtype, ctx.dim = group, reduce_dtype, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group, ctx.reduce_dtype, ctx.dim), None, None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Sequence parallelism's exit of a row-parallel region: the partial sums reduce-scattered along ``dim``
+    forward (each rank keeps its rows of the sum); the gradient all-gathered backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, reduce_dtype, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, group, reduce_dtype, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, ctx.dim), None, None, None
+
+
+class _SplitSequence(torch.autograd.Function):
+    """A replicated tensor -> this rank's slice along ``dim`` (no collective); backward, the slices' gradients
+    all-gathered, so the replicated input (the embedding output) gets its complete gradient on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, size, dim):
+        ctx.group, ctx.dim = group, dim
+        return _my_slice(x, rank, size, dim).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, ctx.dim), None, None, None, None
 
 
 def copy_to_tp(x: Tensor, group=None, reduce_dtype: Optional[torch.dtype] = torch.float32) -> Tensor:
@@ -171,22 +272,36 @@ def _gather(t: Tensor, group) -> list:
 
 # ------------------------------------------------------------------------------------------------ rank-local modules
 class _TPBlock:
-    """Shared by the column- then row-parallel blocks: forward = [x +] g(local_forward(f(x))), gamma through f.
+    """Shared by the column- then row-parallel blocks: forward = [x +] g(local_forward(f(x))), gamma through f;
+    with ``sequence_parallel``, x is this rank's row shard, f is the all-gather of the rows (reduce-scatter
+    backward) and g the reduce-scatter of the partial sums (all-gather backward).
 
     ``add_residual`` is False: the rank-local forward's output is a partial sum, and its epilogue must not add x
     (it would be added tp times). ``residual_after_reduce``: whether forward adds x after the reduction instead.
-    Both are fixed at construction (nothing is toggled during forward, which torch.compile traces)."""
+    All fixed at construction (nothing is toggled during forward, which torch.compile traces)."""
     tp_group = None
     tp_rank, tp_size = 0, 1
     reduce_dtype: Optional[torch.dtype] = torch.float32
     add_residual = False
     residual_after_reduce = False
+    sequence_parallel = False
 
-    def _setup(self, fused, group, reduce_dtype, residual_after_reduce: bool) -> None:
+    def _setup(self, fused, group, reduce_dtype, residual_after_reduce: bool, sequence_parallel: bool) -> None:
         self.tp_group, self.reduce_dtype = group, reduce_dtype
         self.tp_rank, self.tp_size = dist.get_rank(group), dist.get_world_size(group)
         self.norm, self._shared_norm = fused.norm, fused._shared_norm  # the norm where the fused module had it
         self.add_residual, self.residual_after_reduce = False, bool(residual_after_reduce)
+        self.sequence_parallel = bool(sequence_parallel)
+
+    def _enter(self, x: Tensor) -> Tensor:
+        if self.sequence_parallel:
+            return _GatherSequence.apply(x, self.tp_group, self.reduce_dtype, SEQ_DIM)
+        return copy_to_tp(x, self.tp_group, self.reduce_dtype)
+
+    def _leave(self, out: Tensor) -> Tensor:
+        if self.sequence_parallel:
+            return _ReduceScatterSequence.apply(out, self.tp_group, self.reduce_dtype, SEQ_DIM)
+        return reduce_from_tp(out, self.tp_group, self.reduce_dtype)
 
     @property
     def norm_weight(self) -> Optional[Tensor]:
@@ -197,15 +312,15 @@ class _TPBlock:
 
     def _tp_forward(self, local_forward, args, kwargs):
         if args:
-            x, args = args[0], (copy_to_tp(args[0], self.tp_group, self.reduce_dtype), *args[1:])
+            x, args = args[0], (self._enter(args[0]), *args[1:])
         else:
             x = kwargs["hidden_states"]
-            kwargs = {**kwargs, "hidden_states": copy_to_tp(x, self.tp_group, self.reduce_dtype)}
+            kwargs = {**kwargs, "hidden_states": self._enter(x)}
         out = local_forward(self, *args, **kwargs)  # add_residual is False: a partial sum, no x in its epilogue
         rest = None
         if isinstance(out, tuple):
             out, rest = out[0], out[1:]
-        out = reduce_from_tp(out, self.tp_group, self.reduce_dtype)
+        out = self._leave(out)
         if self.residual_after_reduce:  # the residual add, moved out of the epilogue to after the reduction
             out = x + out
         return out if rest is None else (out, *rest)
@@ -238,7 +353,7 @@ class TPAttention(_TPBlock, FusedAttention):
     add. ``n_heads`` / ``n_kv`` are the local counts; ``state_dict()`` gathers the full stock weights."""
 
     @classmethod
-    def from_fused(cls, fused: FusedAttention, group, reduce_dtype) -> "TPAttention":
+    def from_fused(cls, fused: FusedAttention, group, reduce_dtype, sequence_parallel=False) -> "TPAttention":
         tp, r, d = dist.get_world_size(group), dist.get_rank(group), fused.head_dim
         hq, hk = fused.n_heads // tp, fused.n_kv // tp
         inv_freq = fused.freqs.view(-1, d // 2)[0]
@@ -246,7 +361,7 @@ class TPAttention(_TPBlock, FusedAttention):
         out = cls(fused.hidden_size, hq, hk, d, inv_freq, fused.eps, hf_signature=fused.hf_signature,
                   device="meta", dtype=w.dtype)
         # the decoder layer reads add_residual (False here) and adds x itself (coda.fuse's patched layer forward)
-        out._setup(fused, group, reduce_dtype, residual_after_reduce=False)
+        out._setup(fused, group, reduce_dtype, False, sequence_parallel)
         out.full_heads = (fused.n_heads, fused.n_kv)
         q, k, v = w.split([fused.n_heads * d, fused.n_kv * d, fused.n_kv * d])
         out.weight_qkv = _local_param(w, torch.cat([t.chunk(tp)[r] for t in (q, k, v)]))
@@ -289,13 +404,13 @@ class TPSwiGLUMLP(_TPBlock, SwiGLUMLP):
     add. ``intermediate_size`` is the local one; ``state_dict()`` gathers the full stock weights."""
 
     @classmethod
-    def from_fused(cls, fused: SwiGLUMLP, group, reduce_dtype) -> "TPSwiGLUMLP":
+    def from_fused(cls, fused: SwiGLUMLP, group, reduce_dtype, sequence_parallel=False) -> "TPSwiGLUMLP":
         tp, r = dist.get_world_size(group), dist.get_rank(group)
         n = fused.intermediate_size // tp
         w = fused.weight_gu
         out = cls(fused.hidden_size, n, fused.eps, add_residual=False, norm=False, device="meta", dtype=w.dtype)
         # the patched layer returns mlp(h) and relies on the MLP to add h: after the reduction here
-        out._setup(fused, group, reduce_dtype, residual_after_reduce=fused.add_residual)
+        out._setup(fused, group, reduce_dtype, fused.add_residual, sequence_parallel)
         out.full_intermediate = fused.intermediate_size
         out.weight_gu = _local_param(w, w[2 * r * n:2 * (r + 1) * n])  # rows (gate_j, up_j) for j of this rank
         out.down_proj = _local_linear(fused.down_proj, slice(r * n, (r + 1) * n))
@@ -345,7 +460,7 @@ class VocabParallelLMHead(LMHeadCrossEntropy):
         from coda.distributed import vocab_parallel_cross_entropy
         n = self._normed(x)  # replicated; its gradient is complete (the CE / f all-reduce dn), so are gamma's and x's
         if target is None:
-            return _GatherColumns.apply(self._local_logits(n), self.tp_group, self.tp_rank)
+            return _GatherSlices.apply(self._local_logits(n), self.tp_group, self.tp_rank, -1)
         dtype = _compute_dtype(x)
         if _nn.compiling() and self.inductor_under_compile:
             return self._traced_loss(n.to(dtype), target, reduction)
@@ -371,7 +486,7 @@ class VocabParallelLMHead(LMHeadCrossEntropy):
         col = t - self.vocab_start
         mine = valid & (col >= 0) & (col < z.shape[-1])
         zt = torch.where(mine, z.gather(-1, col.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1), 0.0)
-        stats = _GatherColumns.apply(torch.stack((z.logsumexp(-1), zt), -1), self.tp_group, self.tp_rank)
+        stats = _GatherSlices.apply(torch.stack((z.logsumexp(-1), zt), -1), self.tp_group, self.tp_rank, -1)
         stats = stats.unflatten(-1, (self.tp_size, 2))  # (M, tp, (lse_r, zt_r)) in rank order: the same on all ranks
         if self.check_targets is not False:
             torch._assert_async(((t >= 0) & (t < self.vocab_size) | ~valid).all(),
@@ -395,6 +510,29 @@ class VocabParallelLMHead(LMHeadCrossEntropy):
                 f"(tp rank {self.tp_rank} of {self.tp_size})")
 
 
+class _SequenceShards:
+    """Sequence parallelism's two ends, as forward pre-hooks: ``scatter`` on the first decoder layer (its input, the
+    embedding output, replicated, (B, T, H) -> this rank's (B, T / tp, H); the ValueError for T not divisible by
+    tp, on every rank, before any collective) and ``gather`` on the final norm (the shards back to the replicated
+    (B, T, H) for the LM head; backward: this rank's slice of the complete gradient)."""
+
+    def __init__(self, group, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+
+    def scatter(self, layer, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        T = x.shape[SEQ_DIM]
+        if T % self.size:
+            raise ValueError(f"{ENTRY}(sequence_parallel=True): the input's sequence length {T} (hidden states "
+                             f"{tuple(x.shape)}) must be divisible by the tp size {self.size}: each rank keeps "
+                             f"T / {self.size} positions of every sequence")
+        x = _SplitSequence.apply(x, self.group, self.rank, self.size, SEQ_DIM)
+        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+    def gather(self, norm, args):
+        return (_GatherSlices.apply(args[0], self.group, self.rank, SEQ_DIM), *args[1:])
+
+
 # ------------------------------------------------------------------------------------------------ entry points
 def _group_of(tp):
     """A process group from ``tp``: None (the default group), a ProcessGroup or a 1-D DeviceMesh."""
@@ -411,9 +549,29 @@ def _plain_linear(lin) -> bool:
     return type(lin) is nn.Linear and lin.bias is None
 
 
-def _check(model: nn.Module, tp: int) -> None:
+def _sequence_anchors(model: nn.Module, bad: list):
+    """(the first decoder layer, the final norm): where sequence parallelism scatters the rows of the hidden states
+    and gathers them back; appends to ``bad`` why the model has none (every layer's attention and MLP must be
+    fused: a stock block would see a row shard; the final norm: the fused LM head's shared DeferredRMSNorm)."""
+    from coda.fuse import LAYER_CLASSES
+    layers = [(n, m) for n, m in model.named_modules() if type(m).__name__ in LAYER_CLASSES]
+    for n, m in layers:
+        if not isinstance(getattr(m, "self_attn", None), FusedAttention) or \
+                not isinstance(getattr(m, "mlp", None), SwiGLUMLP):
+            bad.append(f"{n}: sequence_parallel needs a fused attention and a fused MLP in every decoder layer")
+    head = getattr(model, "lm_head", None)
+    norm = head.norm_module if isinstance(head, LMHeadCrossEntropy) else None
+    if not isinstance(head, LMHeadCrossEntropy) or head.norm is not None or \
+            not any(m is norm for m in model.modules()):
+        bad.append("lm_head: sequence_parallel needs the fused LM head reading the model's final norm")
+    if not layers:
+        bad.append("sequence_parallel needs Llama-style decoder layers (none found)")
+    return (layers[0][1] if layers else None), norm
+
+
+def _check(model: nn.Module, tp: int, sequence_parallel: bool = False):
     """Every reason ``model`` cannot be split over tp ranks, as a ValueError, before any collective (every rank
-    holds the same model, so every rank raises)."""
+    holds the same model, so every rank raises). Returns the sequence-parallel anchors (or None)."""
     if not getattr(model, "_coda_fused", False):
         raise ValueError(f"{ENTRY}: model must be coda.fuse'd first (coda.fuse(model), then parallelize)")
     if getattr(model, "_coda_tp", None) is not None:
@@ -446,24 +604,29 @@ def _check(model: nn.Module, tp: int) -> None:
                 bad.append(f"{name}: label smoothing / z-loss are not supported by the vocab-parallel cross entropy")
             if any(p is m.weight for o in model.modules() if o is not m for p in o.parameters(recurse=False)):
                 bad.append(f"{name}: a weight tied to the embedding (a vocab-parallel embedding is not implemented)")
+    anchors = _sequence_anchors(model, bad) if sequence_parallel else None
     if bad:
         raise ValueError(f"{ENTRY}: the argument tp (a process group of {tp} ranks) does not split the model: "
                          + "; ".join(bad))
+    return anchors
 
 
-def parallelize(model: nn.Module, tp=None, *, reduce_dtype: Optional[torch.dtype] = torch.float32) -> nn.Module:
+def parallelize(model: nn.Module, tp=None, *, reduce_dtype: Optional[torch.dtype] = torch.float32,
+                sequence_parallel: bool = False) -> nn.Module:
     """Split a :func:`coda.fuse`\\ d model over the ranks of ``tp`` (a ProcessGroup, a 1-D DeviceMesh, or None for
     the default group), in place; returns ``model``. See the module docstring for what is sharded and the
     collectives. Checks first (``ValueError`` naming the blocks that do not split over the group's size: heads, kv
     heads, intermediate size, vocabulary; before any collective). ``reduce_dtype``: the dtype the partial sums and
     the input gradients are summed in (at least; default float32, None: the compute dtype). Every rank must call it
     on the same model (the same weights) and afterwards feed the same batch. Create the optimizer afterwards: the
-    sharded weights are new Parameters (an optimizer holding a replaced one raises at ``step()``)."""
+    sharded weights are new Parameters (an optimizer holding a replaced one raises at ``step()``).
+    ``sequence_parallel``: shard the hidden states between the blocks along the sequence (module docstring,
+    "Sequence parallelism"); every forward's sequence length must then be divisible by the group's size."""
     if not dist.is_initialized():
         raise RuntimeError(f"{ENTRY}: torch.distributed is not initialized (call init_process_group first)")
     group = _group_of(tp)
     size = dist.get_world_size(group)
-    _check(model, size)
+    anchors = _check(model, size, sequence_parallel)
     from coda.fuse import _replaced
     for name, m in list(model.named_modules()):
         for attr, child in list(m.named_children()):
@@ -471,13 +634,19 @@ def parallelize(model: nn.Module, tp=None, *, reduce_dtype: Optional[torch.dtype
                     else VocabParallelLMHead if isinstance(child, LMHeadCrossEntropy) else None)
             if kind is None or isinstance(child, (TPAttention, TPSwiGLUMLP, VocabParallelLMHead)):
                 continue
-            local = kind.from_fused(child, group, reduce_dtype)
+            local = (kind.from_fused(child, group, reduce_dtype) if kind is VocabParallelLMHead
+                     else kind.from_fused(child, group, reduce_dtype, sequence_parallel))
             full = f"{name}.{attr}" if name else attr
             for pname, p in child.named_parameters(recurse=True):
                 if not any(p is q for q in local.parameters()):  # the shards are new: the full weights go
                     _replaced(p, f"{full}.{pname}")
             setattr(m, attr, local)
-    model._coda_tp = group
+    if sequence_parallel:
+        shards = _SequenceShards(group, dist.get_rank(group), size)
+        first, final_norm = anchors
+        model._coda_sp_hooks = (first.register_forward_pre_hook(shards.scatter, with_kwargs=True),
+                                final_norm.register_forward_pre_hook(shards.gather))
+    model._coda_tp, model._coda_sp = group, bool(sequence_parallel)
     return model
 
 

@@ -11,10 +11,15 @@
 - Hugging Face's LlamaForCausalLM in float32 (keyword arguments, (out, None) attention outputs, num_items_in_batch:
   the vocab-parallel CE's "sum" reduction): loss and gradients vs one process to 1e-5.
 - a tp size that does not divide the kv heads raises ValueError naming tp on every rank before any collective.
+- sequence_parallel=True: every decoder layer hands on a (B, T / tp, H) shard; float32 logits, loss and every
+  gathered gradient equal the single-process fused model's and the tp run's without SP to 1e-5; bf16 (both reduce
+  dtypes) by the 2x rule vs float64; a sequence length not divisible by tp (93 tokens; 124 tokens with T = 31)
+  raises ValueError on every rank, the group still in step; Hugging Face's model with SP as without.
 - torch.compile (issue 32: "with and without torch.compile"), float32, backend "aot_eager" (dynamo + AOTAutograd,
   cheap on 2 cores; inductor checked by hand: the same results, ~50 s to compile forward + backward on 2 cores,
   too slow for CI): the compiled model's loss, every gathered gradient and the logits equal the eager tp run's to
-  1e-5; the loss path is one graph (no graph break: MAX_GRAPH_BREAKS); with the LM head's
+  1e-5, with and without sequence parallelism; the loss path is one graph (no graph break: MAX_GRAPH_BREAKS, for
+  SP too); with the LM head's
   inductor_under_compile off (coda.distributed's CE, which dynamo splits) the results are the same and the
   counter does see the breaks (the bound above is not vacuous).
 """
@@ -90,10 +95,11 @@ def _float32_checks(rank, ref, d):
         assert torch.equal(p, before[n]), n
 
 
-def _bf16_checks(rank, ref, reduce_dtype):
+def _bf16_checks(rank, ref, reduce_dtype, sequence_parallel=False):
     import coda.tensor_parallel as tp
     ids = _batch()
-    model = _tp_model(_stock_model(), torch.bfloat16, reduce_dtype=reduce_dtype)
+    model = _tp_model(_stock_model(), torch.bfloat16, reduce_dtype=reduce_dtype,
+                      sequence_parallel=sequence_parallel)
     loss, grads = _loss_and_grads(model, ids, tp.stock_grads)
     want, single = ref["loss64"], ref["loss_bf16"]
     assert abs(loss.double() - want) <= 2 * abs(single - want) + 1e-3, (loss, single, want, reduce_dtype)
@@ -101,7 +107,7 @@ def _bf16_checks(rank, ref, reduce_dtype):
     for k, g in grads.items():
         assert g.dtype == torch.bfloat16, k
         e, e1 = rel(g, ref["grads64"][k]), rel(ref["grads_bf16"][k], ref["grads64"][k])
-        assert e <= 2 * e1 + 1e-3, (k, e, e1, reduce_dtype, rank)
+        assert e <= 2 * e1 + 1e-3, (k, e, e1, reduce_dtype, sequence_parallel, rank)
 
 
 def _worker(rank, d):
@@ -111,11 +117,10 @@ def _worker(rank, d):
         _bf16_checks(rank, ref, reduce_dtype)
 
 
-def test_tensor_parallel_fused_llama():
+def _references(stock, ids):
+    """The single-process fused runs the workers compare with (and the float32 model, after one SGD step)."""
     import coda
-    stock = _stock_model()
-    ids = _batch()
-    fused = coda.fuse(copy.deepcopy(stock))  # the single-process run
+    fused = coda.fuse(copy.deepcopy(stock))
     logits = fused(ids)
     logits.square().mean().backward()
     logit_grads = coda.stock_grads(fused)
@@ -125,10 +130,17 @@ def test_tensor_parallel_fused_llama():
     loss64, grads64 = _loss_and_grads(coda.fuse(copy.deepcopy(stock).double()), ids, coda.stock_grads)
     loss_bf16, grads_bf16 = _loss_and_grads(coda.fuse(copy.deepcopy(stock).to(torch.bfloat16)), ids,
                                             coda.stock_grads)
+    return fused, {"logits": logits.detach(), "logit_grads": logit_grads, "loss": loss, "grads": grads,
+                   "stepped": fused.state_dict(), "loss64": loss64, "grads64": grads64,
+                   "loss_bf16": loss_bf16.double(), "grads_bf16": grads_bf16}
+
+
+def test_tensor_parallel_fused_llama():
+    stock = _stock_model()
+    ids = _batch()
+    fused, ref = _references(stock, ids)  # the single-process run
     with tempfile.TemporaryDirectory() as d:
-        torch.save({"logits": logits.detach(), "logit_grads": logit_grads, "loss": loss, "grads": grads,
-                    "stepped": fused.state_dict(), "loss64": loss64, "grads64": grads64,
-                    "loss_bf16": loss_bf16.double(), "grads_bf16": grads_bf16}, os.path.join(d, "ref.pt"))
+        torch.save(ref, os.path.join(d, "ref.pt"))
         spawn(_worker, d)
         fresh = _stock_model()  # the gathered checkpoint in a stock model, one process
         fresh.load_state_dict(torch.load(os.path.join(d, "tp_full.pt")))
@@ -136,6 +148,51 @@ def test_tensor_parallel_fused_llama():
         want = fused(ids, labels=ids)
         got = fresh(ids, labels=ids)
     assert rel(got, want) <= 1e-5, (got, want)
+
+
+def _sp_worker(rank, d):
+    """sequence_parallel=True: the residual stream is sharded along T; the single-process and the tp results."""
+    import coda.tensor_parallel as tp
+    ref = torch.load(os.path.join(d, "ref.pt"))
+    ids = _batch()
+    model = _tp_model(_stock_model(), sequence_parallel=True)
+    shapes = []
+    hooks = [layer.register_forward_hook(lambda m, a, out: shapes.append(tuple(out.shape)))
+             for layer in model.model.layers]
+    logits = model(ids)
+    for h in hooks:
+        h.remove()
+    B, T = ids.shape  # each layer hands on this rank's T / tp positions of every sequence
+    assert shapes == [(B, T // WORLD, CFG["hidden_size"])] * CFG["num_hidden_layers"], shapes
+    assert rel(logits, ref["logits"]) <= 1e-5, rel(logits, ref["logits"])
+    logits.square().mean().backward()
+    for k, g in tp.stock_grads(model).items():
+        assert rel(g, ref["logit_grads"][k]) <= 1e-5, (k, rank)
+    model.zero_grad(set_to_none=True)
+    loss, grads = _loss_and_grads(model, ids, tp.stock_grads)
+    plain, plain_grads = _loss_and_grads(_tp_model(_stock_model()), ids, tp.stock_grads)  # tp without SP
+    assert rel(loss, ref["loss"]) <= 1e-5 and rel(loss, plain) <= 1e-5, (loss, ref["loss"], plain)
+    assert grads.keys() == ref["grads"].keys() == plain_grads.keys()
+    for k, g in grads.items():
+        assert rel(g, ref["grads"][k]) <= 1e-5, (k, rel(g, ref["grads"][k]), rank)
+        assert rel(g, plain_grads[k]) <= 1e-5, (k, rel(g, plain_grads[k]), rank)
+    for bad in (ids[:3, :31], ids[:, :31]):  # 93 tokens; 124 tokens, but T = 31: both raise on every rank
+        with pytest.raises(ValueError, match=r"sequence length 31 .*divisible by the tp size 2"):
+            model(bad, labels=bad)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the group is still in step: no rank entered a collective in the failed calls
+    assert t.item() == WORLD
+    for reduce_dtype in (torch.float32, None):
+        _bf16_checks(rank, ref, reduce_dtype, sequence_parallel=True)
+
+
+def test_tensor_parallel_sequence_parallel():
+    """parallelize(sequence_parallel=True): float32 vs one process and vs tp without SP (1e-5), bf16 by the 2x
+    rule, a sequence length not divisible by tp: ValueError on every rank."""
+    _, ref = _references(_stock_model(), _batch())
+    with tempfile.TemporaryDirectory() as d:
+        torch.save(ref, os.path.join(d, "ref.pt"))
+        spawn(_sp_worker, d)
 
 
 def _hf_stock():
@@ -154,14 +211,15 @@ def _hf_stock():
 def _hf_worker(rank, d):
     import coda.tensor_parallel as tp
     ref = torch.load(os.path.join(d, "ref.pt"))
-    model = _tp_model(_hf_stock())
-    assert model.model.layers[0].self_attn.hf_signature
-    ids = _batch()
-    out = model(input_ids=ids, labels=ids, num_items_in_batch=100)  # the "sum" reduction of the vocab-parallel CE
-    out.loss.backward()
-    assert rel(out.loss.detach(), ref["loss"]) <= 1e-5, (out.loss, ref["loss"])
-    for k, g in tp.stock_grads(model).items():
-        assert rel(g, ref["grads"][k]) <= 1e-5, (k, rank)
+    for sp in (False, True):
+        model = _tp_model(_hf_stock(), sequence_parallel=sp)
+        assert model.model.layers[0].self_attn.hf_signature
+        ids = _batch()
+        out = model(input_ids=ids, labels=ids, num_items_in_batch=100)  # the vocab-parallel CE's "sum" reduction
+        out.loss.backward()
+        assert rel(out.loss.detach(), ref["loss"]) <= 1e-5, (out.loss, ref["loss"], sp)
+        for k, g in tp.stock_grads(model).items():
+            assert rel(g, ref["grads"][k]) <= 1e-5, (k, sp, rank)
 
 
 def test_tensor_parallel_huggingface_llama():
@@ -202,27 +260,34 @@ def _compiled_run(model, ids, traced_head):
 def _compile_worker(rank):
     import coda.tensor_parallel as tp
     ids = _batch()
-    eager = _tp_model(_stock_model())
-    want, want_grads = _loss_and_grads(eager, ids, tp.stock_grads)
-    with torch.no_grad():
-        want_logits = eager(ids)
-    for traced_head in (True, False):
-        loss, grads, logits, breaks, graphs = _compiled_run(_tp_model(_stock_model()), ids, traced_head)
-        case = (traced_head, rank)
-        if traced_head:
-            assert breaks <= MAX_GRAPH_BREAKS and graphs == breaks + 1, (breaks, graphs, case)
-            assert rel(logits, want_logits) <= 1e-5, (rel(logits, want_logits), case)
-        else:  # coda.distributed's CE under dynamo: host-side checks and CODA's GEMMs split the graph
-            assert breaks > MAX_GRAPH_BREAKS and graphs > 1, (breaks, graphs, case)
-        assert rel(loss, want) <= 1e-5, (loss, want, case)
-        assert grads.keys() == want_grads.keys()
-        for k, g in grads.items():
-            assert rel(g, want_grads[k]) <= 1e-5, (k, rel(g, want_grads[k]), case)
+    for sp in (False, True):
+        eager = _tp_model(_stock_model(), sequence_parallel=sp)
+        want, want_grads = _loss_and_grads(eager, ids, tp.stock_grads)
+        with torch.no_grad():
+            want_logits = eager(ids)
+        for traced_head in (True, False) if not sp else (True,):  # (the split graph: once is enough)
+            _compiled_case(rank, sp, traced_head, ids, (want, want_grads, want_logits))
+
+
+def _compiled_case(rank, sp, traced_head, ids, wanted):
+    want, want_grads, want_logits = wanted
+    loss, grads, logits, breaks, graphs = _compiled_run(_tp_model(_stock_model(), sequence_parallel=sp), ids,
+                                                        traced_head)
+    case = (sp, traced_head, rank)
+    if traced_head:
+        assert breaks <= MAX_GRAPH_BREAKS and graphs == breaks + 1, (breaks, graphs, case)
+        assert rel(logits, want_logits) <= 1e-5, (rel(logits, want_logits), case)
+    else:  # coda.distributed's CE under dynamo: host-side checks and CODA's GEMMs split the graph
+        assert breaks > MAX_GRAPH_BREAKS and graphs > 1, (breaks, graphs, case)
+    assert rel(loss, want) <= 1e-5, (loss, want, case)
+    assert grads.keys() == want_grads.keys()
+    for k, g in grads.items():
+        assert rel(g, want_grads[k]) <= 1e-5, (k, rel(g, want_grads[k]), case)
 
 
 def test_tensor_parallel_under_torch_compile():
-    """torch.compile(aot_eager) of the parallelized model: the eager tp run's loss, gradients and logits, no graph
-    break (see the module docstring)."""
+    """torch.compile(aot_eager) of the parallelized model, with and without sequence parallelism: the eager tp run's
+    loss, gradients and logits, no graph break (see the module docstring)."""
     spawn(_compile_worker)
 
 

@@ -5,11 +5,14 @@ Not run yet (written in a session without GPUs). To run on a 2-GPU host (nvidia-
     python -m pytest -q tests/test_tensor_parallel_gpu.py -p no:cacheprovider
 
 - the tiny coda.fuse'd Llama of tests/test_distributed.py in bf16 at tp = 2 (partial sums reduced in float32, the
-  default, and in bf16): loss and every gathered gradient (by stock name) vs the float64 fused model by the 2x rule
-  (at most 2x the error of the single-GPU bf16 fused model, plus a 1e-3 floor);
+  default, and in bf16), with and without sequence parallelism: loss and every gathered gradient (by stock name)
+  vs the float64 fused model by the 2x rule (at most 2x the error of the single-GPU bf16 fused model, plus a 1e-3
+  floor);
 - the gathered stock state dict equals the bf16 stock model's (bitwise: no step was taken), loads into a stock
   model and reproduces the single-GPU bf16 loss (to 1e-6);
-- a tp size that does not divide the kv heads raises ValueError naming tp on both ranks, and the group stays usable.
+- a tp size that does not divide the kv heads raises ValueError naming tp on both ranks, and the group stays usable;
+- sequence_parallel=True: the bf16 checks above (both reduce dtypes, all-gathers / reduce-scatters over NCCL), and
+  a sequence length not divisible by tp raises ValueError on both ranks.
 """
 import copy
 import os
@@ -39,15 +42,18 @@ def _worker(rank, d):
     ref = torch.load(os.path.join(d, "ref.pt"), map_location="cuda")
     ids = _batch().cuda()
     stock = _stock_model().cuda()
-    for reduce_dtype in (torch.float32, None):
-        model = _tp_model(stock, torch.bfloat16, reduce_dtype=reduce_dtype)
+    for reduce_dtype, sp in ((torch.float32, False), (None, False), (torch.float32, True), (None, True)):
+        model = _tp_model(stock, torch.bfloat16, reduce_dtype=reduce_dtype, sequence_parallel=sp)
         loss, grads = _loss_and_grads(model, ids, tp.stock_grads)
         want, single = ref["loss64"], ref["loss_bf16"]
-        assert abs(loss.double() - want) <= 2 * abs(single - want) + 1e-3, (loss, single, want, reduce_dtype)
+        assert abs(loss.double() - want) <= 2 * abs(single - want) + 1e-3, (loss, single, want, reduce_dtype, sp)
         assert grads.keys() == ref["grads64"].keys()
         for k, g in grads.items():
             e, e1 = rel(g, ref["grads64"][k]), rel(ref["grads_bf16"][k], ref["grads64"][k])
-            assert e <= 2 * e1 + 1e-3, (k, e, e1, reduce_dtype, rank)
+            assert e <= 2 * e1 + 1e-3, (k, e, e1, reduce_dtype, sp, rank)
+    bad = ids[:, :31]  # sequence parallelism: T not divisible by tp raises on both ranks, before any collective
+    with pytest.raises(ValueError, match=r"sequence length 31 .*divisible by the tp size 2"):
+        model(bad, labels=bad)
     model = _tp_model(stock, torch.bfloat16)
     sd = tp.stock_state_dict(model)
     want = stock.to(torch.bfloat16).state_dict()
