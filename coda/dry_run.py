@@ -34,16 +34,23 @@ import torch
 from .runtime import precompile as _pc
 
 
-def precompile(fn, *args, workers: Optional[int] = None, dispatcher: bool = False, **kwargs) -> _pc.Summary:
+def precompile(fn, *args, workers: Optional[int] = None, dispatcher: bool = False, background: bool = False,
+               **kwargs):
     """Dry-run ``fn(*args, **kwargs)`` (one step's forward and backward, no optimizer step) and compile the kernels
     it needs in ``workers`` processes (default ``CODA_COMPILE_WORKERS``, else min(kernels, cores - 1, 8); 0: record
     only, the step compiles as before). ``dispatcher``: the kernels of a step that will run under torch.compile
     (module docstring). Returns a :class:`coda.runtime.precompile.Summary` (kernels found, already cached,
-    compiled, seconds). ``fn``'s result is discarded (computed from unwritten kernel outputs)."""
+    compiled, seconds). ``fn``'s result is discarded (computed from unwritten kernel outputs).
+
+    ``background=True``: return as soon as the workers are started, a :class:`coda.runtime.precompile.Background`
+    (``.wait()`` gives the Summary): the caller goes on -- typically torch.compile tracing and compiling the step
+    while CODA's kernels compile beside it -- and a kernel the step meets while its worker is still compiling it is
+    waited for and loaded, not compiled twice."""
     if not callable(fn):
         raise TypeError(f"coda.precompile: fn must be callable (one training step), got {type(fn).__name__}")
-    if not isinstance(dispatcher, bool):
-        raise TypeError(f"coda.precompile: dispatcher must be True or False, got {dispatcher!r}")
+    for name, flag in (("dispatcher", dispatcher), ("background", background)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"coda.precompile: {name} must be True or False, got {flag!r}")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)):
         raise TypeError(f"coda.precompile: workers must be an int or None, got {type(workers).__name__}")
     if workers is not None and workers < 0:
@@ -51,11 +58,12 @@ def precompile(fn, *args, workers: Optional[int] = None, dispatcher: bool = Fals
     t0 = time.perf_counter()
     with _restored(args, kwargs), _pc.recording(dispatcher) as rec:
         fn(*args, **kwargs)
-    summary = _pc.compile_recipes(rec.pending(), workers)
+    out = _pc.compile_recipes(rec.pending(), workers, background)
+    summary = out.summary if background else out
     summary.found += len(rec.in_memory)
     summary.cached += len(rec.in_memory)
     summary.seconds = time.perf_counter() - t0
-    return summary
+    return out
 
 
 @contextlib.contextmanager

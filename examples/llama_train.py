@@ -81,9 +81,12 @@ def train(mode: str, args, cfg: LlamaConfig) -> dict:
     if mode == "fused" and dev.type == "cuda" and args.precompile:
         # the first step's kernels, compiled in parallel worker processes (a dry run of the step finds them; no
         # optimizer step in it): the first real step only loads them from the disk cache. A compiled step: the
-        # uncompiled model through the dispatcher, the compiled graph's path
+        # uncompiled model through the dispatcher, the compiled graph's path, its kernels compiled in the background
+        # while torch.compile traces and compiles the step (a kernel the step meets first is waited for)
         ids = data[0].to(dev)
-        summary = coda.precompile(lambda: model(ids, labels=ids).backward(), dispatcher=step_fn is not model)
+        compiled = step_fn is not model
+        summary = coda.precompile(lambda: model(ids, labels=ids).backward(), dispatcher=compiled,
+                                  background=compiled)
         print(f"  [{mode}] {summary}", flush=True)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)

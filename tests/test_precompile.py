@@ -326,3 +326,33 @@ def test_dispatcher_dry_run_takes_the_compiled_steps_path(fp32_ops):
         assert all(p.grad is None for p in model.parameters()) and not opt._done
     assert pc.recorder() is None and common.EAGER_FUNCTIONS is True
     assert seen == {False: False, True: True}  # in backward (no .grad) only on the eager path
+
+
+def test_background_precompile_is_waited_for_by_the_step(cpu_gemm, monkeypatch):
+    """background=True returns once the worker is started; the compile point meeting that kernel meanwhile waits
+    for the worker and loads its object (it does not build the kernel beside it); afterwards nothing is in flight."""
+    a, b, ops = _problem()
+    bg = coda.precompile(lambda: coda.gemm(a, b, epilogue=bias_silu_row, **ops), workers=1, background=True)
+    assert isinstance(bg, pc.Background)
+    key, params, args = _runtime_key_and_args(a, b, ops)
+    assert key in pc._inflight and not bg.done()  # the worker starts a Python and imports cutlass: seconds
+    built = []
+    monkeypatch.setattr(compile_cache, "save", lambda *x: built.append(x))  # a second build would store
+    fn, how = compile_cache.compile_kernel(*params[:5], args, params[5], "sm_90a", options="--gpu-arch=sm_90a")
+    assert how == "disk" and fn is not None and not built
+    s = bg.wait()
+    assert (s.found, s.compiled, s.failed, s.workers) == (1, 1, 0, 1), str(s)
+    assert bg.done() and not pc._inflight and "1 compiled" in str(bg)
+
+
+def test_background_worker_failure_leaves_the_kernel_to_the_step(cpu_gemm):
+    a, b, ops = _problem()
+    with pc.recording() as rec:
+        coda.gemm(a, b, epilogue=bias_silu_row, **ops)
+    r = rec.recipes[0]
+    r.fingerprint = "0" * 64  # the worker refuses it (RecipeError)
+    bg = pc.compile_recipes([r], workers=1, background=True)
+    s = bg.wait(timeout=300)
+    assert bg.done() and (s.compiled, s.failed) == (0, 1) and "epilogue differs" in s.errors[0]
+    assert not pc._inflight and not compile_cache.stored(r.key)
+    assert pc.compile_recipes([], background=True).wait().found == 0  # nothing to do: done at once

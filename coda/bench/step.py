@@ -15,7 +15,7 @@ attention + optimizer). Writes report.json, report.md and step.png into ``--out`
 
 The fused modes call ``coda.precompile`` before their first step (a dry run of one step, its kernels compiled in
 worker processes into the disk cache; for ``+compile`` modes the uncompiled model through torch's dispatcher; env
-``CODA_PRECOMPILE=0``: not). ``--env NAME=VALUE`` adds a variant of every mode run with those environment variables
+``CODA_PRECOMPILE=0``: not; for ``+compile`` modes in the background, beside torch.compile). ``--env NAME=VALUE`` adds a variant of every mode run with those environment variables
 (an experiment switch such as ``CODA_L2_PREFETCH=16``), ``--rounds R`` alternates the mode and its variants R times
 on the same machine: paired numbers.
 
@@ -205,21 +205,27 @@ def run_mode(args) -> dict:
         graph["g"].replay()
         return graph["loss"]
 
+    background = None
     if mode.startswith("fused") and world == 1 and cuda and os.environ.get("CODA_PRECOMPILE", "1") != "0":
         # coda.precompile: a dry run of the step finds its kernels, worker processes compile them into the disk
         # cache; for a compiled step the uncompiled model through the dispatcher (the compiled graph's kernels)
         ids0 = batches[0]
+        compiled = "+compile" in mode  # then in the background, beside torch.compile's tracing and compiling
         try:
-            summary = coda.precompile(lambda: model(ids0, labels=ids0).backward(), dispatcher="+compile" in mode)
+            summary = coda.precompile(lambda: model(ids0, labels=ids0).backward(), dispatcher=compiled,
+                                      background=compiled)
+            background = summary if compiled else None
         except Exception as e:  # the report still runs (the first step then compiles); the failure is printed
             summary = f"coda.precompile FAILED ({type(e).__name__}: {e}); the first step compiles"
         print(f"  [{mode}] {summary}", flush=True)
-        phase("precompile (dry run + compile workers)")
+        phase("precompile (dry run + compile workers)" if not compiled else "precompile (dry run; workers started)")
     loss = step(0)
     first_loss = loss.item()
     first_step_s = time.time() - t_start
     phase("first step (compiles, or loads cached kernels)")
     print(f"  [{mode}] first step done at {first_step_s:.1f} s (loss {first_loss:.3f})", flush=True)
+    if background is not None:  # what the background precompile did beside torch.compile
+        print(f"  [{mode}] {background.wait()} (background)", flush=True)
     for i in range(1, args.warmup):
         step(i)
     events = []

@@ -212,6 +212,8 @@ def cached(key: Optional[str], build) -> tuple:
     """``(fn, how)``: the function stored under ``key`` (``how`` = ``"disk"``), else ``build()`` saved under ``key``
     (``"compiled"``); ``key`` None: built, not stored (the cache is off)."""
     if key is not None:
+        from .precompile import wait_inflight
+        wait_inflight(key)  # a background precompile's worker is compiling it: load its object, not a second build
         fn = load(key)
         if fn is not None:
             return fn, "disk"

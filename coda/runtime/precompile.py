@@ -19,7 +19,10 @@ whose object is already there are skipped. Epilogues travel by pickle: a traced 
 rebuilt under ``sympy.evaluate(False)`` (no re-simplification) without its Python function, and the worker checks
 a structural fingerprint of the epilogue (``srepr`` of every expression) against the parent's; a recipe that
 cannot be pickled, or that a worker could not compile, is compiled in the parent. The real step then finds every
-kernel on disk (``how == "disk"``) and links it, compiling nothing.
+kernel on disk (``how == "disk"``) and links it, compiling nothing. In the background (:class:`Background`, for a
+step that torch.compile compiles meanwhile) the workers' kernels are registered in flight: a compile point that
+meets one (``compile_cache.cached``) waits for its worker and loads the object; what a worker could not compile
+is left to the step.
 """
 from __future__ import annotations
 
@@ -36,6 +39,15 @@ from typing import Any, Optional
 
 _lock = threading.Lock()
 _recorder: Optional["Recorder"] = None  # process-wide: the autograd engine runs CUDA backward ops in its own threads
+_inflight: dict = {}  # kernel key -> threading.Event: a background precompile's worker is compiling it
+
+
+def wait_inflight(key: str) -> None:
+    """Block until a background precompile (:class:`Background`) is done with ``key``, if it is compiling it: the
+    compile point then loads the worker's object instead of building the kernel a second time."""
+    ev = _inflight.get(key)
+    if ev is not None:
+        ev.wait()
 
 
 # ----------------------------------------------------------------------------------------------- argument specs
@@ -428,9 +440,11 @@ class Summary:
         return s + (f"; {self.failed} failed: {self.errors[0]}" if self.failed else "")
 
 
-def compile_recipes(recipes, workers: Optional[int] = None) -> Summary:
+def compile_recipes(recipes, workers: Optional[int] = None, background: bool = False):
     """Compile the recipes not yet stored, in spawned worker processes (:func:`worker_count`), into the disk cache.
-    Never raises for a recipe that fails (the step then compiles it as before; counted in ``failed``)."""
+    Never raises for a recipe that fails (the step then compiles it as before; counted in ``failed``).
+    ``background``: return a :class:`Background` as soon as the workers are started (recipes that cannot go to a
+    worker are left to the step); else the :class:`Summary` when all is done."""
     from . import compile_cache
     t0 = time.perf_counter()
     recipes = list(recipes)
@@ -446,13 +460,13 @@ def compile_recipes(recipes, workers: Optional[int] = None) -> Summary:
             warnings.warn(f"coda.precompile: {why}; the kernels compile in the step", compile_cache.CacheFileWarning,
                           stacklevel=2)
         s.seconds = time.perf_counter() - t0
-        return s
+        return Background(s, [], [], None, [], t0) if background else s
     todo = [r for r in recipes if not compile_cache.stored(r.key)]
     s.cached = len(recipes) - len(todo)
     n = worker_count(len(todo), workers)
     if n == 0:  # no workers: a dry run only; the step compiles what is missing
         s.seconds = time.perf_counter() - t0
-        return s
+        return Background(s, [], [], None, [], t0) if background else s
     payloads, parent = [], []
     for i, r in enumerate(todo):
         try:
@@ -460,6 +474,11 @@ def compile_recipes(recipes, workers: Optional[int] = None) -> Summary:
         except Exception:  # e.g. a hand-written epilogue holding a lambda
             parent.append(r)
     s.workers = min(n, len(payloads))
+    if background:
+        s.failed += len(parent)  # not compiled ahead: the step compiles them
+        if not payloads:
+            return Background(s, todo, [], None, [], t0)
+        return Background(s, todo, payloads, *_start_workers(payloads, s.workers, todo[0].arch), t0)
     if payloads:
         for i, how, _, err in _run_workers(payloads, s.workers, todo[0].arch):
             if how is None:
@@ -488,28 +507,102 @@ def _run_workers(payloads: list, n: int, arch: str) -> list:
     and ``CUTE_DSL_ARCH`` = ``arch`` (from their first line: the main script they import again included). A pool
     that breaks (a worker killed, a script without ``if __name__ == "__main__":``) gives every unfinished payload an
     error (the parent then compiles it) instead of hanging."""
+    return _collect(payloads, *_start_workers(payloads, n, arch))
+
+
+def _start_workers(payloads: list, n: int, arch: str) -> tuple:
+    """(executor, futures): the pool started and every payload submitted -- the worker processes are spawned here,
+    under the environment they must inherit (set for this call only) -- or (None, []) if the pool failed."""
     import concurrent.futures as cf
     import multiprocessing as mp
-    results, done = [], set()
     try:
-        with cf.ProcessPoolExecutor(n, mp_context=mp.get_context("spawn"), initializer=_worker_init,
-                                    initargs=(arch,)) as ex:
-            with _environ(CUTE_DSL_ARCH=arch, CUDA_VISIBLE_DEVICES=""):  # what the workers inherit
-                futures = [ex.submit(_worker_compile, p) for p in payloads]
-            for f in cf.as_completed(futures):
-                try:
-                    res = f.result()
-                except Exception as e:  # BrokenProcessPool: the rest fail alike
-                    warnings.warn(f"coda.precompile: a compile worker failed ({type(e).__name__}: {e}); compiling "
-                                  "the rest in this process", RuntimeWarning, stacklevel=3)
-                    break
-                results.append(res)
-                done.add(res[0])
+        ex = cf.ProcessPoolExecutor(n, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=(arch,))
+        with _environ(CUTE_DSL_ARCH=arch, CUDA_VISIBLE_DEVICES=""):  # what the workers inherit
+            return ex, [ex.submit(_worker_compile, p) for p in payloads]
     except Exception as e:
         warnings.warn(f"coda.precompile: the compile workers failed ({type(e).__name__}: {e}); compiling in this "
                       "process", RuntimeWarning, stacklevel=3)
-    results += [(i, None, 0.0, "worker pool failed") for i, _ in payloads if i not in done]
-    return results
+        return None, []
+
+
+def _collect(payloads: list, ex, futures: list, on_result=None) -> list:
+    """The results of ``futures`` as they finish (``on_result(result)`` for each, failures included), then the
+    pool shut down; an unfinished payload gets an error result."""
+    import concurrent.futures as cf
+    results, done = [], set()
+    try:
+        for f in cf.as_completed(futures):
+            try:
+                res = f.result()
+            except Exception as e:  # BrokenProcessPool: the rest fail alike
+                warnings.warn(f"coda.precompile: a compile worker failed ({type(e).__name__}: {e}); compiling "
+                              "the rest in this process", RuntimeWarning, stacklevel=3)
+                break
+            results.append(res)
+            done.add(res[0])
+            if on_result is not None:
+                on_result(res)
+    finally:
+        if ex is not None:
+            ex.shutdown(wait=True, cancel_futures=True)
+    rest = [(i, None, 0.0, "worker pool failed") for i, _ in payloads if i not in done]
+    for res in rest:
+        if on_result is not None:
+            on_result(res)
+    return results + rest
+
+
+class Background:
+    """A precompile whose workers run while the caller goes on (``coda.precompile(..., background=True)``): the
+    kernels being compiled are registered in flight, so a compile point that meets one waits for its worker and
+    loads the object (instead of compiling it again beside the worker); one that failed in its worker is compiled
+    by the step, as without a precompile. :meth:`wait` returns the :class:`Summary`."""
+
+    def __init__(self, summary: "Summary", todo: list, payloads: list, ex, futures: list, t0: float):
+        self.summary, self._t0 = summary, t0
+        self._events = {todo[i].key: threading.Event() for i, _ in payloads}
+        with _lock:
+            _inflight.update(self._events)
+        self._thread = threading.Thread(target=self._run, args=(todo, payloads, ex, futures), daemon=True,
+                                        name="coda.precompile")
+        self._thread.start()
+
+    def _run(self, todo, payloads, ex, futures) -> None:
+        s = self.summary
+        try:
+            _collect(payloads, ex, futures, on_result=lambda res: self._finished(todo, res))
+        finally:
+            for key, ev in self._events.items():  # nothing may wait forever
+                ev.set()
+                with _lock:
+                    if _inflight.get(key) is ev:
+                        del _inflight[key]
+            s.seconds = time.perf_counter() - self._t0
+
+    def _finished(self, todo, res) -> None:
+        i, how, _, err = res
+        s = self.summary
+        if how is None:
+            s.failed += 1  # the step compiles it
+            s.errors.append(err)
+        else:
+            s.compiled += how == "compiled"
+            s.cached += how == "disk"
+        if 0 <= i < len(todo):
+            ev = self._events.get(todo[i].key)
+            if ev is not None:
+                ev.set()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: Optional[float] = None) -> "Summary":
+        self._thread.join(timeout)
+        return self.summary
+
+    def __str__(self) -> str:
+        return str(self.summary) if self.done() else (f"coda.precompile: {self.summary.found} kernels, "
+                                                       f"{len(self._events)} compiling in the background")
 
 
 @contextlib.contextmanager
