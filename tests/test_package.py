@@ -113,7 +113,7 @@ def test_pyproject_pins_cutlass_dsl():
 
 # the model-level modules of coda/ (built on coda.ops and coda.epilogues: the top layer, in coda/ for their import path) and the package
 # root (it wires the layers: coda._tune_on_miss); every other module of coda/ is the core
-TOP_LAYER = {"__init__.py", "nn.py", "nn_attention.py", "fuse.py", "distributed.py", "optim.py"}
+TOP_LAYER = {"__init__.py", "nn.py", "nn_attention.py", "fuse.py", "distributed.py", "tensor_parallel.py", "optim.py"}
 
 
 def _imported_names(path):
