@@ -127,6 +127,7 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo" if cpu else "nccl")
     try:
         train(args)
+        dist.barrier()  # every rank done before the group goes
     finally:
         dist.destroy_process_group()
     return 0
