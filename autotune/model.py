@@ -27,9 +27,8 @@ class Recorded:
     b: tuple
     operands: dict  # name -> ("tensor", shape, stride, dtype) | ("scalar", value)
     source: str  # what served it: "tuned" (the store), "shipped", "heuristic"
-    config: str
+    config: Any  # the GemmConfig it was served
     calls: int = 1
-    cfg: Any = None  # the GemmConfig it was served
 
     @property
     def label(self) -> str:
@@ -68,8 +67,7 @@ class Recorder:
                 hit.calls += 1
                 return
             self._by_key[key] = Recorded(prob, epi, _meta(a) if hasattr(a, "stride") else None,
-                                         _meta(b) if hasattr(b, "stride") else None, ops, source, cfg.name,
-                                         cfg=cfg)
+                                         _meta(b) if hasattr(b, "stride") else None, ops, source, cfg)
 
     def __enter__(self) -> "Recorder":
         from . import _recorders, _usage_lock

@@ -37,6 +37,15 @@ def sm_count(device=None) -> int:
     return n
 
 
+def is_hopper(device: Optional[Union[torch.device, str, int]]) -> bool:
+    """Whether ``device`` is a Hopper (sm_90) CUDA device (what :func:`require_hopper` demands)."""
+    try:
+        require_hopper(device)
+    except RuntimeError:
+        return False
+    return True
+
+
 def require_hopper(device: Optional[Union[torch.device, str, int]], entry: str = "coda.gemm") -> None:
     """Raise ``RuntimeError`` unless ``device`` is a Hopper (sm_90) CUDA device.
 

@@ -214,7 +214,7 @@ class AdamW(torch.optim.AdamW):
                 or p.numel() < KERNEL_STEP_MIN or p.shape[1] % 8 or not p.is_contiguous() or not g.is_contiguous()
                 or group["amsgrad"] or group["maximize"] or group.get("differentiable")):
             return False
-        if p.is_cuda and not _device.hopper_available():
+        if p.is_cuda and not _device.is_hopper(p.device):
             return False
         state = self.state[p]
         return not state or all(state[k].dtype == p.dtype and state[k].is_contiguous()

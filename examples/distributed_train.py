@@ -22,14 +22,13 @@ import argparse
 import math
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama_model import LlamaForCausalLM  # noqa: E402
-from llama_train import PRESETS, batch, make_chain  # noqa: E402
+from llama_train import PRESETS, batch, make_chain, run_steps  # noqa: E402
 
 
 def build(args, dev: torch.device, cfg) -> torch.nn.Module:
@@ -68,32 +67,16 @@ def train(args) -> dict:
         print(f"{args.parallel}{' + sequence parallel' if args.sequence_parallel else ''} over {world} processes "
               f"({dev.type}), batch {args.batch} x {args.seq} per process, {args.steps} steps; loss starts near "
               f"log(V) = {math.log(cfg.vocab_size):.3f}", flush=True)
-    points, t0, tokens = [], None, 0
-    for step in range(args.steps):
-        if step == args.warmup:
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-        ids = data[step % len(data)].to(dev)
-        loss = model(ids, labels=ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step >= args.warmup:
-            tokens += ids.numel()
-        if step % args.log_every == 0 or step == args.steps - 1:
-            value = loss.detach().float()
-            if args.parallel == "fsdp":  # the ranks' batches differ: their mean
-                dist.all_reduce(value)
-                value /= world
-            points.append((step, value.item()))
-            if rank == 0:
-                print(f"  step {step:5d}  loss {points[-1][1]:.4f}", flush=True)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    elapsed = time.perf_counter() - t0 if t0 is not None else float("nan")
-    peak = torch.cuda.max_memory_allocated(dev) / 2 ** 20 if dev.type == "cuda" else float("nan")
-    tok_s = tokens / elapsed if tokens else float("nan")
+    def loss_value(step, loss):
+        value = loss.detach().float()
+        if args.parallel == "fsdp":  # the ranks' batches differ: their mean
+            dist.all_reduce(value)
+            value /= world
+        if rank == 0:
+            print(f"  step {step:5d}  loss {value.item():.4f}", flush=True)
+        return value.item()
+
+    points, tok_s, peak = run_steps(model, opt, data, dev, args, loss_value)
     if rank == 0:
         print(f"final loss {points[-1][1]:.4f}, {tok_s:,.0f} tokens/s per process, peak {peak:.0f} MiB", flush=True)
     return {"points": points, "tok_s": tok_s, "peak_mib": peak}

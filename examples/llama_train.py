@@ -88,9 +88,25 @@ def train(mode: str, args, cfg: LlamaConfig) -> dict:
         summary = coda.precompile(lambda: model(ids, labels=ids).backward(), dispatcher=compiled,
                                   background=compiled)
         print(f"  [{mode}] {summary}", flush=True)
+    points, tok_s, peak = run_steps(step_fn, opt, data, dev, args,
+                                    lambda step, loss: _logged(f"  [{mode}] step {step:5d}", loss.item()))
+    comp = "" if step_fn is model else "+compile" + ("" if args.compile_mode == "default" else f"({args.compile_mode})")
+    return {"mode": mode + comp, "points": points, "tok_s": tok_s, "peak_mib": peak}
+
+
+def _logged(prefix: str, value: float) -> float:
+    print(f"{prefix}  loss {value:.4f}", flush=True)
+    return value
+
+
+def run_steps(step_fn, opt, data: list, dev: torch.device, args, loss_value) -> tuple:
+    """``args.steps`` training steps (forward with the loss, backward, ``opt.step()``) over ``data`` in turn:
+    ``(points, tokens/s after args.warmup steps, peak MiB)``; at every ``args.log_every``-th step and the last,
+    ``loss_value(step, loss)`` gives the loss value kept in ``points`` (and prints it). Shared with
+    ``examples/distributed_train.py``."""
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    points, t0, timed_tokens = [], None, 0
+    points, t0, tokens = [], None, 0
     for step in range(args.steps):
         if step == args.warmup:
             if dev.type == "cuda":
@@ -102,17 +118,14 @@ def train(mode: str, args, cfg: LlamaConfig) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step >= args.warmup:
-            timed_tokens += ids.numel()
+            tokens += ids.numel()
         if step % args.log_every == 0 or step == args.steps - 1:
-            points.append((step, loss.item()))
-            print(f"  [{mode}] step {step:5d}  loss {points[-1][1]:.4f}", flush=True)
+            points.append((step, loss_value(step, loss)))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     elapsed = time.perf_counter() - t0 if t0 is not None else float("nan")
     peak = torch.cuda.max_memory_allocated(dev) / 2 ** 20 if dev.type == "cuda" else float("nan")
-    comp = "" if step_fn is model else "+compile" + ("" if args.compile_mode == "default" else f"({args.compile_mode})")
-    return {"mode": mode + comp, "points": points,
-            "tok_s": timed_tokens / elapsed if timed_tokens else float("nan"), "peak_mib": peak}
+    return points, tokens / elapsed if tokens else float("nan"), peak
 
 
 def grad_check(args, cfg: LlamaConfig) -> dict:

@@ -15,9 +15,10 @@ attention + optimizer). Writes report.json, report.md and step.png into ``--out`
 
 The fused modes call ``coda.precompile`` before their first step (a dry run of one step, its kernels compiled in
 worker processes into the disk cache; for ``+compile`` modes the uncompiled model through torch's dispatcher; env
-``CODA_PRECOMPILE=0``: not; for ``+compile`` modes in the background, beside torch.compile). ``--env NAME=VALUE`` adds a variant of every mode run with those environment variables
-(an experiment switch such as ``CODA_L2_PREFETCH=16``), ``--rounds R`` alternates the mode and its variants R times
-on the same machine: paired numbers.
+``CODA_PRECOMPILE=0``: not; for ``+compile`` modes in the background, beside torch.compile). ``--env NAME=VALUE``
+adds a variant of every mode run with those environment variables (an experiment switch such as
+``CODA_L2_PREFETCH=16``), ``--rounds R`` alternates the mode and its variants R times on the same machine: paired
+numbers.
 
 Phases of a run: (1) a process measures the GEMM peak (cuBLAS bf16 8192^3, do_bench median); (2) one process per mode
 builds, trains (``--warmup`` untimed steps, then ``--steps`` timed ones, CUDA events per step, one sync at the
@@ -433,8 +434,6 @@ def main(argv=None) -> int:
                 t0 = time.time()
                 res = _spawn(common + ["--worker", mode], args.timeout, args.nproc, env)
                 res["mode"], res["wall_s"] = name, time.time() - t0
-                if env:
-                    res["env"] = env
                 runs[label].append(res)
                 if not res.get("error"):
                     base = runs[""][-1]

@@ -25,9 +25,9 @@ def prefetch_configs(rec, values) -> list:
     import dataclasses
 
     from coda.kernels.operand_kinds import TILE
-    if rec.cfg is None or rec.prob.zero_k or not any(o.spec is TILE for o in rec.epi.operands):
+    if rec.prob.zero_k or not any(o.spec is TILE for o in rec.epi.operands):
         return []
-    return [(f"pf{v}", dataclasses.replace(rec.cfg, l2_prefetch=v)) for v in values]
+    return [(f"pf{v}", dataclasses.replace(rec.config, l2_prefetch=v)) for v in values]
 
 
 def time_problem(rec, bench, configs=()) -> dict:

@@ -434,6 +434,16 @@ class Summary:
     errors: list = dataclasses.field(default_factory=list)
     kinds: dict = dataclasses.field(default_factory=dict)  # kind of kernel -> how many found ("gemm", "ce_grad", ...)
 
+    def count(self, how: Optional[str], err: str = "") -> bool:
+        """Tally one kernel's outcome (``how``: "compiled" or "disk"; None: not compiled, ``err`` says why);
+        whether it is stored."""
+        if how is None:
+            self.errors.append(err)
+            return False
+        self.compiled += how == "compiled"
+        self.cached += how == "disk"
+        return True
+
     def __str__(self) -> str:
         s = (f"coda.precompile: {self.found} kernels, {self.cached} cached, {self.compiled} compiled "
              f"({self.workers} workers, {self.in_parent} in this process), {self.seconds:.1f} s")
@@ -476,25 +486,19 @@ def compile_recipes(recipes, workers: Optional[int] = None, background: bool = F
     s.workers = min(n, len(payloads))
     if background:
         s.failed += len(parent)  # not compiled ahead: the step compiles them
-        if not payloads:
-            return Background(s, todo, [], None, [], t0)
-        return Background(s, todo, payloads, *_start_workers(payloads, s.workers, todo[0].arch), t0)
+        started = _start_workers(payloads, s.workers, todo[0].arch) if payloads else (None, [])
+        return Background(s, todo, payloads, *started, t0)
     if payloads:
         for i, how, _, err in _run_workers(payloads, s.workers, todo[0].arch):
-            if how is None:
-                s.errors.append(err)
+            if not s.count(how, err):
                 parent.append(todo[i] if i >= 0 else None)
-            else:
-                s.compiled += how == "compiled"
-                s.cached += how == "disk"
     for r in parent:
         if r is None:
             continue
         try:
             how = compile_recipe(r)
             s.in_parent += how == "compiled"
-            s.compiled += how == "compiled"
-            s.cached += how == "disk"
+            s.count(how)
         except Exception as e:
             s.failed += 1
             s.errors.append(f"{r.label}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
@@ -581,13 +585,8 @@ class Background:
 
     def _finished(self, todo, res) -> None:
         i, how, _, err = res
-        s = self.summary
-        if how is None:
-            s.failed += 1  # the step compiles it
-            s.errors.append(err)
-        else:
-            s.compiled += how == "compiled"
-            s.cached += how == "disk"
+        if not self.summary.count(how, err):
+            self.summary.failed += 1  # the step compiles it
         if 0 <= i < len(todo):
             ev = self._events.get(todo[i].key)
             if ev is not None:
