@@ -4,6 +4,12 @@
     torchrun --nproc_per_node 2 examples/distributed_train.py --parallel tp         # tensor parallel (Megatron)
     torchrun --nproc_per_node 2 examples/distributed_train.py --parallel tp --sequence-parallel
     torchrun --nproc_per_node 2 examples/distributed_train.py --device cpu --steps 5   # gloo, the CPU reference path
+    torchrun --nproc_per_node 2 examples/distributed_train.py --parallel tp --stock    # the baseline: torch's own TP
+
+``--stock`` trains the unfused model the same way, for a side-by-side number: FSDP2 as above, or torch's tensor
+parallel plan (``torch.distributed.tensor.parallel``, as torchtitan shards Llama: column-parallel q/k/v and
+gate/up, row-parallel o and down, the LM head's logits sharded along the vocabulary and the loss under
+``loss_parallel()``; the embedding replicated as in CODA's plan; no sequence parallelism).
 
 - ``fsdp``: each decoder layer and then the root are ``torch.distributed.fsdp.fully_shard``\\ ed after
   ``coda.fuse``; each rank trains on its own batches (the global batch is ``--batch`` x ranks). Checkpoints:
@@ -13,8 +19,8 @@
   batch. ``model.state_dict()`` gathers the stock layout.
 
 Data as in ``examples/llama_train.py`` (a random sparse bigram chain: the loss falls from log V). The model starts
-from the same seed on every rank. Rank 0 prints the loss every ``--log-every`` steps, then tokens/s per process and
-the peak memory. Parameters in ``--dtype`` with ``torch.optim.AdamW``.
+from the same seed on every rank. Rank 0 prints the loss every ``--log-every`` steps, then tokens/s per GPU (tp: and
+of the group, which trains on one batch) and the peak memory. Parameters in ``--dtype`` with ``torch.optim.AdamW``.
 """
 from __future__ import annotations
 
@@ -31,12 +37,40 @@ from llama_model import LlamaForCausalLM  # noqa: E402
 from llama_train import PRESETS, batch, make_chain, run_steps  # noqa: E402
 
 
+def stock_tp(model: torch.nn.Module) -> torch.nn.Module:
+    """torch's tensor parallel plan over the stock model (the ``--stock`` baseline of ``--parallel tp``), in place:
+    heads and SwiGLU columns split over the ranks, o / down row-parallel (an all-reduce each), the LM head's logits
+    left sharded along the vocabulary for ``loss_parallel()``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    tp = dist.get_world_size()
+    mesh = init_device_mesh(next(model.parameters()).device.type, (tp,))
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if attn.n_kv % tp:
+            raise ValueError(f"tp = {tp} does not divide the {attn.n_kv} key/value heads")
+        attn.n_heads //= tp
+        attn.n_kv //= tp
+        parallelize_module(layer, mesh, {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+    return parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1),
+                                                                       use_local_output=False)})
+
+
 def build(args, dev: torch.device, cfg) -> torch.nn.Module:
-    """The fused model on this rank, sharded as ``--parallel`` says (same init on every rank)."""
+    """The model on this rank (fused unless ``--stock``), sharded as ``--parallel`` says (same init on every
+    rank)."""
     import coda
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(cfg).to(dev, getattr(torch, args.dtype))
-    coda.fuse(model)
+    if args.stock:
+        if args.parallel == "tp":
+            return stock_tp(model)
+    else:
+        coda.fuse(model)
     if args.parallel == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -76,10 +110,21 @@ def train(args) -> dict:
             print(f"  step {step:5d}  loss {value.item():.4f}", flush=True)
         return value.item()
 
-    points, tok_s, peak = run_steps(model, opt, data, dev, args, loss_value)
+    import contextlib
+    if args.stock and args.parallel == "tp":  # the vocab-sharded logits' loss, forward and backward
+        from torch.distributed.tensor.parallel import loss_parallel
+        ctx = loss_parallel()
+    else:
+        ctx = contextlib.nullcontext()
+    with ctx:
+        points, tok_s, peak = run_steps(model, opt, data, dev, args, loss_value)
+    # fsdp: each process trains on its own tokens; tp: the group trains on one batch
+    per_gpu = tok_s if args.parallel == "fsdp" else tok_s / world
     if rank == 0:
-        print(f"final loss {points[-1][1]:.4f}, {tok_s:,.0f} tokens/s per process, peak {peak:.0f} MiB", flush=True)
-    return {"points": points, "tok_s": tok_s, "peak_mib": peak}
+        what = "" if args.parallel == "fsdp" else f"{tok_s:,.0f} tokens/s for the group of {world}, "
+        print(f"final loss {points[-1][1]:.4f}, {what}{per_gpu:,.0f} tokens/s per GPU, peak {peak:.0f} MiB",
+              flush=True)
+    return {"points": points, "tok_s": tok_s, "tok_s_per_gpu": per_gpu, "peak_mib": peak}
 
 
 def main(argv=None) -> int:
@@ -96,7 +141,10 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stock", action="store_true", help="the unfused model (FSDP2, or torch's own TP plan)")
     args = p.parse_args(argv)
+    if args.stock and args.sequence_parallel:
+        p.error("--stock runs torch's tensor parallel plan without sequence parallelism")
     if args.sequence_parallel and args.parallel != "tp":
         p.error("--sequence-parallel needs --parallel tp")
     cpu = torch.device(args.device).type == "cpu"

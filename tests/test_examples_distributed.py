@@ -1,5 +1,5 @@
 """examples/distributed_train.py on the CPU: 2 processes under torchrun (gloo, the reference path). Tensor parallel
-(with and without sequence parallelism) follows the single-process fused run of examples/llama_train.py (same
+(with and without sequence parallelism; and ``--stock``, torch's own plan over the unfused model) follows the single-process fused run of examples/llama_train.py (same
 init, same batches, torch AdamW) step for step within bf16 noise; FSDP2 trains (its ranks see different batches:
 the loss falls); outside torchrun the script says how to run it."""
 import os
@@ -34,16 +34,17 @@ def single():
     return _losses(proc.stdout)
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_tensor_parallel_follows_the_single_process_run(single, sp):
-    got = _losses(_torchrun("--parallel", "tp", *(["--sequence-parallel"] if sp else [])))
+@pytest.mark.parametrize("extra", [(), ("--sequence-parallel",), ("--stock",)], ids=["tp", "tp+sp", "stock-tp"])
+def test_tensor_parallel_follows_the_single_process_run(single, extra):
+    got = _losses(_torchrun("--parallel", "tp", *extra))
     assert len(got) == len(single) == 3 and got[-1] < got[0]
     for a, b in zip(got, single):
         assert abs(a - b) <= 2e-3 * abs(b), (got, single)
 
 
-def test_fsdp_trains():
-    got = _losses(_torchrun("--parallel", "fsdp"))
+@pytest.mark.parametrize("extra", [(), ("--stock",)], ids=["fused", "stock"])
+def test_fsdp_trains(extra):
+    got = _losses(_torchrun("--parallel", "fsdp", *extra))
     assert len(got) == 3 and all(x == x for x in got) and got[-1] < got[0]
 
 
@@ -51,3 +52,9 @@ def test_outside_torchrun_says_how():
     proc = subprocess.run([sys.executable, os.path.join(EX, "distributed_train.py"), "--device", "cpu"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "torchrun" in proc.stderr
+
+
+def test_stock_has_no_sequence_parallel():
+    proc = subprocess.run([sys.executable, os.path.join(EX, "distributed_train.py"), "--parallel", "tp", "--stock",
+                           "--sequence-parallel"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "--stock" in proc.stderr
