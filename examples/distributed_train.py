@@ -92,7 +92,13 @@ def train(args) -> dict:
         torch.cuda.set_device(dev)
     cfg = PRESETS[args.preset or ("tiny" if dev.type == "cpu" else "small")]
     model = build(args, dev, cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    # torch's TP plan leaves DTensor and plain parameters side by side: one group each (a foreach step over a mix
+    # raises "got mixed torch.Tensor and DTensor"); foreach as torch's default on CUDA, on the CPU too
+    from torch.distributed.tensor import DTensor
+    params = list(model.parameters())
+    groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
+                          [p for p in params if not isinstance(p, DTensor)]) if g]
+    opt = torch.optim.AdamW([{"params": g} for g in groups], lr=args.lr, weight_decay=0.0, foreach=True)
     # fsdp: this rank's own batches; tp: the same batches on every rank
     g = torch.Generator().manual_seed(args.seed + 1 + (rank if args.parallel == "fsdp" else 0))
     chain = make_chain(cfg.vocab_size, args.seed)
