@@ -5,11 +5,13 @@ A weight's gradient dW = dY^T X is a GEMM of CODA's kernel; its epilogue holds a
 epilogue (``epilogues/adamw.py``) reads the weight and its two moments, applies torch's fused AdamW update in fp32
 and writes them back in place; the cross entropy's fast mode, which forms the LM head's dW in the forward, applies the
 update in the K = 0 pass that scales dW by the upstream gradient. Parameters whose gradient no CODA op forms
-(embeddings, norm weights, anything stock) are updated by ``step()``: a large 16-bit matrix (at least
-``KERNEL_STEP_MIN`` elements, rows of a multiple of 8, moments of its dtype: the input embedding) by the same AdamW
-epilogue over its stored gradient in one K = 0 pass of CODA's kernel (``kernel_step=True``, the default; the LM
-head's update runs this pass too), everything else exactly as ``torch.optim.AdamW`` (same ``fused`` / ``foreach``
-options); one state either way (``exp_avg``, ``exp_avg_sq``, ``step``): ``state_dict()`` is torch's.
+(embeddings, norm weights, anything stock) are updated by ``step()`` exactly as ``torch.optim.AdamW`` (same
+``fused`` / ``foreach`` options); with ``kernel_step=True`` a large 16-bit matrix (at least ``KERNEL_STEP_MIN``
+elements, rows of a multiple of 8, moments of its dtype: the input embedding; under torch.compile every weight) takes
+the same AdamW epilogue over its stored gradient in one K = 0 pass of CODA's kernel (the pass the LM head's update
+runs). Off by default: in the llama-1b step on the H100 (session 28) it made the optimizer's kernel time 4.9 ms
+instead of 4.1 (eager; step 131.9 vs 132.3 ms, within noise) and 11.9 instead of torch's fused 10.4 under compile.
+One state either way (``exp_avg``, ``exp_avg_sq``, ``step``): ``state_dict()`` is torch's.
 
 What it buys, measured on the H100 (``python -m coda.bench.optim``, llama-1b shapes, T = 8192 tokens): memory -- no
 gradient is allocated for those weights (2 bytes a parameter; for llama-1b 2.5 GB, though its step's peak is in the
@@ -110,7 +112,7 @@ class AdamW(torch.optim.AdamW):
     the backward (module docstring). Create it after ``coda.fuse`` (it registers the Parameters it holds)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 *, in_backward: bool = True, kernel_step: bool = True, **kwargs):
+                 *, in_backward: bool = True, kernel_step: bool = False, **kwargs):
         for name, flag in (("in_backward", in_backward), ("kernel_step", kernel_step)):
             if not isinstance(flag, bool):
                 raise TypeError(f"coda.optim.AdamW: {name} must be True or False, got {flag!r}")

@@ -47,7 +47,7 @@ def test_large_matrices_take_the_pass_others_torch(monkeypatch):
         seen.append([tuple(p.shape) for p in out])
         return out
     monkeypatch.setattr(coda.optim.AdamW, "_kernel_updates", spy)
-    ours, opt, grads = _run(coda.optim.AdamW)
+    ours, opt, grads = _run(coda.optim.AdamW, kernel_step=True)
     theirs, topt, _ = _run(torch.optim.AdamW)
     assert seen == [[tuple(ours[0].shape)]] * 3
     for i in (1, 2, 3):  # torch's step, bit for bit
@@ -66,8 +66,9 @@ def test_large_matrices_take_the_pass_others_torch(monkeypatch):
     assert float(opt.state[ours[0]]["step"]) == 3.0 and ours[0].grad is not None
 
 
-def test_kernel_step_false_is_torch_adamw():
-    ours, _, _ = _run(coda.optim.AdamW, kernel_step=False)
+@pytest.mark.parametrize("kw", [dict(kernel_step=False), {}], ids=["off", "default"])
+def test_kernel_step_false_is_torch_adamw(kw):
+    ours, _, _ = _run(coda.optim.AdamW, **kw)
     theirs, _, _ = _run(torch.optim.AdamW)
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)

@@ -17,7 +17,7 @@ The fused modes call ``coda.precompile`` before their first step (a dry run of o
 worker processes into the disk cache; for ``+compile`` modes the uncompiled model through torch's dispatcher; env
 ``CODA_PRECOMPILE=0``: not; for ``+compile`` modes in the background, beside torch.compile). ``--env NAME=VALUE``
 adds a variant of every mode run with those environment variables (an experiment switch such as
-``CODA_L2_PREFETCH=16``, or ``CODA_BENCH_KERNEL_STEP=0``: coda.optim.AdamW's step() without its update pass),
+``CODA_L2_PREFETCH=16``, or ``CODA_BENCH_KERNEL_STEP=1``: coda.optim.AdamW(kernel_step=True)),
 ``--rounds R`` alternates the mode and its variants R times on the same machine: paired
 numbers.
 
@@ -162,8 +162,8 @@ def run_mode(args) -> dict:
     if args.optimizer == "coda-adamw" and mode.startswith("fused") and world == 1:
         # coda.optim.AdamW: CODA-fused weights updated inside the backward (eager; under compile step() does it)
         import coda.optim
-        # CODA_BENCH_KERNEL_STEP=0 (for --env A/B runs): step() leaves every matrix to torch's step
-        kw["kernel_step"] = os.environ.get("CODA_BENCH_KERNEL_STEP", "1") != "0"
+        # CODA_BENCH_KERNEL_STEP=1 (for --env A/B runs): step()'s K = 0 pass for large matrices (kernel_step)
+        kw["kernel_step"] = os.environ.get("CODA_BENCH_KERNEL_STEP", "0") == "1"
         opt = coda.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **kw)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **kw)
