@@ -1,5 +1,5 @@
-"""coda.distributed on 2 Hopper GPUs (NCCL): the CPU checks of tests/test_distributed.py on CODA's kernels (the
-vocabulary-parallel CE's fast mode, session 26, has not run here yet).
+"""coda.distributed on 2 Hopper GPUs (NCCL): the CPU checks of tests/test_distributed.py on CODA's kernels (both
+vocabulary-parallel CE modes; passed on 4 H200, session 28, with tests/test_tensor_parallel_gpu.py: 4 passed).
 
 Run on 2 NVIDIA H200 (session 20, commit 24b60e0; the nvidia-h100-x2 kind landed on H200s): both tests passed;
 ``--bench ce`` (M 8192, H 4096, V 128256): 27.9 ms fwd+bwd per rank at tp 2 vs 40.7 (auto) / 54.8 (lean) for the
