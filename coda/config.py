@@ -154,10 +154,11 @@ class GemmConfig:
 
 def l2_prefetch_env(cfg: GemmConfig, tile_operands: bool, zero_k: bool) -> GemmConfig:
     """``cfg`` with ``l2_prefetch`` from the environment: ``CODA_L2_PREFETCH=P`` (an experiment switch, unset by
-    default) gives every GEMM with TileMN epilogue operands and a mainloop (K > 0) whose config sets none
-    ``l2_prefetch=P``; anything else as given. A value that is no valid ``l2_prefetch`` raises ValueError."""
+    default) gives every GEMM with TileMN epilogue operands and a mainloop (K > 0) ``l2_prefetch=P`` in place of its
+    config's own value (``0``: none, e.g. to time a shipped entry that sets it without); anything else as given.
+    A value that is no valid ``l2_prefetch`` raises ValueError."""
     text = os.environ.get("CODA_L2_PREFETCH", "").strip()
-    if not text or cfg.l2_prefetch or not tile_operands or zero_k:
+    if not text or not tile_operands or zero_k:
         return cfg
     try:
         p = int(text)
@@ -167,7 +168,7 @@ def l2_prefetch_env(cfg: GemmConfig, tile_operands: bool, zero_k: bool) -> GemmC
     if p < 0 or new.problems():
         raise ValueError(f"CODA_L2_PREFETCH={text!r}: expected 0 or a power of two <= {cfg.tile_m} "
                          f"(config {cfg.name})")
-    return new
+    return cfg if new == cfg else new
 
 
 def epi_wg_config() -> GemmConfig:

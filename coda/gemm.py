@@ -9,7 +9,8 @@ and launched on the current stream.
 Repeated calls with the same shapes, strides, dtypes, epilogue and config reuse a *launch plan*
 (``coda._launch``): only the data pointers and the stream change, and the compiled host function is called
 directly. ``CODA_LAUNCH_PLANS=0`` turns plans off. ``CODA_L2_PREFETCH=P`` (an experiment switch) runs every GEMM
-whose epilogue reads TileMN operands with ``GemmConfig.l2_prefetch=P`` (``coda.config.l2_prefetch_env``).
+whose epilogue reads TileMN operands with ``GemmConfig.l2_prefetch=P``, 0 included, whatever its config says
+(``coda.config.l2_prefetch_env``).
 
 Split-K (``config=None``, identity epilogue, 2-D operands): a problem whose output tiles fill few SMs and whose K is
 long (``coda.config.split_k``'s model, e.g. the weight gradient of a small layer, K = tokens) runs as one batched

@@ -184,14 +184,16 @@ def test_shipped_h100_file_schema_and_provenance():
     files = {s["file"] for s in prov["sources"]}
     store = "docs/tune_h100/llama1b_near_store.json"  # session 21: the llama-1b step's problems, near level
     store25 = "docs/tune_h100/llama1b_near_store_s25.json"  # session 25: the step's new or changed problems
-    stores = (store, store25)
+    store28 = "docs/tune_h100/llama1b_l2_prefetch_s28.json"  # session 28: l2_prefetch on the MLP dX, measured
+    stores = (store, store25, store28)
+    dates = {store: "2026-11-26", store25: "2026-11-26", store28: "2026-11-27"}
     assert files == {"docs/tune_h100/tuned_gemm.json", "docs/tune_h100/tuned_fused.json", *stores}
     rows = {}
     for s in prov["sources"]:
         raw = (ROOT / s["file"]).read_bytes()
         import hashlib
         assert hashlib.sha256(raw).hexdigest()[:16] == s["sha256"]
-        assert s["date"] == ("2026-11-26" if s["file"] in stores else "2026-11-21")
+        assert s["date"] == dates.get(s["file"], "2026-11-21")
         rows[s["file"]] = json.loads(raw)
     assert doc["entries"]
     for e in doc["entries"].values():  # every entry is a row of a real tuning run or a tuning store's entry
@@ -199,7 +201,8 @@ def test_shipped_h100_file_schema_and_provenance():
         if src is not None:
             kept = [v for v in rows[src]["entries"].values() if v["problem"] == e["problem"]
                     and v["epilogue"]["id"] == e["epilogue"]["id"]]
-            assert len(kept) == 1 and kept[0]["name"] == e["name"] and kept[0]["level"] == "near", e
+            level = "l2_prefetch" if src == store28 else "near"
+            assert len(kept) == 1 and kept[0]["name"] == e["name"] and kept[0]["level"] == level, e
             continue
         f, i = e["source"].rsplit(" row ", 1)
         row = rows[f][int(i)]
@@ -425,3 +428,16 @@ def test_readme_documents_the_three_states():
     for s in ("CODA_AUTOTUNE=1", "CODA_AUTOTUNE=0", "python -m coda.autotune --model llama-1b --batch 2 --seq 4096",
               "--show", "CODA_AUTOTUNE_SUMMARY", "nearest"):
         assert s in text, s
+
+
+def test_the_mlp_dx_entry_serves_its_l2_prefetch():
+    """The shipped H100 entry of llama-1b's MLP dX (rms_radial_residual, 8192 x 2048 x 16384, W^T MN-major) carries
+    l2_prefetch 32 (session 28's measurement, docs/tune_h100/llama1b_l2_prefetch_s28.json); the default path
+    serves it as stored."""
+    import coda.ops.mlp  # noqa: F401 (the epilogue's module)
+    import sys
+    epi = sys.modules["coda.ops.mlp"].rms_radial_residual
+    prob = check_gemm_args(torch.empty(8192, 16384, dtype=BF16), torch.empty(16384, 2048, dtype=BF16).t())
+    cfg = at.select_config(prob, epi, None, None, {})
+    assert cfg.l2_prefetch == 32 and cfg.name == "128x256_coop_c2x1_rm8_dyn_pf32", (cfg, at.counts())
+    assert at.counts() == {"tuned": 0, "shipped": 1, "heuristic": 0}

@@ -41,7 +41,10 @@ def test_environment_switch(monkeypatch):
     monkeypatch.setenv("CODA_L2_PREFETCH", "16")
     assert l2_prefetch_env(cfg, True, False).l2_prefetch == 16
     assert l2_prefetch_env(cfg, False, False) is cfg and l2_prefetch_env(cfg, True, True) is cfg  # no TileMN; K = 0
-    assert l2_prefetch_env(dataclasses.replace(cfg, l2_prefetch=4), True, False).l2_prefetch == 4  # set: kept
+    assert l2_prefetch_env(dataclasses.replace(cfg, l2_prefetch=4), True, False).l2_prefetch == 16  # overridden
+    monkeypatch.setenv("CODA_L2_PREFETCH", "0")  # off, also where the config sets it (a shipped entry)
+    assert l2_prefetch_env(dataclasses.replace(cfg, l2_prefetch=4), True, False).l2_prefetch == 0
+    assert l2_prefetch_env(cfg, True, False) is cfg
     for bad in ("3", "x", "-2"):
         monkeypatch.setenv("CODA_L2_PREFETCH", bad)
         with pytest.raises(ValueError, match="CODA_L2_PREFETCH"):
