@@ -16,6 +16,9 @@ Grouped-query heads go to SDPA as they are (``enable_gqa``), never repeated.
 QK-norm (Qwen3: ``q_norm`` / ``k_norm``, an RMSNorm over each head of q and k before RoPE): the norm sits between
 the GEMM and the rotation, so the block runs ``coda.ops.rmsnorm_linear`` (input norm + QKV in one GEMM), then the
 head norms (the stock modules, weights permuted like the W_q / W_k rows) and RoPE on the column pairs in torch.
+q/k/v biases (Qwen2): ``bias_qkv`` (the three biases in ``weight_qkv``'s row order) is added after the same
+``rmsnorm_linear`` GEMM, before the rotation in torch (the bias is not in the GEMM's epilogue yet); the state dict
+keeps the stock ``q_proj.bias`` / ``k_proj.bias`` / ``v_proj.bias``.
 """
 from __future__ import annotations
 
@@ -40,8 +43,10 @@ def attention_fusable(attn: nn.Module) -> Optional[str]:
     lins = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     if not all(isinstance(lin, nn.Linear) for lin in lins):
         return "needs nn.Linear q_proj, k_proj, v_proj, o_proj"
-    if any(lin.bias is not None for lin in lins):
-        return "q/k/v/o biases are not supported yet"
+    if lins[3].bias is not None:
+        return "an o_proj bias is not supported yet"
+    if len({lin.bias is None for lin in lins[:3]}) > 1:
+        return "biases on some of q_proj, k_proj, v_proj only are not supported"
     d = _head_dim(attn)
     if d is None or d % 2:
         return "needs an even head_dim"
@@ -122,6 +127,7 @@ class FusedAttention(_NormConsumer):
         self.register_buffer("freqs", freqs.flatten().to(inv_freq.device), persistent=False)
         self._set_norm(norm, hidden_size, eps, device, dtype)
         self.q_norm = self.k_norm = None  # per-head RMSNorms on q and k before RoPE (Qwen3), the stock modules
+        self.register_parameter("bias_qkv", None)  # q/k/v biases (Qwen2), weight_qkv's row order
 
     @classmethod
     def from_stock(cls, attn: nn.Module, inv_freq: Tensor, norm: DeferredRMSNorm) -> "FusedAttention":
@@ -136,6 +142,11 @@ class FusedAttention(_NormConsumer):
         with torch.no_grad():
             w = torch.cat((permute_half_split(q, d), permute_half_split(k, d), v))
         out.weight_qkv = nn.Parameter(w, requires_grad=q.requires_grad)
+        if attn.q_proj.bias is not None:  # Qwen2: the biases in weight_qkv's row order
+            bq, bk, bv = attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias
+            with torch.no_grad():
+                b = torch.cat((permute_half_split(bq, d), permute_half_split(bk, d), bv))
+            out.bias_qkv = nn.Parameter(b, requires_grad=bq.requires_grad)
         out.freqs = out.freqs.to(q.device)
         out.o_proj = attn.o_proj
         if getattr(attn, "q_norm", None) is not None:  # Qwen3: shared, stock order (permuted when applied)
@@ -145,9 +156,11 @@ class FusedAttention(_NormConsumer):
 
     def qkv_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         """(W_q, W_k, W_v) in the stock (half-split) row order."""
-        hq, hk, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
-        w = self.weight_qkv
-        return unpermute_half_split(w[:hq], d), unpermute_half_split(w[hq:hq + hk], d), w[hq + hk:]
+        return _stock_qkv(self, self.weight_qkv)
+
+    def qkv_biases(self) -> Optional[tuple[Tensor, Tensor, Tensor]]:
+        """(b_q, b_k, b_v) in the stock order, or None (no q/k/v biases)."""
+        return None if self.bias_qkv is None else _stock_qkv(self, self.bias_qkv)
 
     def forward(self, *args, **kwargs):
         x = args[0] if args else kwargs["hidden_states"]
@@ -159,22 +172,26 @@ class FusedAttention(_NormConsumer):
         dtype = _compute_dtype(x)
         fused = dtype in _FUSED_DTYPES and not (_nn.compiling() and self.inductor_under_compile)
         hq, hk, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
-        if fused and self.q_norm is None and not self.qkv_apart:
+        one_gemm = fused and self.q_norm is None and self.bias_qkv is None  # norm + QKV + RoPE in the epilogue
+        if one_gemm and not self.qkv_apart:
             xr = ()
             q, k, v = torch.split(ops.rmsnorm_linear_rope(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype),
                                                           pos, self.freqs, self.eps), [hq, hk, hk], dim=-1)
-        elif fused and self.q_norm is None:  # norm + QKV + RoPE: one GEMM
+        elif one_gemm:  # norm + QKV + RoPE: one GEMM
             res_in_op = self.add_residual and type(self.o_proj) is nn.Linear and self.o_proj.bias is None
             q, k, v, *xr = ops.rmsnorm_linear_rope_qkv(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype),
                                                        pos, self.freqs, self.eps, (hq, hk), residual=res_in_op)
             # (q, k, v apart: their gradients go to the backward as they are, un-rotated in one pass with the
             # norm's row dots; a split's backward would first cat them into one buffer)
         else:  # norm + QKV (fused unless float32 / float64 or under torch.compile, where it is the stock math that
-            # inductor fuses around cuBLAS's GEMM), then Qwen3's head norms (weights in CODA's pair order) and
-            # RoPE on the column pairs in torch
+            # inductor fuses around cuBLAS's GEMM), then Qwen2's biases, Qwen3's head norms (weights in CODA's pair
+            # order) and RoPE on the column pairs in torch
             xr = ()
-            z = (ops.rmsnorm_linear(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype), self.eps) if fused
-                 else F.linear(rms_norm(x, self.norm_weight, self.eps), self.weight_qkv))
+            if fused:
+                z = ops.rmsnorm_linear(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype), self.eps)
+                z = z if self.bias_qkv is None else z + self.bias_qkv.to(dtype)
+            else:
+                z = F.linear(rms_norm(x, self.norm_weight, self.eps), self.weight_qkv, self.bias_qkv)
             q, k, v = torch.split(z, [hq, hk, hk], dim=-1)
             if self.q_norm is not None:
                 q, k = self._head_norm(q, self.q_norm), self._head_norm(k, self.k_norm)
@@ -213,24 +230,31 @@ class FusedAttention(_NormConsumer):
         return rms_norm(t.unflatten(-1, (-1, d)), w, norm_eps(norm)).flatten(-2)
 
     def _to_stock(self, local):
-        w = local.pop("weight_qkv")
-        hq, hk, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
-        out = {"q_proj.weight": unpermute_half_split(w[:hq], d).contiguous(),
-               "k_proj.weight": unpermute_half_split(w[hq:hq + hk], d).contiguous(),
-               "v_proj.weight": w[hq + hk:].contiguous()}
-        return {**out, **local}
+        parts = {kind: _stock_qkv(self, local.pop(mine)) for mine, kind in (("weight_qkv", "weight"),
+                                                                            ("bias_qkv", "bias")) if mine in local}
+        out = {f"{n}_proj.{kind}": ts[i].contiguous() for i, n in enumerate("qkv") for kind, ts in parts.items()}
+        return {**out, **local}  # the stock order: q_proj.weight, q_proj.bias, k_proj.weight, ...
 
     def _from_stock(self, local):
-        if all(f"{n}_proj.weight" in local for n in "qkv"):
-            d = self.head_dim
-            local["weight_qkv"] = torch.cat((permute_half_split(local.pop("q_proj.weight"), d),
-                                             permute_half_split(local.pop("k_proj.weight"), d),
-                                             local.pop("v_proj.weight")))
+        d = self.head_dim
+        for mine, kind in (("weight_qkv", "weight"), ("bias_qkv", "bias")):
+            if all(f"{n}_proj.{kind}" in local for n in "qkv"):
+                local[mine] = torch.cat((permute_half_split(local.pop(f"q_proj.{kind}"), d),
+                                         permute_half_split(local.pop(f"k_proj.{kind}"), d),
+                                         local.pop(f"v_proj.{kind}")))
         return local
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, heads={self.n_heads}, kv_heads={self.n_kv}, "
-                f"head_dim={self.head_dim}, q/k rows in adjacent-pairs order")
+                f"head_dim={self.head_dim}, q/k rows in adjacent-pairs order"
+                + (", q/k/v biases" if self.bias_qkv is not None else ""))
+
+
+def _stock_qkv(attn, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``weight_qkv`` or ``bias_qkv`` of ``attn`` (rows in CODA's order) -> its q, k, v parts in the stock order
+    (``attn``: anything with n_heads, n_kv, head_dim)."""
+    hq, hk, d = attn.n_heads * attn.head_dim, attn.n_kv * attn.head_dim, attn.head_dim
+    return unpermute_half_split(t[:hq], d), unpermute_half_split(t[hq:hq + hk], d), t[hq + hk:]
 
 
 def find_inv_freq(model: nn.Module) -> Optional[Tensor]:

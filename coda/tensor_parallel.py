@@ -588,6 +588,8 @@ def _check(model: nn.Module, tp: int, sequence_parallel: bool = False):
                            f"multiples of {ALIGN}")
             if m.q_norm is not None:
                 bad.append(f"{name}: QK-norm (Qwen3) is not supported under tensor parallelism yet")
+            if m.bias_qkv is not None:
+                bad.append(f"{name}: q/k/v biases (Qwen2) are not supported under tensor parallelism yet")
             if not _plain_linear(m.o_proj):
                 bad.append(f"{name}.o_proj: needs a bias-free nn.Linear")
         elif isinstance(m, SwiGLUMLP):

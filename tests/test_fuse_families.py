@@ -1,5 +1,6 @@
 """coda.fuse on the Llama-style families of Hugging Face transformers (Mistral, Qwen2, Qwen3; CPU, tiny models): the
-MLPs and the LM head fuse in each, the attention where ``attention_fusable`` allows, and the fused model's loss and
+MLPs and the LM head fuse in each, the attention where ``attention_fusable`` allows (Qwen2's q/k/v biases
+included; not an o_proj bias), and the fused model's loss and
 gradients (by stock name) equal the stock model's. The coda.ops path runs on the CPU reference GEMM in float32 (the
 ops' 16-bit dtype gates opened, as tests/test_nn.py's float32 ops-path test does)."""
 import copy
@@ -40,16 +41,13 @@ def _fuse(model):
     return [str(w.message) for w in caught if "coda.fuse" in str(w.message)]
 
 
-@pytest.mark.parametrize("kind,attention", [("Mistral", True), ("Qwen2", False), ("Qwen3", True)])
+@pytest.mark.parametrize("kind,attention", [("Mistral", True), ("Qwen2", True), ("Qwen3", True)])
 def test_family_fuses_and_matches_stock(fp32_ops, kind, attention):
     torch.manual_seed(0)
     stock = _tiny_hf(kind).float()
     if kind == "Mistral":
         stock.config.sliding_window = None  # a full-attention Mistral: its attention fuses too
-    with torch.no_grad():  # norm weights away from ones: a weight applied in the wrong order would show
-        for name, p in stock.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
+    _spread(stock)
     fused = copy.deepcopy(stock)
     msgs = _fuse(fused)
     assert fused._coda_fused
@@ -59,8 +57,7 @@ def test_family_fuses_and_matches_stock(fp32_ops, kind, attention):
     # the second residual add runs in the MLP's down projection (the layer's forward patched)
     assert all(layer.mlp.add_residual and "forward" in vars(layer) for layer in layers)
     assert isinstance(fused.lm_head, coda.nn.LMHeadCrossEntropy)
-    why = {"Qwen2": "biases"}.get(kind)
-    assert (why is None) or any("attention block(s) left stock" in m and why in m for m in msgs), msgs
+    assert not any("attention block(s) left stock" in m for m in msgs), msgs
     g = torch.Generator().manual_seed(1)
     labels = torch.randint(0, 128, (2, 24), generator=g)
     ls = stock(labels, labels=labels).loss
@@ -77,6 +74,63 @@ def test_family_fuses_and_matches_stock(fp32_ops, kind, attention):
         assert err <= 1e-4, (k, err)
 
 
+def _spread(model):
+    """Norm weights away from ones and biases away from zeros (Hugging Face's init): a weight or bias applied in
+    the wrong order would show."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
+
+
+def test_qwen2_biases_round_trip():
+    """Qwen2's q/k/v biases: the fused state dict has the stock keys and values, a stock checkpoint loads into the
+    fused model (same loss), stock_grads names the bias gradients, and unfuse puts the current biases back."""
+    torch.manual_seed(0)
+    stock = _tiny_hf("Qwen2").float()
+    _spread(stock)
+    fused = copy.deepcopy(stock)
+    _fuse(fused)
+    attn = fused.model.layers[0].self_attn
+    assert isinstance(attn, FusedAttention) and attn.bias_qkv is not None and "q/k/v biases" in repr(attn)
+    sd_stock, sd_fused = stock.state_dict(), fused.state_dict()
+    assert list(sd_fused) == list(sd_stock)
+    assert all(torch.equal(sd_fused[k], sd_stock[k]) for k in sd_stock)
+    labels = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    other = _tiny_hf("Qwen2").float()  # another init: its checkpoint replaces every fused value
+    _spread(other)
+    fused.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        lo, lf = other(labels, labels=labels).loss, fused(labels, labels=labels)
+    lf = lf.loss if hasattr(lf, "loss") else lf
+    assert abs(lo.item() - lf.item()) <= 1e-5 * abs(lo.item())
+    lf = fused(labels, labels=labels)
+    (lf.loss if hasattr(lf, "loss") else lf).backward()
+    grads = coda.stock_grads(fused)
+    assert all(f"model.layers.{i}.self_attn.{n}_proj.bias" in grads for i in range(2) for n in "qkv")
+    with torch.no_grad():
+        attn.bias_qkv.add_(1.0)  # a trained bias: unfuse keeps it
+    want = [b.clone() for b in attn.qkv_biases()]
+    coda.unfuse(fused)
+    back = fused.model.layers[0].self_attn
+    assert not isinstance(back, FusedAttention)
+    for n, w in zip("qkv", want):
+        assert torch.equal(getattr(back, f"{n}_proj").bias, w)
+
+
+def test_an_o_proj_bias_stays_stock():
+    model = _tiny_hf("Qwen2")
+    for layer in model.model.layers:
+        o = layer.self_attn.o_proj
+        o.bias = torch.nn.Parameter(torch.zeros(o.out_features))
+    msgs = _fuse(model)
+    assert model._coda_fused  # the MLPs and the head
+    assert all(not isinstance(layer.self_attn, FusedAttention) for layer in model.model.layers)
+    assert any("o_proj bias" in m for m in msgs), msgs
+
+
 def test_mistral_sliding_window_attention_stays_stock():
     """A sliding window shorter than the maximum position: the causal SDPA of FusedAttention would attend too far,
     so that attention stays stock (named, with the reason); the MLPs and the head fuse."""
@@ -90,7 +144,7 @@ def test_mistral_sliding_window_attention_stays_stock():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["Mistral", "Qwen3"])
+@pytest.mark.parametrize("kind", ["Mistral", "Qwen2", "Qwen3"])
 def test_family_fused_step_on_gpu(kind):
     """One bf16 training step of the fused tiny model on the Hopper GPU (the CuTeDSL kernels): loss and every
     gradient (by stock name) within 2x of stock bf16's error against the stock model in float64, plus a floor."""
@@ -98,6 +152,7 @@ def test_family_fused_step_on_gpu(kind):
     base = _tiny_hf(kind)
     if kind == "Mistral":
         base.config.sliding_window = None
+    _spread(base)
     ref = copy.deepcopy(base).double().cuda()
     stock = copy.deepcopy(base).to("cuda", torch.bfloat16)
     fused = copy.deepcopy(stock)
@@ -153,3 +208,13 @@ def test_generation_with_cache_matches_stock(kind):
             want = torch.cat((want, stock(want).logits[:, -1:].argmax(-1)), 1)
         got = fused.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
     assert torch.equal(want, got), (want, got)
+
+
+def test_qwen2_biases_refused_by_tensor_parallel():
+    """coda.tensor_parallel's check (run on every rank before any collective) names the biased attention blocks
+    instead of dropping their biases."""
+    from coda.tensor_parallel import _check
+    model = _tiny_hf("Qwen2")
+    _fuse(model)
+    with pytest.raises(ValueError, match=r"q/k/v biases \(Qwen2\) are not supported under tensor parallelism"):
+        _check(model, 2)
