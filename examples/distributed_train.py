@@ -25,6 +25,7 @@ of the group, which trains on one batch) and the peak memory. Parameters in ``--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -48,8 +49,8 @@ def stock_tp(model: torch.nn.Module) -> torch.nn.Module:
     mesh = init_device_mesh(next(model.parameters()).device.type, (tp,))
     for layer in model.model.layers:
         attn = layer.self_attn
-        if attn.n_kv % tp:
-            raise ValueError(f"tp = {tp} does not divide the {attn.n_kv} key/value heads")
+        if attn.n_heads % tp or attn.n_kv % tp:
+            raise ValueError(f"tp = {tp} does not divide the {attn.n_heads} query and {attn.n_kv} key/value heads")
         attn.n_heads //= tp
         attn.n_kv //= tp
         parallelize_module(layer, mesh, {
@@ -116,7 +117,6 @@ def train(args) -> dict:
             print(f"  step {step:5d}  loss {value.item():.4f}", flush=True)
         return value.item()
 
-    import contextlib
     if args.stock and args.parallel == "tp":  # the vocab-sharded logits' loss, forward and backward
         from torch.distributed.tensor.parallel import loss_parallel
         ctx = loss_parallel()
