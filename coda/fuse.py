@@ -31,9 +31,9 @@ the stock keys, order and values (``coda.nn``'s state-dict hooks), and ``load_st
 checkpoints. Note: after fusing, the backbone's last hidden state is the one before the final norm.
 
 Mistral, Qwen2 and Qwen3 models (Hugging Face classes ``Mistral*``, ``Qwen2*``, ``Qwen3*``) fuse the same way: their
-decoder layers are Llama's; their attention blocks fuse where ``attention_fusable`` allows (not a Mistral sliding
-window shorter than the maximum position; Qwen2's q/k/v biases and Qwen3's QK-norm fuse as norm + QKV in one GEMM,
-then the biases or the head norms, and RoPE, in torch). Models it does not recognise (Gemma, GPT-2, ...: any other decoder
+decoder layers are Llama's; their attention blocks fuse where ``attention_fusable`` allows (a Mistral sliding
+window only where Hugging Face puts it into the attention mask: ``sdpa`` and ``eager``; Qwen2's q/k/v biases and
+Qwen3's QK-norm fuse as norm + QKV in one GEMM, then the biases or the head norms, and RoPE, in torch). Models it does not recognise (Gemma, GPT-2, ...: any other decoder
 layer, any other final norm) are left stock with a warning naming what was not fused; a model in which nothing was
 fused is not marked fused.
 
@@ -56,9 +56,9 @@ from coda.nn_attention import FusedAttention, attention_fusable, find_inv_freq
 __all__ = ["fuse", "unfuse", "stock_grads"]
 
 # Llama and the families whose decoder layer is Llama's (pre-norm RMSNorm, SwiGLU MLP without biases, RoPE
-# attention): the MLP and the LM head fuse in each; the attention where attention_fusable allows (Mistral may use a
-# sliding window: those attention blocks stay stock, with the reason; Qwen2's q/k/v biases and Qwen3's QK-norm are
-# kept inside FusedAttention)
+# attention): the MLP and the LM head fuse in each; the attention where attention_fusable allows (a block that
+# does not stays stock, with the reason; Mistral's sliding window comes in the mask, Qwen2's q/k/v biases and
+# Qwen3's QK-norm are kept inside FusedAttention)
 _FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
 LAYER_CLASSES = {f"{f}DecoderLayer" for f in _FAMILIES}
 MLP_CLASSES = {f"{f}MLP" for f in _FAMILIES}

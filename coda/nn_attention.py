@@ -58,9 +58,18 @@ def attention_fusable(attn: nn.Module) -> Optional[str]:
     cfg = getattr(attn, "config", None)
     # Qwen2 / Qwen3 set attn.sliding_window per layer (None on full-attention layers); Mistral only in its config
     window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(cfg, "sliding_window", None)
-    if window is not None and window < getattr(cfg, "max_position_embeddings", float("inf")):
-        return f"sliding-window attention (window {window}) is not supported yet"
+    impl = getattr(cfg, "_attn_implementation", None)
+    if window is not None and window < getattr(cfg, "max_position_embeddings", float("inf")) and \
+            impl not in WINDOW_IN_MASK:
+        return (f"sliding-window attention (window {window}) with attn_implementation {impl!r} is not supported "
+                f"(with {' or '.join(map(repr, WINDOW_IN_MASK))} it is: the window comes in the attention mask)")
     return None
+
+
+# Hugging Face attention implementations whose decoder layers hand the attention a mask that already holds the
+# sliding window (None where the window cannot matter: the plain causal SDPA is then the same); FusedAttention passes
+# the mask to SDPA as it is (transformers 5.24: a bool (B, 1, T, T) mask under "sdpa", an additive one under "eager")
+WINDOW_IN_MASK = ("sdpa", "eager")
 
 
 def _head_rms_norm(m, d: int) -> bool:

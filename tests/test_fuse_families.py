@@ -131,27 +131,58 @@ def test_an_o_proj_bias_stays_stock():
     assert any("o_proj bias" in m for m in msgs), msgs
 
 
-def test_mistral_sliding_window_attention_stays_stock():
-    """A sliding window shorter than the maximum position: the causal SDPA of FusedAttention would attend too far,
-    so that attention stays stock (named, with the reason); the MLPs and the head fuse."""
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_mistral_sliding_window_attention_fuses_and_matches_stock(fp32_ops, impl):
+    """A sliding window shorter than the sequence: Hugging Face's decoder hands the attention a mask that holds the
+    window (sdpa: bool, eager: additive), which FusedAttention passes to SDPA as it is; loss and gradients equal
+    the stock model's at T = 24 > window 16."""
+    torch.manual_seed(0)
+    stock = _tiny_hf("Mistral").float()
+    stock.config.sliding_window = 16  # < max_position_embeddings = 64
+    stock.config._attn_implementation = impl
+    _spread(stock)
+    fused = copy.deepcopy(stock)
+    msgs = _fuse(fused)
+    assert all(isinstance(layer.self_attn, FusedAttention) for layer in fused.model.layers), msgs
+    labels = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    ls = stock(labels, labels=labels).loss
+    ls.backward()
+    out = fused(labels, labels=labels)
+    lf = out.loss if hasattr(out, "loss") else out
+    lf.backward()
+    assert abs(ls.item() - lf.item()) <= 1e-5 * abs(ls.item()), (ls.item(), lf.item())
+    full = copy.deepcopy(stock)  # the window matters here: without it the loss differs
+    full.config.sliding_window = None
+    assert abs(full(labels, labels=labels).loss.item() - ls.item()) > 1e-4
+    gs, gf = {n: p.grad for n, p in stock.named_parameters() if p.grad is not None}, coda.stock_grads(fused)
+    assert gs.keys() == gf.keys()
+    for k in gs:
+        assert ((gf[k] - gs[k]).norm() / gs[k].norm()).item() <= 1e-4, k
+
+
+def test_sliding_window_without_a_windowed_mask_stays_stock():
+    """An attention implementation that does not put the window into the mask (e.g. flash attention, which takes
+    it as an argument): that attention stays stock, named, with the reason; the MLPs and the head fuse."""
     model = _tiny_hf("Mistral")
-    model.config.sliding_window = 16  # < max_position_embeddings = 64
+    model.config.sliding_window = 16
+    object.__setattr__(model.config, "_attn_implementation_internal", "flash_attention_2")
+    assert model.config._attn_implementation == "flash_attention_2"
     msgs = _fuse(model)
     assert model._coda_fused
     assert all(not isinstance(layer.self_attn, FusedAttention) for layer in model.model.layers)
     assert all(isinstance(layer.mlp, coda.nn.SwiGLUMLP) for layer in model.model.layers)
-    assert any("sliding-window attention (window 16)" in m for m in msgs), msgs
+    assert any("sliding-window attention (window 16)" in m and "flash_attention_2" in m for m in msgs), msgs
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["Mistral", "Qwen2", "Qwen3"])
+@pytest.mark.parametrize("kind", ["Mistral", "Mistral+window", "Qwen2", "Qwen3"])
 def test_family_fused_step_on_gpu(kind):
     """One bf16 training step of the fused tiny model on the Hopper GPU (the CuTeDSL kernels): loss and every
     gradient (by stock name) within 2x of stock bf16's error against the stock model in float64, plus a floor."""
     torch.manual_seed(0)
-    base = _tiny_hf(kind)
-    if kind == "Mistral":
-        base.config.sliding_window = None
+    base = _tiny_hf(kind.split("+")[0])
+    if kind.startswith("Mistral"):  # a full-attention Mistral, or a window of 16 < T = 40 (in the sdpa mask)
+        base.config.sliding_window = 16 if kind.endswith("+window") else None
     _spread(base)
     ref = copy.deepcopy(base).double().cuda()
     stock = copy.deepcopy(base).to("cuda", torch.bfloat16)
