@@ -7,7 +7,8 @@ under NCCL, eager and under ``torch.compile``; no DTensor):
 
 - :class:`TPAttention` (a :class:`coda.nn_attention.FusedAttention`): rank r of tp keeps the query heads
   [r Hq/tp, (r+1) Hq/tp) and the key/value heads [r Hkv/tp, (r+1) Hkv/tp) (grouped-query heads stay with their
-  queries), i.e. column-parallel QKV, and the matching input columns of ``o_proj`` (row-parallel O);
+  queries), i.e. column-parallel QKV (Qwen2's q/k/v biases split with their rows), and the matching input columns
+  of ``o_proj`` (row-parallel O);
 - :class:`TPSwiGLUMLP` (a :class:`coda.nn.SwiGLUMLP`): the intermediate pairs [r I/tp, (r+1) I/tp) of the
   interleaved gate/up weight (whole (gate_j, up_j) row pairs: each rank's SwiGLU pairs stay in its own GEMM) and
   those input columns of ``down_proj`` (row-parallel down);
@@ -363,8 +364,9 @@ class TPAttention(_TPBlock, FusedAttention):
         # the decoder layer reads add_residual (False here) and adds x itself (coda.fuse's patched layer forward)
         out._setup(fused, group, reduce_dtype, False, sequence_parallel)
         out.full_heads = (fused.n_heads, fused.n_kv)
-        q, k, v = w.split([fused.n_heads * d, fused.n_kv * d, fused.n_kv * d])
-        out.weight_qkv = _local_param(w, torch.cat([t.chunk(tp)[r] for t in (q, k, v)]))
+        out.weight_qkv = _local_param(w, out._local_qkv(w, fused.n_heads, fused.n_kv))
+        if fused.bias_qkv is not None:  # Qwen2: column-parallel, the bias splits as the weight's rows
+            out.bias_qkv = _local_param(fused.bias_qkv, out._local_qkv(fused.bias_qkv, fused.n_heads, fused.n_kv))
         out.o_proj = _local_linear(fused.o_proj, slice(r * hq * d, (r + 1) * hq * d))
         out.layer_idx = fused.layer_idx
         return out
@@ -375,22 +377,27 @@ class TPAttention(_TPBlock, FusedAttention):
     def _full(self):
         return types.SimpleNamespace(n_heads=self.full_heads[0], n_kv=self.full_heads[1], head_dim=self.head_dim)
 
+    def _local_qkv(self, t: Tensor, n_heads: int, n_kv: int) -> Tensor:
+        """This rank's rows of a full weight_qkv / bias_qkv (``n_heads`` / ``n_kv``: the full counts)."""
+        d = self.head_dim
+        return torch.cat([p.chunk(self.tp_size)[self.tp_rank] for p in t.split([n_heads * d, n_kv * d, n_kv * d])])
+
     def _to_stock(self, local):
-        if "weight_qkv" in local:
-            d = self.head_dim
-            parts = [w.split([self.n_heads * d, self.n_kv * d, self.n_kv * d])
-                     for w in _gather(local["weight_qkv"], self.tp_group)]
-            local["weight_qkv"] = torch.cat([torch.cat(p) for p in zip(*parts)])
+        d = self.head_dim
+        for key in ("weight_qkv", "bias_qkv"):
+            if key in local:
+                parts = [t.split([self.n_heads * d, self.n_kv * d, self.n_kv * d])
+                         for t in _gather(local[key], self.tp_group)]
+                local[key] = torch.cat([torch.cat(p) for p in zip(*parts)])
         self._gathered(local, "o_proj.weight", 1)
         return FusedAttention._to_stock(self._full(), local)
 
     def _from_stock(self, local):
-        local = FusedAttention._from_stock(self, local)  # full q, k, v -> the full weight_qkv (head_dim only)
+        local = FusedAttention._from_stock(self, local)  # full q, k, v -> the full weight_qkv / bias_qkv
         full = self._full()
-        if "weight_qkv" in local and local["weight_qkv"].shape[0] == (full.n_heads + 2 * full.n_kv) * self.head_dim:
-            d, tp, r = self.head_dim, self.tp_size, self.tp_rank
-            q, k, v = local["weight_qkv"].split([full.n_heads * d, full.n_kv * d, full.n_kv * d])
-            local["weight_qkv"] = torch.cat([t.chunk(tp)[r] for t in (q, k, v)])
+        for key in ("weight_qkv", "bias_qkv"):
+            if key in local and local[key].shape[0] == (full.n_heads + 2 * full.n_kv) * self.head_dim:
+                local[key] = self._local_qkv(local[key], full.n_heads, full.n_kv)
         self._shard(local, "o_proj.weight", 1, full.n_heads * self.head_dim)
         return local
 
@@ -588,8 +595,6 @@ def _check(model: nn.Module, tp: int, sequence_parallel: bool = False):
                            f"multiples of {ALIGN}")
             if m.q_norm is not None:
                 bad.append(f"{name}: QK-norm (Qwen3) is not supported under tensor parallelism yet")
-            if m.bias_qkv is not None:
-                bad.append(f"{name}: q/k/v biases (Qwen2) are not supported under tensor parallelism yet")
             if not _plain_linear(m.o_proj):
                 bad.append(f"{name}.o_proj: needs a bias-free nn.Linear")
         elif isinstance(m, SwiGLUMLP):

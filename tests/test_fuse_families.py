@@ -240,12 +240,3 @@ def test_generation_with_cache_matches_stock(kind):
         got = fused.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
     assert torch.equal(want, got), (want, got)
 
-
-def test_qwen2_biases_refused_by_tensor_parallel():
-    """coda.tensor_parallel's check (run on every rank before any collective) names the biased attention blocks
-    instead of dropping their biases."""
-    from coda.tensor_parallel import _check
-    model = _tiny_hf("Qwen2")
-    _fuse(model)
-    with pytest.raises(ValueError, match=r"q/k/v biases \(Qwen2\) are not supported under tensor parallelism"):
-        _check(model, 2)

@@ -195,15 +195,17 @@ def test_tensor_parallel_sequence_parallel():
         spawn(_sp_worker, d)
 
 
-def _hf_stock():
+def _hf_stock(kind: str = "Llama"):
+    """A tiny Hugging Face model: Llama, or Qwen2 (q/k/v biases, drawn away from Hugging Face's zeros)."""
     import transformers
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = getattr(transformers, f"{kind}Config")(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=64)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = getattr(transformers, f"{kind}ForCausalLM")(cfg)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if "norm" in n:
+            if "norm" in n or n.endswith(".bias"):
                 p.add_(0.2 * torch.randn_like(p))
     return model
 
@@ -212,7 +214,9 @@ def _hf_worker(rank, d):
     import coda.tensor_parallel as tp
     ref = torch.load(os.path.join(d, "ref.pt"))
     for sp in (False, True):
-        model = _tp_model(_hf_stock(), sequence_parallel=sp)
+        model = _tp_model(_hf_stock(ref["kind"]), sequence_parallel=sp)
+        state = model.state_dict()  # gathered, the stock layout: the single-process fused model's, to the bit
+        assert list(state) == list(ref["state"]) and all(torch.equal(state[k], ref["state"][k]) for k in state)
         assert model.model.layers[0].self_attn.hf_signature
         ids = _batch()
         out = model(input_ids=ids, labels=ids, num_items_in_batch=100)  # the vocab-parallel CE's "sum" reduction
@@ -222,16 +226,20 @@ def _hf_worker(rank, d):
             assert rel(g, ref["grads"][k]) <= 1e-5, (k, sp, rank)
 
 
-def test_tensor_parallel_huggingface_llama():
-    """Hugging Face's LlamaForCausalLM (keyword arguments, position embeddings, (out, None) attention outputs)."""
+@pytest.mark.parametrize("kind", ["Llama", "Qwen2"])
+def test_tensor_parallel_huggingface(kind):
+    """Hugging Face's LlamaForCausalLM (keyword arguments, position embeddings, (out, None) attention outputs) and
+    Qwen2ForCausalLM (q/k/v biases: column-parallel, split as the weight's rows)."""
     pytest.importorskip("transformers")
     import coda
-    fused = coda.fuse(_hf_stock())
+    fused = coda.fuse(_hf_stock(kind))
+    state = {k: v.clone() for k, v in fused.state_dict().items()}
     ids = _batch()
     out = fused(input_ids=ids, labels=ids, num_items_in_batch=100)
     out.loss.backward()
     with tempfile.TemporaryDirectory() as d:
-        torch.save({"loss": out.loss.detach(), "grads": coda.stock_grads(fused)}, os.path.join(d, "ref.pt"))
+        torch.save({"kind": kind, "state": state, "loss": out.loss.detach(), "grads": coda.stock_grads(fused)},
+                   os.path.join(d, "ref.pt"))
         spawn(_hf_worker, d)
 
 
