@@ -9,6 +9,8 @@ per step (x calls) and the totals: what the epilogues add over our plain GEMMs a
 fields as in ``coda.bench.ncu``) also times each kept problem's fused call under those configs (K = 0 passes run
 one all-zero k-tile: ``stages`` as the heuristic sets it); ``--l2-prefetch 8,16`` also times each problem with
 TileMN operands and a mainloop under the config it was served with ``l2_prefetch`` set (issue 29), paired.
+The configs are those ``coda.gemm`` serves in this environment: leave ``CODA_AUTOTUNE`` unset to time what the step
+runs (stored, then shipped configs); ``CODA_AUTOTUNE=0`` times the heuristic's (the "source" column says which).
 """
 from __future__ import annotations
 
