@@ -33,7 +33,7 @@ def parse_variant(text: str):
     L2 prefetch of TileMN operands over the last P k-tiles, ``l2_prefetch=P``)."""
     tm, tn, pp, cm, sched, en, st, *rest = text.split(",")
     pf = [int(r[2:]) for r in rest if r.startswith("pf") and r[2:].isdigit()]
-    if len(rest) != len(set(rest)) or any(r != "ewg" and not (r.startswith("pf") and r[2:].isdigit()) for r in rest):
+    if len(rest) != len(set(rest)) or len(rest) != rest.count("ewg") + len(pf):  # each one 'ewg' or a 'pfP'
         raise ValueError(f"config {text!r}: fields after the seventh can only be 'ewg' and 'pfP'")
     return GemmConfig(tile_m=int(tm), tile_n=int(tn), pingpong=pp == "pp", cluster_m=int(cm), sched=sched,
                       epi_n=int(en), stages=None if st == "-" else int(st), epi_wg="ewg" in rest,

@@ -464,19 +464,21 @@ def compile_recipes(recipes, workers: Optional[int] = None, background: bool = F
     s = Summary(found=len(recipes))
     for r in recipes:
         s.kinds[r.kind] = s.kinds.get(r.kind, 0) + 1
+
+    def nothing_to_start():  # the summary as it stands: no worker compiles anything
+        s.seconds = time.perf_counter() - t0
+        return Background(s, [], [], None, [], t0) if background else s
     if not compile_cache.enabled() or not compile_cache._usable():
         why = "CODA_COMPILE_CACHE=0" if not compile_cache.enabled() else "the cache dir is not usable"
         if recipes:
             warnings.warn(f"coda.precompile: {why}; the kernels compile in the step", compile_cache.CacheFileWarning,
                           stacklevel=2)
-        s.seconds = time.perf_counter() - t0
-        return Background(s, [], [], None, [], t0) if background else s
+        return nothing_to_start()
     todo = [r for r in recipes if not compile_cache.stored(r.key)]
     s.cached = len(recipes) - len(todo)
     n = worker_count(len(todo), workers)
     if n == 0:  # no workers: a dry run only; the step compiles what is missing
-        s.seconds = time.perf_counter() - t0
-        return Background(s, [], [], None, [], t0) if background else s
+        return nothing_to_start()
     payloads, parent = [], []
     for i, r in enumerate(todo):
         try:
