@@ -55,6 +55,18 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232
 BAR_EPI, BAR_ORDER = 1, 3
 
 
+def column_pair(c_static, v):
+    """The first register w of v's column pair when registers (w, w + 1), w = v & ~1, hold columns (c, c + 1) of
+    one row with c even (thread 0's static coordinates; the accumulator fragment's 2-element runs, the same for
+    every thread since a thread's first column is even): then a TileMN operand's two values are one 32-bit read and
+    a 1 -> 2 epilogue's four outputs one 64-bit write. Else None."""
+    w = v - v % 2
+    if w + 1 >= len(c_static):
+        return None
+    (r0, c0), (r1, c1) = c_static[w], c_static[w + 1]
+    return w if r0 == r1 and c1 == c0 + 1 and c0 % 2 == 0 else None
+
+
 class GemmSm90(epilogue_wg.EpilogueWarpgroup):
     def __init__(self, cfg: GemmConfig, epi: Epilogue, tile_aligned=None):
         """``tile_aligned``: per TileMN operand (in declaration order), whether its address and strides are 16-byte
@@ -606,9 +618,16 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
                         epi["souts"][i][(r, c // 2, buf)] = self.out_dtypes[i](vals[p])
             if cutlass.const_expr(self.expand):  # two values per element, at (row, 2 column + 0 / 1)
                 for v in cutlass.range_constexpr(n_v):
-                    r, c = epi["cloc"][v]
-                    for h, key in ((0, "out"), (1, ODD_OUT)):
-                        epi["souts"][0][(r, 2 * c + h, buf)] = self.out_dtypes[0](results[key][v])
+                    if cutlass.const_expr(column_pair(c_sub, v) == v):  # columns c, c + 1: 4 values, one write
+                        r, c = epi["cloc"][v]
+                        f = cute.make_rmem_tensor((4,), self.out_dtypes[0])
+                        for i, (u, key) in enumerate(((v, "out"), (v, ODD_OUT), (v + 1, "out"), (v + 1, ODD_OUT))):
+                            f[i] = self.out_dtypes[0](results[key][u])
+                        cute.autovec_copy(f, cute.zipped_divide(epi["souts"][0][(r, None, buf)], (4,))[None, c // 2])
+                    elif cutlass.const_expr(column_pair(c_sub, v) is None):
+                        r, c = epi["cloc"][v]
+                        for h, key in ((0, "out"), (1, ODD_OUT)):
+                            epi["souts"][0][(r, 2 * c + h, buf)] = self.out_dtypes[0](results[key][v])
             # one barrier per sub-tile: before it, the store warp waits until at most epi_stages - 2 of its stores
             # still read shared memory, i.e. the store of sub-tile e - epi_stages + 1 is done with the buffer that
             # sub-tile e + 1 writes after the barrier (sub-tile e's buffer was freed the same way one barrier ago).
@@ -731,6 +750,9 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
             # {name: (smem, slot)}, run-time scalars {name: value}, TMA-loaded TileMN {name: (smem ring, buffer)})
             self.lbase, self.col0, self.staged, self.scalars, self.tiles = local
             self.memo = {}
+
+        def partner(self, v):
+            return column_pair(self.c_static, v)
 
         def _get(self, key, make):
             if key not in self.memo:

@@ -210,11 +210,24 @@ class _TileMN(OperandKind):
         import cutlass
         if op.name in lazy.tiles:  # TMA-loaded: this sub-tile's ring buffer
             sT, b = lazy.tiles[op.name]
+            w = lazy.partner(v) if not pair else None
+            if w is not None:  # registers w, w + 1: one row, columns c, c + 1 (c even): one 32-bit read for both
+                two = lazy._get(("tile2", op.name, w), lambda: self._load_two(lazy, sT, b, w))
+                return two[v - w].to(cutlass.Float32)
             c = lazy.local(v, 1, sub=True)
             return sT[(lazy.local(v, 0), c // 2 if pair else c, b)].to(cutlass.Float32)
         # element by element; clamped indices: out-of-range elements are computed but never stored
         return t[cutlass.min(row(), lazy.M - 1), cutlass.min(col(), n_cols - 1), lazy.coord(v, 2)].to(
             cutlass.Float32)
+
+    @staticmethod
+    def _load_two(lazy, sT, b, w):
+        """Columns c, c + 1 (c even) of register w's row in the ring buffer, as one vector read (the two lie in
+        one 16-byte chunk of the swizzled layout, so they stay adjacent)."""
+        import cutlass.cute as cute
+        f = cute.make_rmem_tensor((2,), sT.element_type)
+        cute.autovec_copy(cute.zipped_divide(sT[(lazy.local(w, 0), None, b)], (2,))[None, lazy.local(w, 1, sub=True) // 2], f)
+        return f
 
 
 VEC_M, VEC_N, SCALAR, TILE = _VecM(), _VecN(), _Scalar(), _TileMN()
