@@ -93,7 +93,7 @@ def _fake_report():
                             peak_bytes=21.5e9, kernels=kernels_stock),
                        dict(mode="fused", step_ms_all=[120.0, 118.0, 500.0], loss=5.0, first_step_s=20.0,
                             first_step_phases={"build the model": 7.5, "first step": 9.25},
-                            peak_bytes=19e9, kernels=kernels_fused),
+                            peak_bytes=19e9, kernels=kernels_fused, head_ms=19.5),
                        dict(mode="fused+compile", error="exit 1: boom")])
 
 
@@ -121,6 +121,7 @@ def test_from_renders_without_gpu(tmp_path):
     assert proc.returncode == 0, proc.stderr
     md = (out / "report.md").read_text()
     assert "| fused | 68.3k | 1.067x | 120.0 |" in md
+    assert md.count(" | 19.5 |") == 1 and "LM head ms: the final norm" in md   # the fused mode's head share only
     assert "failed: exit 1: boom" in md
     assert "`triton_poi_fused_add_0`" in md
     assert "by phase (s): **fused** build the model 7.5, first step 9.2" in md
@@ -209,3 +210,26 @@ def test_step_benches_share_the_shape_arguments(mod, capsys):
     with pytest.raises(SystemExit) as e:
         m.main(["--model", "no-such-model"])
     assert e.value.code == 2 and "no-such-model" in capsys.readouterr().err
+
+
+def test_head_share_computes_the_models_own_loss():
+    """coda.bench.step_head: the fused head's loss (deferred norm + LMHeadCrossEntropy) on a hidden state equals the
+    stock head's (norm, LM head, fp32 cross entropy on the shifted labels), and both equal the model's own forward
+    on the backbone's pre-norm hidden state."""
+    import copy
+
+    import torch
+
+    import coda
+    from coda.bench.step_head import head_loss
+    torch.manual_seed(0)
+    stock = S.build_model(S.PRESETS["tiny"], 16)[0]
+    fused = coda.fuse(copy.deepcopy(stock))
+    ids = torch.randint(0, S.PRESETS["tiny"]["vocab"], (2, 16))
+    h = torch.randn(2, 16, S.PRESETS["tiny"]["hidden"])
+    a, b = head_loss(stock, False, ids)(h), head_loss(fused, True, ids)(h)
+    assert a.item() == pytest.approx(b.item(), rel=1e-4)
+    pre = {}
+    stock.model.norm.register_forward_hook(lambda m, i, o: pre.setdefault("h", i[0]))
+    loss = stock(ids, labels=ids)
+    assert head_loss(stock, False, ids)(pre["h"]).item() == pytest.approx(loss.item(), rel=1e-6)

@@ -256,6 +256,9 @@ def run_mode(args) -> dict:
                coda_env={k: v for k, v in os.environ.items() if k.startswith("CODA_") and k != "CODA_STEP_T0"})
     if cuda and args.profile_steps > 0:
         res["kernels"] = profile_kernels(lambda i: step(args.warmup + args.steps + i), args.profile_steps)
+    if cuda and args.head_reps > 0 and world == 1:  # the LM head's share (coda.bench.step_head), after the steps
+        from .step_head import head_ms
+        res["head_ms"] = head_ms(model, mode, batches[0], args.head_reps)
     return res
 
 
@@ -321,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per mode")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (the first compiles)")
     ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--head-reps", type=int, default=5,
+                    help="time the final norm + LM head + loss alone this many times per mode (0: not; "
+                         "coda.bench.step_head)")
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated subset of {','.join(MODES)}")
     ap.add_argument("--optimizer", default="adamw-fused",
                     choices=["adamw-fused", "adamw-foreach", "coda-adamw"],
@@ -416,7 +422,7 @@ def main(argv=None) -> int:
     from . import _git, _version
     commit, dirty = _git()
     common = ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-              "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--optimizer", args.optimizer,
+              "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--head-reps", str(args.head_reps), "--optimizer", args.optimizer,
               "--dtype", args.dtype, "--device", args.device, "--seed", str(args.seed)]
     peak = _spawn(["--model", args.model, "--peak"], 120) if args.device == "cuda" else {}
     meta = dict(model=args.model, config=PRESETS[args.model], batch=args.batch, seq=args.seq, steps=args.steps,

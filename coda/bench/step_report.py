@@ -154,11 +154,11 @@ def render_markdown(report: dict, image: Optional[str] = "step.png") -> str:
                       + ", ".join(f"{m['mode']} {n * m['tok_s'] / 1e3:.1f}k" for m in r["modes"] if not m.get("error"))
                       + " tokens/s."]
     lines += ["", "| mode | tokens/s | vs stock+compile | step ms | % of SoL | MFU (meas. / sheet) | peak GB | loss | "
-                  "first step s | GEMM ms | attention ms | optimizer ms | other ms |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "first step s | GEMM ms | attention ms | optimizer ms | other ms | LM head ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in r["modes"]:
         if m.get("error"):
-            lines.append(f"| {m['mode']} | failed: {str(m['error'])[:120].replace('|', '/')} |" + " |" * 11)
+            lines.append(f"| {m['mode']} | failed: {str(m['error'])[:120].replace('|', '/')} |" + " |" * 12)
             continue
         cl = m["classes"]
         lines.append(
@@ -166,7 +166,11 @@ def render_markdown(report: dict, image: Optional[str] = "step.png") -> str:
             f"{_f(m.get('pct_sol'), '{:.0f}')} | {_f(m['mfu_measured'] and 100 * m['mfu_measured'], '{:.1f}')} / "
             f"{_f(m['mfu_datasheet'] and 100 * m['mfu_datasheet'], '{:.1f}')} % | {m['peak_bytes'] / 1e9:.1f} | "
             f"{_f(m.get('loss'), '{:.3f}')} | {_f(m.get('first_step_s'), '{:.0f}')} | {cl['gemm']:.1f} | "
-            f"{cl['attention']:.1f} | {cl['optimizer']:.1f} | {cl['other']:.1f} |")
+            f"{cl['attention']:.1f} | {cl['optimizer']:.1f} | {cl['other']:.1f} | {_f(m.get('head_ms'))} |")
+    if any(m.get("head_ms") is not None for m in r["modes"]):
+        lines += ["", "LM head ms: the final norm + LM head + loss alone, forward and backward, on the step's shapes "
+                      "(`coda.bench.step_head`; the fused modes' backward also runs coda.optim's update of the LM "
+                      "head weight when the optimizer is coda-adamw)."]
     phased = [m for m in r["modes"] if not m.get("error") and m.get("first_step_phases")]
     if phased:  # where the time to the first step went (seconds, from the mode's process start)
         lines += ["", "Time to the first step, by phase (s): " + "; ".join(
