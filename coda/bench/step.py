@@ -258,7 +258,7 @@ def run_mode(args) -> dict:
         res["kernels"] = profile_kernels(lambda i: step(args.warmup + args.steps + i), args.profile_steps)
     if cuda and args.head_reps > 0 and world == 1:  # the LM head's share (coda.bench.step_head), after the steps
         from .step_head import head_ms
-        res["head_ms"] = head_ms(model, mode, batches[0], args.head_reps)
+        res["head_ms"] = head_ms(model, opt, mode, batches[0], args.head_reps)
     return res
 
 

@@ -25,9 +25,10 @@ def head_loss(model, fused: bool, ids):
     return lambda h: F.cross_entropy(head(norm(h)).flatten(0, -2).to(torch.float32), shift, ignore_index=-100)
 
 
-def head_ms(model, mode: str, ids, reps: int, warmup: int = 2):
+def head_ms(model, opt, mode: str, ids, reps: int, warmup: int = 2):
     """Median ms of ``reps`` forward + backward passes of the head (after ``warmup``, the first compiles) on CUDA
-    events; parameters' gradients are dropped after each pass."""
+    events; after each pass, untimed, ``opt.step()`` (``coda.optim`` refuses a second update in the backward
+    without one) and the gradients dropped."""
     import torch
     f = head_loss(model, mode.startswith("fused"), ids)
     if "+compile" in mode:
@@ -44,5 +45,6 @@ def head_ms(model, mode: str, ids, reps: int, warmup: int = 2):
         if i >= warmup:
             times.append(e0.elapsed_time(e1))
         h.grad = None
-        model.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     return sorted(times)[len(times) // 2]
