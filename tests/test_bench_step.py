@@ -121,7 +121,7 @@ def test_from_renders_without_gpu(tmp_path):
     assert proc.returncode == 0, proc.stderr
     md = (out / "report.md").read_text()
     assert "| fused | 68.3k | 1.067x | 120.0 |" in md
-    assert md.count(" | 19.5 |") == 1 and "LM head ms: the final norm" in md   # the fused mode's head share only
+    assert md.count(" | 19.5 |") == 1 and "LM head ms: the final norm + LM head + loss alone" in md   # the fused mode's head share only
     assert "failed: exit 1: boom" in md
     assert "`triton_poi_fused_add_0`" in md
     assert "by phase (s): **fused** build the model 7.5, first step 9.2" in md

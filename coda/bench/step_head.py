@@ -6,9 +6,8 @@ Face's loss alike: logits upcast to fp32, mean cross entropy over the shifted la
 ``+compile`` modes (the head alone, so inductor fuses the loss kernels as in the whole step); the fused modes run
 ``coda.fuse``'s head (the deferred norm, then ``LMHeadCrossEntropy`` on the same labels; under compile a custom op, so
 the same kernels as eager). Included on both sides: the gradients of the hidden state, the LM head weight and the
-norm weight. With ``--optimizer coda-adamw`` the fused head's backward also updates the LM head weight in place
-(``coda.optim``'s update in the backward: about 1.5 ms at llama-1b, which stock + compile spends in its optimizer
-step instead), so the fused number carries that much more work.
+norm weight, and the update of those two weights (the optimizer's step; with ``--optimizer coda-adamw`` the fused
+eager modes update the LM head weight inside the backward instead), so each side carries the same work.
 """
 from __future__ import annotations
 
@@ -26,25 +25,28 @@ def head_loss(model, fused: bool, ids):
 
 
 def head_ms(model, opt, mode: str, ids, reps: int, warmup: int = 2):
-    """Median ms of ``reps`` forward + backward passes of the head (after ``warmup``, the first compiles) on CUDA
-    events; after each pass, untimed, ``opt.step()`` (``coda.optim`` refuses a second update in the backward
-    without one) and the gradients dropped."""
+    """ms per pass of the head: ``reps`` passes of forward + backward + ``opt.step()`` (the update of the LM head
+    and norm weights: in the fused eager modes coda.optim's update inside the backward, elsewhere the optimizer's
+    step) queued back to back between two CUDA events, after ``warmup`` passes (the first compiles), so the host's
+    launch time overlaps the GPU's work as in the step."""
     import torch
     f = head_loss(model, mode.startswith("fused"), ids)
     if "+compile" in mode:
         f = torch.compile(f)
     w = model.lm_head.weight
     h = torch.randn(*ids.shape, w.shape[1], device=w.device, dtype=w.dtype, requires_grad=True)
-    times = []
-    for i in range(warmup + reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
+
+    def one():
         f(h).backward()
-        e1.record()
-        e1.synchronize()
-        if i >= warmup:
-            times.append(e0.elapsed_time(e1))
         h.grad = None
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return sorted(times)[len(times) // 2]
+    for _ in range(warmup):
+        one()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        one()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) / reps

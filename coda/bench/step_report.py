@@ -168,9 +168,9 @@ def render_markdown(report: dict, image: Optional[str] = "step.png") -> str:
             f"{_f(m.get('loss'), '{:.3f}')} | {_f(m.get('first_step_s'), '{:.0f}')} | {cl['gemm']:.1f} | "
             f"{cl['attention']:.1f} | {cl['optimizer']:.1f} | {cl['other']:.1f} | {_f(m.get('head_ms'))} |")
     if any(m.get("head_ms") is not None for m in r["modes"]):
-        lines += ["", "LM head ms: the final norm + LM head + loss alone, forward and backward, on the step's shapes "
-                      "(`coda.bench.step_head`; the fused modes' backward also runs coda.optim's update of the LM "
-                      "head weight when the optimizer is coda-adamw)."]
+        lines += ["", "LM head ms: the final norm + LM head + loss alone on the step's shapes, forward, backward and "
+                      "the update of the head and norm weights, passes queued back to back "
+                      "(`coda.bench.step_head`)."]
     phased = [m for m in r["modes"] if not m.get("error") and m.get("first_step_phases")]
     if phased:  # where the time to the first step went (seconds, from the mode's process start)
         lines += ["", "Time to the first step, by phase (s): " + "; ".join(
