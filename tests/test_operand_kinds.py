@@ -73,8 +73,11 @@ def test_kernel_arguments(epi):
     assert [x.by_view for x in (VEC_N, VEC_M, SCALAR, TILE)] == [True, True, False, True]
     assert SCALAR.host_arg(3, L, M, N, torch.device("cpu"))[0].tolist() == [3.0]
     tiles_n, tiles_m = -(-N // cfg.tile_n), -(-M // cfg.tile_m) * cfg.warps_per_tile
-    assert partials["ss"][0].shape == (L, tiles_n, M)
-    assert partials["cs"][0].shape == (L, tiles_m, cols)
+    assert partials["ss"][0].shape == (L, M, tiles_n) and partials["ss"][0].is_contiguous()
+    assert partials["cs"][0].shape == (L, cols, tiles_m) and partials["cs"][0].is_contiguous()
+    (pss, lss), (pcs, lcs) = args[4:6]  # the kernel's views: (length, tiles, L), tiles contiguous
+    assert pss.shape == (M, tiles_n, L) and pss.stride(1) == 1 and lss == 1
+    assert pcs.shape == (cols, tiles_m, L) and pcs.stride(1) == 1 and lcs == 1
 
 
 def test_staged_shared_memory_as_before():

@@ -277,18 +277,18 @@ def smem_plan(epi: Epilogue, cfg, out_bytes, tile_bytes, tile_aligned, in_bytes:
 
 
 def finish_reduction(partials, op: str):
-    """Finish a tile-partial reduction: partials (L, tiles, len) -> (L, len). Deterministic (fixed order).
-    ``partials`` is consumed (a logsumexp overwrites it)."""
+    """Finish a tile-partial reduction: partials (L, len, tiles) -> (L, len), over the innermost (contiguous) dim.
+    Deterministic (fixed order). ``partials`` is consumed (a logsumexp overwrites it)."""
     if op == "sum":
-        return partials.sum(dim=1)
+        return partials.sum(dim=2)
     if op == "max":
-        return partials.amax(dim=1)
+        return partials.amax(dim=2)
     if op == "logsumexp":  # torch.logsumexp's algorithm in place (the partials are the call's own buffer):
         if partials.numel() == 0:  # its (x - max).exp() would be one more tensor of the partials' size
-            return partials.logsumexp(dim=1)
-        m = partials.amax(dim=1, keepdim=True)
+            return partials.logsumexp(dim=2)
+        m = partials.amax(dim=2, keepdim=True)
         m.masked_fill_(m.abs() == float("inf"), 0.0)
-        return partials.sub_(m).exp_().sum(dim=1).log_().add_(m.squeeze(1))
+        return partials.sub_(m).exp_().sum(dim=2).log_().add_(m.squeeze(2))
     raise ValueError(f"unknown reduction op {op!r}")
 
 
