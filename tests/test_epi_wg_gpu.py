@@ -122,3 +122,42 @@ def test_column_sums_through_the_epilogue_warps():
     for k in want:
         assert torch.isfinite(got[k]).all(), k
         assert ((got[k].float() - want[k].float()).norm() / want[k].float().norm()).item() < 1e-2, k
+
+
+@coda.epilogue
+def col_sum(acc):
+    return {"out": acc, "cs": coda.reduce_m(acc * acc)}
+
+
+def test_column_partials_stay_in_bounds(monkeypatch):
+    """The epilogue warps' per-column partials: every entry written, nothing outside the buffer, equal to the
+    default kernel's. 13 M-tiles of 128 rows under 2 x 1 clusters: the 14th is padding and has no slots (its
+    writes landed past the buffer, and once the partials were stored tiles-innermost in the next column's slots;
+    session 29). Guard zones of NaN around the buffer catch stray writes."""
+    import math
+    import sys
+    G = sys.modules["coda.gemm"]
+    guard, bufs = 1 << 14, []
+
+    def guarded(shape, device):
+        n = math.prod(shape)
+        big = torch.full((2 * guard + n,), math.nan, dtype=torch.float32, device=device)
+        bufs.append((big, n))
+        return big[guard:guard + n].view(shape)
+
+    torch.manual_seed(5)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    M, N, K = 1552, 520, 264
+    a, b = torch.randn(M, K, **bf), torch.randn(N, K, **bf)
+    want = coda.gemm(a, b, epilogue=col_sum, config=GemmConfig(tile_n=128))
+    monkeypatch.setattr(G, "_new_partial", guarded)
+    got = coda.gemm(a, b, epilogue=col_sum, config=GemmConfig(tile_n=128, cluster_m=2, epi_wg=True))
+    torch.cuda.synchronize()
+    assert len(bufs) == 1
+    big, n = bufs[0]
+    assert torch.isnan(big[:guard]).all() and torch.isnan(big[guard + n:]).all(), "write outside the partials"
+    assert not torch.isnan(big[guard:guard + n]).any(), "partial entry never written"
+    ref = (a.double() @ b.double().T).pow(2).sum(0)
+    for x in (got["cs"], want["cs"]):
+        assert ((x.double() - ref).norm() / ref.norm()).item() < 1e-2
+    assert ((got["cs"] - want["cs"]).norm() / want["cs"].norm()).item() < 1e-3
