@@ -44,27 +44,16 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ..config import GemmConfig
 from . import epilogue_wg, l2_prefetch, lse, schedule
-from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, EpiEnv, staged_operands,  # noqa: F401 (the x-slots)
+from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, staged_operands,  # noqa: F401 (the x-slots)
                        smem_plan, tile_operand_cols)
 from .operand_kinds import TILE
+from .sub_tile import SubTile, column_pair
 
 WG_THREADS = 128
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
 # named barriers (0 is __syncthreads): epilogue of the cooperative pair, or of ping-pong warpgroup w (1 + w);
 # ping-pong mainloop ordering: warpgroup w waits on 3 + w.
 BAR_EPI, BAR_ORDER = 1, 3
-
-
-def column_pair(c_static, v):
-    """The first register w of v's column pair when registers (w, w + 1), w = v & ~1, hold columns (c, c + 1) of
-    one row with c even (thread 0's static coordinates; the accumulator fragment's 2-element runs, the same for
-    every thread since a thread's first column is even): then a TileMN operand's two values are one 32-bit read and
-    a 1 -> 2 epilogue's four outputs one 64-bit write. Else None."""
-    w = v - v % 2
-    if w + 1 >= len(c_static):
-        return None
-    (r0, c0), (r1, c1) = c_static[w], c_static[w + 1]
-    return w if r0 == r1 and c1 == c0 + 1 and c0 % 2 == 0 else None
 
 
 class GemmSm90(epilogue_wg.EpilogueWarpgroup):
@@ -582,7 +571,7 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
                     cute.arch.mbarrier_wait(stage["ld"]["mbar"] + b, phase)
                     tiles = {self.epi.operands[i].name: (stage["ld"]["smem"][k], b)
                              for k, i in enumerate(self.tma_tiles)}
-                lazy = self._Lazy(self, cSub, c_sub, op_tensors, M, N,
+                lazy = SubTile(self, cSub, c_sub, op_tensors, M, N,
                                   (lbase, e * cfg.epi_n, staged, stage["scalars"], tiles))
                 results = self._visit_pairs(rD, lazy, c_sub, n_v) if self.pair_mode else self._visit_all(rD, lazy, n_v)
             else:
@@ -734,57 +723,6 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
             rows.setdefault(int(r), []).append(v)
             cols.setdefault(int(c), []).append(v)
         return [rows[k] for k in sorted(rows)], [cols[k] for k in sorted(cols)]
-
-    class _Lazy:
-        """Coordinates and operand values of one epilogue sub-tile, traced only when an epilogue uses them and
-        once per distinct value: register v's coordinates are register 0's (one coordinate computation per
-        sub-tile) plus v's static offset, read from thread 0's static coordinates. That holds for every thread
-        because the coordinate partition of an identity tensor is affine in (thread, register) -- checked on a
-        few threads at trace time. VecN values are shared by the registers of one column, VecM by one row
-        (most of the epilogue's IR was per-element coordinate and clamp arithmetic before)."""
-
-        def __init__(self, kernel, cSub, c_static, op_tensors, M, N, local):
-            self.cSub, self.c_static, self.M, self.N = cSub, c_static, M, N
-            self.ops = list(zip(kernel.epi.operands, op_tensors))
-            # (register 0's sub-tile-local coordinates, the sub-tile's first column in the tile, staged
-            # {name: (smem, slot)}, run-time scalars {name: value}, TMA-loaded TileMN {name: (smem ring, buffer)})
-            self.lbase, self.col0, self.staged, self.scalars, self.tiles = local
-            self.memo = {}
-
-        def partner(self, v):
-            return column_pair(self.c_static, v)
-
-        def _get(self, key, make):
-            if key not in self.memo:
-                self.memo[key] = make()
-            return self.memo[key]
-
-        def coord(self, v, i):
-            """Mode i (0 row, 1 column, 2 batch) of register v's global coordinate."""
-            base = self._get(("base",), lambda: self.cSub[0])
-            d = 0 if i == 2 else self.c_static[v][i] - self.c_static[0][i]
-            return base[i] if d == 0 else self._get(("c", i, d), lambda: base[i] + d)
-
-        def local(self, v, i, sub: bool = False):
-            """Mode i (0 row, 1 column) of register v's coordinate inside the CTA tile (the sub-tile: sub)."""
-            d = self.c_static[v][i] - self.c_static[0][i] + (self.col0 if i == 1 and not sub else 0)
-            return self.lbase[i] if d == 0 else self._get(("l", i, d), lambda: self.lbase[i] + d)
-
-        def env(self, v, pair: bool = False):
-            """The EpiEnv of register v (of the pair starting at v: column index j = col // 2)."""
-            rs, cs = self.c_static[v]
-            row = lambda: self.coord(v, 0)  # noqa: E731
-            col = ((lambda: self._get(("j", cs), lambda: self.coord(v, 1) // 2)) if pair
-                   else (lambda: self.coord(v, 1)))
-            n_cols = self.N // 2 if pair else self.N
-            loaders = {}
-            for op, t in self.ops:
-                # the kind's value at register v (staged in shared memory, a scalar, a TileMN ring or global),
-                # shared by the registers of one memo key (a VecN column, a VecM row)
-                loaders[op.name] = (lambda op=op, t=t: self._get(
-                    ("op", op.name) + op.spec.memo_key(rs, cs),
-                    lambda: op.spec.load(self, op, t, v, pair, row, col, n_cols)))
-            return EpiEnv(row, col, loaders)
 
     def _check_affine(self, epi, c_static, n_v):
         ident = cute.make_identity_tensor(self.epi_tile)

@@ -14,7 +14,7 @@ declaration stays the string (it is part of compile keys, and ``o.kind == "tile"
   staged kinds' prefetch of one value before the tile's mainloop (:meth:`OperandKind.prefetch`), the value at an
   accumulator register (:meth:`OperandKind.load`) and which registers share it (:meth:`OperandKind.memo_key`).
 
-The kernel side works on ``GemmSm90._Lazy`` (``lazy``): its ``staged`` {name: (smem, slot)}, ``scalars`` {name:
+The kernel side works on ``sub_tile.SubTile`` (``lazy``): its ``staged`` {name: (smem, slot)}, ``scalars`` {name:
 value}, ``tiles`` {name: (smem ring, buffer)} and its ``local`` / ``coord`` coordinate helpers. ``cutlass`` is only
 imported by the kernel-side methods: the host side stays importable without it.
 """
