@@ -63,10 +63,12 @@ def test_finish_logsumexp_in_place_equals_torch(dtype):
     p[1, 2, 2] = math.nan
     p[1, 3, :4] = -math.inf
     want = torch.logsumexp(p, dim=2)
-    got = finish_reduction(p.clone(), "logsumexp")
+    got = finish_reduction(p.clone(), "logsumexp", 2)
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got[~got.isnan()], want[~want.isnan()])
-    assert finish_reduction(torch.empty(1, 4, 0, dtype=dtype), "logsumexp").shape == (1, 4)
+    got1 = finish_reduction(p.transpose(1, 2).contiguous(), "logsumexp", 1)  # the per-row partials' layout
+    assert torch.equal(got1.isnan(), got.isnan()) and torch.equal(got1[~got1.isnan()], got[~got.isnan()])
+    assert finish_reduction(torch.empty(1, 4, 0, dtype=dtype), "logsumexp", 2).shape == (1, 4)
 
 
 def test_no_main_output():
