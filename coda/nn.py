@@ -375,9 +375,16 @@ class LMHeadCrossEntropy(_NormConsumer):
         w = lm_head.weight
         return cls(w.shape[1], w.shape[0], norm=norm, weight=w, device=w.device, dtype=w.dtype, **loss_options)
 
-    def _normed(self, x: Tensor) -> Tensor:
+    def _normed(self, x: Tensor, fused: bool = False) -> Tensor:
+        """The norm of x (none without a norm weight): ``coda.ops.rmsnorm`` where the loss is fused (16-bit x,
+        rows of a multiple of 8: its K = 0 passes instead of torch's fp32 chain), else the stock math."""
         gamma = self.norm_weight
-        return x if gamma is None else rms_norm(x, gamma, self.eps)
+        if gamma is None:
+            return x
+        if fused and x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] % _ALIGN == 0 \
+                and x.dtype == _compute_dtype(x):
+            return ops.rmsnorm(x, gamma, self.eps)
+        return rms_norm(x, gamma, self.eps)
 
     def forward(self, x: Tensor, target: Optional[Tensor] = None, reduction: str = "mean") -> Tensor:
         dtype, gamma = _compute_dtype(x), self.norm_weight
@@ -388,7 +395,7 @@ class LMHeadCrossEntropy(_NormConsumer):
             else:
                 logits = F.linear(self._normed(x), self.weight)
             return logits if self.softcap is None else self.softcap * torch.tanh(logits / self.softcap)
-        n = self._normed(x)
+        n = self._normed(x, fused)
         if fused:
             return ops.linear_cross_entropy(n.to(dtype), self.weight.to(dtype), target, self.ignore_index,
                                             reduction, self.label_smoothing, self.z_loss,
