@@ -31,10 +31,10 @@ def head_loss(model, fused: bool, ids):
 
 
 def head_ms(model, opt, mode: str, ids, reps: int, warmup: int = 2):
-    """ms per pass of the head: ``reps`` passes of forward + backward + ``opt.step()`` (the update of the LM head
-    and norm weights: in the fused eager modes coda.optim's update inside the backward, elsewhere the optimizer's
-    step) queued back to back between two CUDA events, after ``warmup`` passes (the first compiles), so the host's
-    launch time overlaps the GPU's work as in the step."""
+    """ms per pass of the head: the median over ~``reps`` passes (``triton.testing.do_bench``) of forward +
+    backward + ``opt.step()`` (the update of the LM head and norm weights: in the fused eager modes coda.optim's
+    update inside the backward, elsewhere the optimizer's step), after ``warmup`` passes (the first compiles); the
+    passes are queued, so the host's launch time overlaps the GPU's work as in the step."""
     import torch
     f = head_loss(model, mode.startswith("fused"), ids)
     if "+compile" in mode:
@@ -49,13 +49,8 @@ def head_ms(model, opt, mode: str, ids, reps: int, warmup: int = 2):
         opt.zero_grad(set_to_none=True)
     for _ in range(warmup):
         one()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(reps):
-        one()
-    e1.record()
-    e1.synchronize()
-    return e0.elapsed_time(e1) / reps
+    from triton.testing import do_bench
+    return do_bench(one, warmup=25, rep=25 * reps)  # median ms; the passes queued (its events do not sync)
 
 
 def main(argv=None) -> int:

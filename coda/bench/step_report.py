@@ -169,7 +169,7 @@ def render_markdown(report: dict, image: Optional[str] = "step.png") -> str:
             f"{cl['attention']:.1f} | {cl['optimizer']:.1f} | {cl['other']:.1f} | {_f(m.get('head_ms'))} |")
     if any(m.get("head_ms") is not None for m in r["modes"]):
         lines += ["", "LM head ms: the final norm + LM head + loss alone on the step's shapes, forward, backward and "
-                      "the update of the head and norm weights, passes queued back to back "
+                      "the update of the head and norm weights, the median of queued passes "
                       "(`coda.bench.step_head`)."]
     phased = [m for m in r["modes"] if not m.get("error") and m.get("first_step_phases")]
     if phased:  # where the time to the first step went (seconds, from the mode's process start)
