@@ -48,9 +48,7 @@ def fake_args(epi: Epilogue, in_dtype: str = "bf16", out_dtype: str = "bf16", ma
                    "scalar": lambda: f32(1), "tile": lambda: mat(out_dtype, M, N)}[op.kind]())
     xs += [mat(out_dtype, M, N) for _ in epi.outputs]
     for r in epi.kernel_reductions():
-        # (length, tiles, L): per-row partials with the rows contiguous, per-column ones with the tiles (gemm.py)
-        order = (0, 1, 2) if r.axis == "n" else (1, 0, 2)
-        xs.append(f32(M if r.axis == "n" else N, cute.sym_int32(), L, order=order))
+        xs.append(f32(M if r.axis == "n" else N, cute.sym_int32(), L, order=(0, 1, 2)))
     return [mat(in_dtype, M, K, majors[0]), mat(in_dtype, N, K, majors[1]), mat(out_dtype, M, N)], xs
 
 

@@ -92,7 +92,7 @@ def _max_active_clusters(size: int, device=None) -> int:
 
 
 def _new_partial(shape, device) -> torch.Tensor:
-    """A reduction's partial buffer, fp32 (see :func:`epilogue_tensors`); every entry is written by the kernel."""
+    """A reduction's partial buffer (L, tiles, length), fp32; every entry is written by the kernel."""
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
@@ -116,19 +116,9 @@ def epilogue_tensors(epi: Epilogue, prob, operands: dict, out3: torch.Tensor, cf
     for r in epi.kernel_reductions():
         # per-row: one partial per N-tile of the accumulator (prob.N columns; out3 has N/2 for "half" pairs);
         # per-column: one partial per warp of each M-tile, for each column (each column pair j in a pairs epilogue)
-        # per-column partials are stored (L, length, tiles): a column's partials are contiguous, so finishing them
-        # is a reduction over the innermost dim (torch's strided one over (L, tiles, length) ran 1.2-2.6x longer at
-        # llama-1b's shapes: coda.bench.finish); per-row partials stay (L, tiles, length), where the kernel's row
-        # index is the unit stride (tiles innermost cost the 128 x 128 ping-pong CE forward 56 bytes of spills)
-        tiles, length = r.spec.partials(epi, cfg, M, prob.N)
-        if r.axis == "m":
-            p = _new_partial((L, length, tiles), out3.device)
-            args.append((p.permute(1, 2, 0), 1))
-            partials[r.name] = (p, r.op, 2)
-        else:
-            p = _new_partial((L, tiles, length), out3.device)
-            args.append((p.permute(2, 1, 0), 0))
-            partials[r.name] = (p, r.op, 1)
+        p = _new_partial((L, *r.spec.partials(epi, cfg, M, prob.N)), out3.device)
+        args.append((p.permute(2, 1, 0), 0))
+        partials[r.name] = (p, r.op)
     if cfg.sched == "dynamic":  # the tile counter, last (kernels/schedule.py)
         args.append((_tile_counter(out3.device), 0))
     return args, outs, partials
@@ -208,7 +198,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
         plan.launch([v.data_ptr() for v in views], handle)
     else:
         fn(*cute_args)
-    reds = {name: finish_reduction(p, op, dim) for name, (p, op, dim) in partials.items()}
+    reds = {name: finish_reduction(p, op) for name, (p, op) in partials.items()}
     return _package(epi, res, outs, reds, prob)
 
 
@@ -442,7 +432,7 @@ def _run_plan(plan, a, b, out, operands):
             out3 = out3.reshape(1, prob.L * prob.M, prob.out_shape[-1])
         args, outs, partials = epilogue_tensors(epi, prob, operands, out3, plan.cfg)
         plan.launch([pa, pb, po, *(t.data_ptr() for t, _ in args)], _launch.stream_handle(plan.device_index))
-        reds = {name: finish_reduction(p, op, dim) for name, (p, op, dim) in partials.items()}
+        reds = {name: finish_reduction(p, op) for name, (p, op) in partials.items()}
         return _package(epi, res, outs, reds, prob)
     plan.launch((pa, pb, po), _launch.stream_handle(plan.device_index))
     return _package(epi, res, {}, {}, prob)

@@ -276,20 +276,19 @@ def smem_plan(epi: Epilogue, cfg, out_bytes, tile_bytes, tile_aligned, in_bytes:
     return SmemPlan(tuple(out_b), tuple(flags), ring, extra, bufs, stages)
 
 
-def finish_reduction(partials, op: str, dim: int):
-    """Finish a tile-partial reduction over its tiles, dim ``dim`` of the 3-D ``partials``: (L, tiles, len) with
-    dim 1 (per-row partials), (L, len, tiles) with dim 2 (per-column) -> (L, len). Deterministic (fixed order).
+def finish_reduction(partials, op: str):
+    """Finish a tile-partial reduction: partials (L, tiles, len) -> (L, len). Deterministic (fixed order).
     ``partials`` is consumed (a logsumexp overwrites it)."""
     if op == "sum":
-        return partials.sum(dim=dim)
+        return partials.sum(dim=1)
     if op == "max":
-        return partials.amax(dim=dim)
+        return partials.amax(dim=1)
     if op == "logsumexp":  # torch.logsumexp's algorithm in place (the partials are the call's own buffer):
         if partials.numel() == 0:  # its (x - max).exp() would be one more tensor of the partials' size
-            return partials.logsumexp(dim=dim)
-        m = partials.amax(dim=dim, keepdim=True)
+            return partials.logsumexp(dim=1)
+        m = partials.amax(dim=1, keepdim=True)
         m.masked_fill_(m.abs() == float("inf"), 0.0)
-        return partials.sub_(m).exp_().sum(dim=dim).log_().add_(m.squeeze(dim))
+        return partials.sub_(m).exp_().sum(dim=1).log_().add_(m.squeeze(1))
     raise ValueError(f"unknown reduction op {op!r}")
 
 
