@@ -55,6 +55,7 @@ def _cases():
            coda.ops.linear_rope)
     yield ("rmsnorm_linear", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(I, H, scale=0.1)),
            lambda x, g, w: coda.ops.rmsnorm_linear(x, g, w, 1e-6))
+    yield "rmsnorm", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32)), coda.ops.rmsnorm
 
 
 @coda.epilogue
@@ -105,7 +106,7 @@ def test_every_custom_op_with_autograd_has_an_eager_entry():
     assert {n for n in common._impls if n not in common._eager} == {
         "linear_gated_backward", "linear_cross_entropy_backward", "mlp_backward", "linear_rope_backward",
         "rmsnorm_linear_backward", "linear_backward", "rmsnorm_linear_rope_backward",
-        "rmsnorm_linear_rope_qkv_backward", "linear_residual_backward"}
+        "rmsnorm_linear_rope_qkv_backward", "linear_residual_backward", "rmsnorm_backward"}
 
 
 @pytest.mark.parametrize("name", ["mlp", "linear_rope", "linear"])
