@@ -116,9 +116,14 @@ def epilogue_tensors(epi: Epilogue, prob, operands: dict, out3: torch.Tensor, cf
     for r in epi.kernel_reductions():
         # per-row: one partial per N-tile of the accumulator (prob.N columns; out3 has N/2 for "half" pairs);
         # per-column: one partial per warp of each M-tile, for each column (each column pair j in a pairs epilogue)
-        p = _new_partial((L, *r.spec.partials(epi, cfg, M, prob.N)), out3.device)
+        tiles, length = r.spec.partials(epi, cfg, M, prob.N)
+        # per-column: slots for the M-tiles the cluster shape pads the grid with too; the default epilogue skips a
+        # padded tile, the epilogue warps write its (zero) sums there (a predicate spilled their AdamW + dgamma
+        # epilogue); only the real tiles' slots are finished
+        slots = r.spec.kernel_slots(cfg, M) if r.axis == "m" else tiles
+        p = _new_partial((L, slots, length), out3.device)
         args.append((p.permute(2, 1, 0), 0))
-        partials[r.name] = (p, r.op)
+        partials[r.name] = (p[:, :tiles], r.op)
     if cfg.sched == "dynamic":  # the tile counter, last (kernels/schedule.py)
         args.append((_tile_counter(out3.device), 0))
     return args, outs, partials

@@ -131,9 +131,9 @@ def col_sum(acc):
 
 def test_column_partials_stay_in_bounds(monkeypatch):
     """The epilogue warps' per-column partials: every entry written, nothing outside the buffer, equal to the
-    default kernel's. 13 M-tiles of 128 rows under 2 x 1 clusters: the 14th is padding and has no slots (its
-    writes landed past the buffer, and once the partials were stored tiles-innermost in the next column's slots;
-    session 29). Guard zones of NaN around the buffer catch stray writes."""
+    default kernel's. 13 M-tiles of 128 rows under 2 x 1 clusters: the 14th is padding, whose sums the epilogue
+    warps write too (they landed past the buffer until session 29: now the buffer has its slots, and they are not
+    finished). Guard zones of NaN around the buffer catch stray writes."""
     import math
     import sys
     G = sys.modules["coda.gemm"]

@@ -246,8 +246,7 @@ class EpilogueWarpgroup:
                         if ((lane % lpr) == 0) & ok & (n * cfg.tile_n < N):
                             red_tensors[ri][row, n, l] = val
             if cutlass.const_expr(len(self.red_m) > 0):
-                self._ewg_col_partials(red_tensors, rcol, j0, ne, N // pw, m, l, warp, lpr,
-                                       (r_in == 0) & (m * cfg.tile_m < M))
+                self._ewg_col_partials(red_tensors, rcol, j0, ne, N // pw, m, l, warp, lpr, r_in)
             t += w["n_clusters"]
             if t < w["n_tiles"]:
                 cute.arch.barrier_arrive(barrier_id=BAR_EMPTY, number_of_threads=HANDOFF_THREADS)
@@ -414,10 +413,9 @@ class EpilogueWarpgroup:
                         t[row, c0 + e, l] = f[e]
 
     @cute.jit
-    def _ewg_col_partials(self, red_tensors, rcol, j0, ne, n_op, m, l, warp, lpr, writer):
+    def _ewg_col_partials(self, red_tensors, rcol, j0, ne, n_op, m, l, warp, lpr, r_in):
         """Per-column partials of this warp: each lane's sums of its columns, merged over the warp's row groups
-        (xor offsets lpr, 2 lpr, ...), written by the first group (``writer``: that group, of an M-tile inside the
-        problem; a padded M-tile of the cluster shape has no slots) at slot m * warps_per_tile + warp; the slots no
+        (xor offsets lpr, 2 lpr, ...), written by the first group at slot m * warps_per_tile + warp; the slots no
         epilogue warp has (3 .. warps_per_tile - 1) get zeros, from every warp (the same value: no race)."""
         base = m * self.cfg.warps_per_tile
         offs = [o for o in (1, 2, 4, 8, 16) if o >= lpr]
@@ -427,7 +425,7 @@ class EpilogueWarpgroup:
                 v = rcol[ri * ne + e]
                 for off in cutlass.range_constexpr(len(offs)):
                     v = v + cute.arch.shuffle_sync_bfly(v, offset=offs[off])
-                if writer & (j0 + e < n_op):
+                if (r_in == 0) & (j0 + e < n_op):
                     t[j0 + e, base + warp, l] = v
                     for slot in cutlass.range_constexpr(EPI_THREADS // 32, self.cfg.warps_per_tile):
                         t[j0 + e, base + slot, l] = cutlass.Float32(0.0)

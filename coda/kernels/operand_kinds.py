@@ -254,6 +254,13 @@ class ReduceAxis:
         tiles = -(-N // cfg.tile_n) if self.axis == "n" else -(-M // cfg.tile_m) * cfg.warps_per_tile
         return tiles, self.length(epi, M, N)
 
+    @staticmethod
+    def kernel_slots(cfg, M: int) -> int:
+        """Per-column partial slots the kernel's tile grid can address: the M-tiles rounded up to whole clusters
+        (the schedule pads nothing else, ``kernels/schedule.py``), times the warps of a tile."""
+        tiles_m = -(-M // cfg.tile_m)
+        return -(-tiles_m // cfg.cluster_m) * cfg.cluster_m * cfg.warps_per_tile
+
     def inside(self, lazy, v):
         """Kernel: register v's element lies inside the output along the reduced axis (padded columns for "n",
         padded rows for "m" contribute the neutral element)."""
