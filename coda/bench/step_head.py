@@ -9,7 +9,7 @@ the same kernels as eager). Included on both sides: the gradients of the hidden 
 norm weight, and the update of those two weights (the optimizer's step; with ``--optimizer coda-adamw`` the fused
 eager modes update the LM head weight inside the backward instead), so each side carries the same work.
 
-``python -m coda.bench.step_head`` (:func:`main`) profiles one pass of each side. H100, session 29 (c477ff7; ms of
+``python -m coda.bench.step_head`` (:func:`main`) profiles one pass of each side. H100, session 29 (3bb9658; ms of
 kernel time in one pass): stock + compile 20.85 ms a pass queued, cuBLAS logits 5.95, dX 5.61, dW 5.65, inductor's
 two softmax passes 1.64 + 1.56, torch's AdamW step of the head 1.70; fused 21.97 a pass, the logits GEMM with the loss
 partials 7.12 (+1.17 over cuBLAS's), dX 5.72, dW in chunks 4.22 + 2.08 (+0.64), the update pass 1.58, the softmax
