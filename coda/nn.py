@@ -381,8 +381,7 @@ class LMHeadCrossEntropy(_NormConsumer):
         gamma = self.norm_weight
         if gamma is None:
             return x
-        if fused and x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] % _ALIGN == 0 \
-                and x.dtype == _compute_dtype(x):
+        if fused and x.dtype in ops._common.IN_DTYPES and x.shape[-1] % _ALIGN == 0 and x.dtype == _compute_dtype(x):
             return ops.rmsnorm(x, gamma, self.eps)
         return rms_norm(x, gamma, self.eps)
 

@@ -27,9 +27,11 @@ import torch
 
 import coda
 
+from coda.epilogues.rmsnorm import _dgrad
+
 from ._builder import backward_op, forward_op
-from ._common import call, check_last_dim_contiguous, check_tensors, epilogue_pass, gemm_for
-from .rmsnorm_linear import check_eps, check_norm_weight
+from ._common import IN_DTYPES, call, check_last_dim_contiguous, check_tensors, epilogue_pass, gemm_for
+from .rmsnorm_linear import check_eps, check_norm_weight, row_rsqrt
 
 __all__ = ["rmsnorm", "rms_apply", "rms_row_dot", "rmsnorm_backward"]
 
@@ -50,9 +52,11 @@ def rms_row_dot(acc, dn: coda.TileMN, h: coda.TileMN, gamma: coda.VecN):
 
 @coda.epilogue
 def rmsnorm_backward(acc, dn: coda.TileMN, h: coda.TileMN, r: coda.VecM, c: coda.VecM, gamma: coda.VecN):
-    """dh = r (dn gamma - h r c) and dgamma = sum_m dn h r (per-column partials; a K = 0 pass)."""
-    xhat = h * r
-    return {"out": r * (dn * gamma - xhat * c), "dgamma": coda.reduce_m(dn * xhat)}
+    """dh = r (dn gamma - h r c) and dgamma = sum_m dn h r (per-column partials; a K = 0 pass): the RMSNorm
+    backward of ``epilogues/rmsnorm.py`` on dn, without its normed output."""
+    res = _dgrad(dn, gamma, h, r, c)
+    del res["normed"]
+    return res
 
 
 def rmsnorm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -73,7 +77,7 @@ def _check(x, norm_weight, eps) -> None:
         raise ValueError("rmsnorm: x must be (..., K), got a 0-d tensor")
     K = x.shape[-1]
     check_norm_weight("rmsnorm", norm_weight, K)
-    if x.dtype not in (torch.bfloat16, torch.float16):
+    if x.dtype not in IN_DTYPES:
         raise TypeError(f"rmsnorm: x must be bfloat16 or float16, got {x.dtype}")
     if norm_weight.device != x.device:
         raise ValueError(f"rmsnorm: norm_weight is on {norm_weight.device} but x is on {x.device}; both must be on "
@@ -115,7 +119,7 @@ def _fake(x, norm_weight, eps):
 def _rmsnorm_op(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) -> (n (M, K), r (M,) fp32)."""
     M, K = x.shape
-    r = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).square_().mul_(1.0 / max(K, 1)).add_(eps).rsqrt_()
+    r = row_rsqrt(torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).square_(), K, eps)
     if M == 0 or K == 0:
         return x.new_empty(x.shape), r
     gemm = gemm_for(x.device, _ENTRY)  # a non-Hopper GPU raises here, before anything runs

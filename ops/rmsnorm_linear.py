@@ -141,6 +141,11 @@ def fold(weight: torch.Tensor, norm_weight: torch.Tensor, gemm) -> torch.Tensor:
                          gamma=norm_weight)
 
 
+def row_rsqrt(ss: torch.Tensor, K: int, eps: float) -> torch.Tensor:
+    """r = rsqrt(ss / K + eps) from the rows' sums of squares ``ss`` (fp32): one new vector, then in place on it."""
+    return ss.mul(1.0 / max(K, 1)).add_(eps).rsqrt_()
+
+
 def normed_operands(h: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: Optional[float], gemm):
     """(a, b, r) with diag(r) (a b^T) = RMSNorm(h) weight^T, r = rsqrt(mean(h^2, -1) + eps) (fp32, per row; None
     when ``eps`` is None: a backward that recomputes the product with the saved r).
@@ -149,15 +154,13 @@ def normed_operands(h: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Te
     sum of squares from one K = 0 launch, ``scale_sumsq``), else the weight (b = :func:`fold`, r from a torch
     reduction over h). Either product is rounded once to the operands' dtype."""
     M, K = h.shape
-    inv_k = 1.0 / max(K, 1)
     if 0 < M <= weight.shape[0]:
         res = epilogue_pass(gemm, h, M, K, epilogue=scale_sumsq, out_dtype=h.dtype, h=h, gamma=norm_weight)
         a, b, ss = res["out"], weight, res["ss"]
     else:
         a, b = h, fold(weight, norm_weight, gemm)
         ss = None if eps is None else torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32).square()
-    # r = rsqrt(ss / K + eps): one new fp32 vector, then in place on it
-    return a, b, (None if eps is None else ss.mul(inv_k).add_(eps).rsqrt_())
+    return a, b, (None if eps is None else row_rsqrt(ss, K, eps))
 
 
 # ---------------------------------------------------------------------------------------- the custom ops (2-D)

@@ -422,8 +422,9 @@ def main(argv=None) -> int:
     from . import _git, _version
     commit, dirty = _git()
     common = ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-              "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--head-reps", str(args.head_reps), "--optimizer", args.optimizer,
-              "--dtype", args.dtype, "--device", args.device, "--seed", str(args.seed)]
+              "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--head-reps",
+              str(args.head_reps), "--optimizer", args.optimizer, "--dtype", args.dtype, "--device", args.device,
+              "--seed", str(args.seed)]
     peak = _spawn(["--model", args.model, "--peak"], 120) if args.device == "cuda" else {}
     meta = dict(model=args.model, config=PRESETS[args.model], batch=args.batch, seq=args.seq, steps=args.steps,
                 nproc=args.nproc, warmup=args.warmup, optimizer=args.optimizer, dtype=args.dtype, commit=commit,

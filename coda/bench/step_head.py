@@ -54,7 +54,7 @@ def head_ms(model, opt, mode: str, ids, reps: int, warmup: int = 2):
 
 
 def main(argv=None) -> int:
-    """``python -m coda.bench.step_head [--compile]``: the head of a 1-layer llama-1b (the head is the model's) alone,
+    """``python -m coda.bench.step_head [--top N]``: the head of a 1-layer llama-1b (the head is the model's) alone,
     stock (+ compile) and fused, coda.optim.AdamW on the fused one as in the step report: ms per pass (queued), then
     the kernels of one pass by GPU time, so the head's share can be traced."""
     import argparse

@@ -607,13 +607,14 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
                         epi["souts"][i][(r, c // 2, buf)] = self.out_dtypes[i](vals[p])
             if cutlass.const_expr(self.expand):  # two values per element, at (row, 2 column + 0 / 1)
                 for v in cutlass.range_constexpr(n_v):
-                    if cutlass.const_expr(column_pair(c_sub, v) == v):  # columns c, c + 1: 4 values, one write
+                    w = column_pair(c_sub, v)  # trace time; v == w + 1 was written with w
+                    if cutlass.const_expr(w == v):  # columns c, c + 1: 4 values, one write
                         r, c = epi["cloc"][v]
                         f = cute.make_rmem_tensor((4,), self.out_dtypes[0])
                         for i, (u, key) in enumerate(((v, "out"), (v, ODD_OUT), (v + 1, "out"), (v + 1, ODD_OUT))):
                             f[i] = self.out_dtypes[0](results[key][u])
                         cute.autovec_copy(f, cute.zipped_divide(epi["souts"][0][(r, None, buf)], (4,))[None, c // 2])
-                    elif cutlass.const_expr(column_pair(c_sub, v) is None):
+                    elif cutlass.const_expr(w is None):
                         r, c = epi["cloc"][v]
                         for h, key in ((0, "out"), (1, ODD_OUT)):
                             epi["souts"][0][(r, 2 * c + h, buf)] = self.out_dtypes[0](results[key][v])

@@ -212,7 +212,7 @@ class _TileMN(OperandKind):
             sT, b = lazy.tiles[op.name]
             w = lazy.partner(v) if not pair else None
             if w is not None:  # registers w, w + 1: one row, columns c, c + 1 (c even): one 32-bit read for both
-                two = lazy._get(("tile2", op.name, w), lambda: self._load_two(lazy, sT, b, w))
+                two = lazy.shared(("tile2", op.name, w), lambda: self._load_two(lazy, sT, b, w))
                 return two[v - w].to(cutlass.Float32)
             c = lazy.local(v, 1, sub=True)
             return sT[(lazy.local(v, 0), c // 2 if pair else c, b)].to(cutlass.Float32)
@@ -226,7 +226,8 @@ class _TileMN(OperandKind):
         one 16-byte chunk of the swizzled layout, so they stay adjacent)."""
         import cutlass.cute as cute
         f = cute.make_rmem_tensor((2,), sT.element_type)
-        cute.autovec_copy(cute.zipped_divide(sT[(lazy.local(w, 0), None, b)], (2,))[None, lazy.local(w, 1, sub=True) // 2], f)
+        row = cute.zipped_divide(sT[(lazy.local(w, 0), None, b)], (2,))  # the row in 2-element chunks
+        cute.autovec_copy(row[None, lazy.local(w, 1, sub=True) // 2], f)
         return f
 
 

@@ -37,34 +37,35 @@ class SubTile:
     def partner(self, v):
         return column_pair(self.c_static, v)
 
-    def _get(self, key, make):
+    def shared(self, key, make):
+        """``make()``'s value, traced once per ``key`` in this sub-tile (values registers share)."""
         if key not in self.memo:
             self.memo[key] = make()
         return self.memo[key]
 
     def coord(self, v, i):
         """Mode i (0 row, 1 column, 2 batch) of register v's global coordinate."""
-        base = self._get(("base",), lambda: self.cSub[0])
+        base = self.shared(("base",), lambda: self.cSub[0])
         d = 0 if i == 2 else self.c_static[v][i] - self.c_static[0][i]
-        return base[i] if d == 0 else self._get(("c", i, d), lambda: base[i] + d)
+        return base[i] if d == 0 else self.shared(("c", i, d), lambda: base[i] + d)
 
     def local(self, v, i, sub: bool = False):
         """Mode i (0 row, 1 column) of register v's coordinate inside the CTA tile (the sub-tile: sub)."""
         d = self.c_static[v][i] - self.c_static[0][i] + (self.col0 if i == 1 and not sub else 0)
-        return self.lbase[i] if d == 0 else self._get(("l", i, d), lambda: self.lbase[i] + d)
+        return self.lbase[i] if d == 0 else self.shared(("l", i, d), lambda: self.lbase[i] + d)
 
     def env(self, v, pair: bool = False):
         """The EpiEnv of register v (of the pair starting at v: column index j = col // 2)."""
         rs, cs = self.c_static[v]
         row = lambda: self.coord(v, 0)  # noqa: E731
-        col = ((lambda: self._get(("j", cs), lambda: self.coord(v, 1) // 2)) if pair
+        col = ((lambda: self.shared(("j", cs), lambda: self.coord(v, 1) // 2)) if pair
                else (lambda: self.coord(v, 1)))
         n_cols = self.N // 2 if pair else self.N
         loaders = {}
         for op, t in self.ops:
             # the kind's value at register v (staged in shared memory, a scalar, a TileMN ring or global),
             # shared by the registers of one memo key (a VecN column, a VecM row)
-            loaders[op.name] = (lambda op=op, t=t: self._get(
+            loaders[op.name] = (lambda op=op, t=t: self.shared(
                 ("op", op.name) + op.spec.memo_key(rs, cs),
                 lambda: op.spec.load(self, op, t, v, pair, row, col, n_cols)))
         return EpiEnv(row, col, loaders)
