@@ -161,3 +161,66 @@ def test_column_partials_stay_in_bounds(monkeypatch):
     for x in (got["cs"], want["cs"]):
         assert ((x.double() - ref).norm() / ref.norm()).item() < 1e-2
     assert ((got["cs"] - want["cs"]).norm() / want["cs"].norm()).item() < 1e-3
+
+
+def _shipped_case(name, M, N, K, a_major, b_major):
+    """(a, b, operands, epilogue) of a library epilogue that a shipped entry runs in the epilogue warps, at a ragged
+    (M, N, K) with the entry's operand layouts."""
+    from coda.autodiff import with_preact
+    from coda.epilogues.cross_entropy import accumulate
+    from coda.ops.mlp import fold_grads, rms_radial_residual, rms_swiglu
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(M, K, **bf) if a_major == "k" else torch.randn(K, M, **bf).t()
+    b = torch.randn(N, K, **bf) if b_major == "k" else torch.randn(K, N, **bf).t()
+    vec = lambda n: torch.rand(n, device="cuda") + 0.5  # noqa: E731
+    tile = lambda: torch.randn(M, N, **bf)  # noqa: E731
+    cases = {
+        "rms_swiglu_preact": (with_preact(rms_swiglu), lambda: dict(r=vec(M))),
+        "accumulate": (accumulate, lambda: dict(prev=tile())),
+        "rms_radial_residual": (rms_radial_residual, lambda: dict(gamma=vec(N), r=vec(M), dr=torch.randn(
+            M, device="cuda"), inv_h=1.0 / N, h=tile(), dres=tile())),
+        "fold_grads": (fold_grads, lambda: dict(gamma=vec(N), w=tile())),
+    }
+    epi, ops = cases[name]
+    return a, b, ops(), epi
+
+
+def test_shipped_epilogue_warp_entries_match_the_default_kernel(monkeypatch):
+    """Every shipped entry that runs a library epilogue in the epilogue warps, under its own config (clusters,
+    static schedule) and operand layouts at a ragged shape: outputs poisoned with NaN, all written, equal to the
+    default kernel's within the staged accumulator's bf16 rounding, and within 2x its error against float64."""
+    import json
+
+    from autotune import space
+    from coda.runtime.shipped import SHIPPED_DIR
+    empty = torch.empty
+
+    def poisoned(*args, **kw):  # every float buffer CODA allocates starts as NaN: each element must be written
+        t = empty(*args, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.manual_seed(6)
+    seen = set()
+    for path in sorted(SHIPPED_DIR.glob("*.json")):
+        for e in json.loads(path.read_text())["entries"].values():
+            if not e["config"].get("epi_wg"):
+                continue
+            p, name = e["problem"], e["epilogue"]["name"]
+            cfg = space.config_from_dict(e["config"])
+            M, N, K = 1000 + 8 * (p["M"] % 7), 1552, 520  # not multiples of the 128 x 256 tile
+            a, b, ops, epi = _shipped_case(name, M, N, K, p["a_major"], p["b_major"])
+            monkeypatch.setattr(torch, "empty", poisoned)
+            got = coda.gemm(a, b, epilogue=epi, config=cfg, **ops)
+            torch.cuda.synchronize()
+            monkeypatch.setattr(torch, "empty", empty)
+            want = coda.gemm(a, b, epilogue=epi, config=GemmConfig(), **ops)
+            wide = {k: (v.double() if torch.is_tensor(v) else v) for k, v in ops.items()}
+            ref = coda.reference.gemm_wide(a.double(), b.double(), epilogue=epi, **wide)
+            got, want, ref = (x if isinstance(x, dict) else {"out": x} for x in (got, want, ref))
+            for k in want:
+                assert torch.isfinite(got[k]).all(), (path.name, name, k)
+                err = ((got[k].double() - ref[k].double()).norm() / ref[k].double().norm()).item()
+                base = ((want[k].double() - ref[k].double()).norm() / ref[k].double().norm()).item()
+                assert err <= 2 * base + 4e-3, (path.name, name, k, err, base)
+            seen.add(name)
+    assert seen >= {"rms_swiglu_preact", "accumulate", "rms_radial_residual", "fold_grads"}, seen
