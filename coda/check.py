@@ -53,10 +53,12 @@ def fake_args(epi: Epilogue, in_dtype: str = "bf16", out_dtype: str = "bf16", ma
 
 
 def compile_variant(cfg: GemmConfig, epi: Epilogue = IDENTITY, in_dtype="bf16", out_dtype="bf16",
-                    arch="sm_90a", majors=("k", "k"), count=()) -> dict:
+                    arch="sm_90a", majors=("k", "k"), count=(), even=(False, False),
+                    sass: bool = False) -> dict:
     """Compile one variant for ``arch``; returns {'ok', 'seconds', 'wgmma', 'registers', 'spill_bytes', 'error'}
     and, for each PTX instruction prefix in ``count`` (e.g. ``"sin.approx"``), row['count'][prefix] = how many
-    times it occurs in the PTX."""
+    times it occurs in the PTX. ``even``: the kernel's (M, N) whole-tile flags (``GemmSm90``). ``sass``: also
+    row['sass'] = {opcode: count} of the cubin's SASS (``nvdisasm`` on PATH; else absent)."""
     import cutlass.cute as cute
     import cutlass.runtime as crt
     from .kernels.gemm_sm90 import GemmSm90
@@ -71,7 +73,7 @@ def compile_variant(cfg: GemmConfig, epi: Epilogue = IDENTITY, in_dtype="bf16", 
                 from cutlass.cute.runtime import make_fake_compact_tensor
                 import cutlass
                 xs.append(make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=16))
-            cute.compile(GemmSm90(cfg, epi), a, b, c, 132 // (cfg.cluster_m * cfg.cluster_n),
+            cute.compile(GemmSm90(cfg, epi, even=even), a, b, c, 132 // (cfg.cluster_m * cfg.cluster_n),
                          crt.make_fake_stream(), *xs,
                          options=f"--gpu-arch={arch} --keep-ptx --keep-cubin --dump-dir={d}")
             row["seconds"] = time.time() - t
@@ -80,6 +82,8 @@ def compile_variant(cfg: GemmConfig, epi: Epilogue = IDENTITY, in_dtype="bf16", 
                 raise RuntimeError(f"expected one PTX file, found {len(ptx)}")
             text = open(ptx[0]).read()
             row["wgmma"] = text.count("wgmma.mma_async")
+            if sass and shutil.which("nvdisasm") and len(cubin) == 1:
+                row["sass"] = sass_histogram(cubin[0])
             row["count"] = {c: len(re.findall(r"^\s*(?:@!?%p\d+\s+)?" + re.escape(c), text, re.M)) for c in count}
             out = _ptxas_v(ptx[0], arch)
             if out is not None:
@@ -103,6 +107,16 @@ def compile_variant(cfg: GemmConfig, epi: Epilogue = IDENTITY, in_dtype="bf16", 
         except Exception as e:  # reported in the table
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     return row
+
+
+def sass_histogram(cubin: str) -> dict:
+    """{opcode (without modifiers): count} of a cubin's SASS instructions (``nvdisasm``), and "total"."""
+    text = subprocess.run(["nvdisasm", "-c", cubin], capture_output=True, text=True, check=True).stdout
+    hist: dict = {}
+    for m in re.finditer(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text, re.M):
+        hist[m.group(1)] = hist.get(m.group(1), 0) + 1
+    hist["total"] = sum(hist.values())
+    return hist
 
 
 def _ptxas_v(ptx: str, arch: str):

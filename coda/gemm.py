@@ -268,6 +268,8 @@ def _kernel_views(prob, epi: Epilogue, cfg: GemmConfig, a, b, out, operands):
     tiles = [v for op, v in zip(epi.operands, views[3:]) if op.kind == "tile"]
     if tiles:  # TileMN operands: TMA-loaded when 16-byte aligned (and the smem allows), else element by element
         sig += (("tile_aligned", tuple(tma_aligned(v) for v in tiles)),)
+    if epi.reductions:  # whole tiles along an axis: its reductions need no mask of padded elements
+        sig += (("even", (out3.shape[1] % cfg.tile_m == 0, prob.N % cfg.tile_n == 0)),)
     key = (cfg, epi.key(), prob.in_dtype, prob.out_dtype, sig)
     leads = [la, lb, 1] + [lead for _, lead in args]
     return res, key, views, leads, outs, partials

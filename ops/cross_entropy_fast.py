@@ -5,7 +5,8 @@ scalar g. So the forward forms d loss / d x and d loss / d W for g = 1 and the b
 chunk of ``rows`` rows [m0, m1) (phases):
 
 1. logits: z = x_c W^T (GEMM 1) stored in x's dtype into one reused chunk buffer (rows x V); its epilogue also
-   emits the per-row logsumexp and target-logit partials (``ce_forward_logits``), finished by ``coda.gemm``;
+   emits the per-row logsumexp partials (``ce_forward_logits``), finished by ``coda.gemm``; the target logit is
+   read back from the stored logits (:func:`target_logit`, one gather per chunk);
 2. softmax gradient in place: z <- (p (1 + 2 zl lse) - (1 - eps) [v == t] - eps / V) * s_r with s_r = 1 / n_valid
    ("mean") or 1 ("sum"), 0 on ignored rows (``coda.kernels.ce_grad``: one memory-bound pass over the chunk);
 3. dX_c = dz W (GEMM 2, written straight into dx's rows);
@@ -55,6 +56,16 @@ def plan_rows(M: int, V: int, esize: int, budget: int, force: bool = False) -> O
     return rows if rows <= max_rows else max_rows
 
 
+def target_logit(z: Tensor, tgt: Tensor) -> Tensor:
+    """z_t = z[r, tgt[r]] of the stored logits z (rows x v8) in float32, 0 where tgt lies outside [0, v8) (an
+    ignored row's -1, a target in the V % 8 tail): the sum over v of [v == t] z_v that the epilogue formed before."""
+    if z.shape[1] == 0:  # V < 8: every column is in the tail
+        return torch.zeros(tgt.shape, dtype=torch.float32, device=z.device)
+    inside = (tgt >= 0) & (tgt < z.shape[1])
+    zt = z.gather(1, tgt.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    return torch.where(inside, zt.float(), 0.0)
+
+
 def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, tcol: Tensor, reduction: str,
                        eps: float, zl: float, rows: int, need_x: bool, need_w: bool, entry: str, tail_logits,
                        softcap: Optional[float] = None, combine=None):
@@ -85,10 +96,12 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
     for m0 in range(0, M, rows):
         m1 = min(M, m0 + rows)
         xc, z = x[m0:m1], buf[:(m1 - m0) * v8].view(m1 - m0, v8)
-        res = gemm(xc, w8, epilogue=epi, out=z, t=tcol[m0:m1], **cap)  # phase 1
+        res = gemm(xc, w8, epilogue=epi, out=z, **cap)  # phase 1
         lse_c = res["lse"]
-        for k in stats:
-            stats[k][m0:m1] = res[k]
+        tgt = torch.where(valid[m0:m1], target[m0:m1], -1)
+        stats["zt"][m0:m1] = target_logit(z, tgt)
+        if eps > 0:
+            stats["zsum"][m0:m1] = res["zsum"]
         tl = None
         if v8 < V:  # the tail's statistics from the same epilogue program, evaluated by torch (as the lean mode)
             tl = tail_logits(xc, weight, v8)
@@ -99,7 +112,6 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
         if combine is not None:  # the vocabulary shards' statistics, before the softmax gradient needs them
             lse_c, stats["zt"][m0:m1] = combine(lse_c, stats["zt"][m0:m1])
         lse[m0:m1] = lse_c
-        tgt = torch.where(valid[m0:m1], target[m0:m1], -1)
         softmax_grad_(z, lse_c.contiguous(), tgt, scale[m0:m1].contiguous(), label_smoothing=eps,
                       z_loss=zl, softcap=softcap)                          # phase 2 (the reference on CPU tensors)
         dz_tail = None if tl is None else softmax_grad_reference_(tl, lse_c, tgt - v8, scale[m0:m1], z_loss=zl,
@@ -135,4 +147,4 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
     return lse, stats, dx, dw
 
 
-__all__ = ["plan_rows", "forward_with_grads", "MIN_ROWS"]
+__all__ = ["plan_rows", "forward_with_grads", "target_logit", "MIN_ROWS"]

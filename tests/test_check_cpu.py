@@ -99,3 +99,17 @@ def test_cubin_fallback_agrees_with_ptxas_and_sees_a_stack_frame(monkeypatch, tm
     assert real(bytes(elf)) == (by_cubin["registers"], 48)
     with pytest.raises(ValueError, match="ELF"):
         real(b"not an elf")
+
+
+def test_whole_tiles_drop_the_reduction_masks():
+    """With M and N multiples of the tile (``even``), the reductions' per-element selects of the neutral element go
+    (the fast cross entropy's logits epilogue: its logsumexp over a row), registers stay within the budget."""
+    import torch
+
+    from coda.epilogues.cross_entropy import ce_forward_logits
+    rows = [compile_variant(GemmConfig(), ce_forward_logits(torch.bfloat16), count=("selp",), even=even)
+            for even in ((False, False), (True, True))]
+    for row in rows:
+        assert row["ok"] and row["spill_bytes"] == 0, row
+    masked, even = (r["count"]["selp"] for r in rows)
+    assert even + 64 <= masked, (masked, even)  # a thread's 128 x 256 / 256 = 128 elements, a select each

@@ -193,11 +193,13 @@ def test_one_feature(what, cfg):
 GUARD = 1 << 14
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["ragged", "whole_tiles"])
 @pytest.mark.parametrize("cfg", CONFIGS + [GemmConfig(cluster_m=1, cluster_n=2, raster="n")], ids=lambda c: c.name)
-def test_partials_stay_in_bounds(cfg, monkeypatch):
+def test_partials_stay_in_bounds(cfg, whole, monkeypatch):
     """Every partial entry is written and nothing outside the partial buffers is: the scheduler pads the tile grid
     (cluster shape, swizzle groups), and padded tiles must not store partials. Guard zones of NaN around each
-    buffer catch stray writes."""
+    buffer catch stray writes. ``whole``: M and N are 3 tiles each (the kernel drops the reductions' masks, the
+    clusters still pad the grid); the finished reductions against float64."""
     G = sys.modules["coda.gemm"]
     bufs = []
 
@@ -209,10 +211,15 @@ def test_partials_stay_in_bounds(cfg, monkeypatch):
 
     monkeypatch.setattr(G, "_new_partial", guarded)
     M, N, K = 333, 520, 264  # 3 x 3 tiles of 128 x 256: padded to 4 M-tiles by 2x1 clusters, to 8 N-tiles by swizzle
+    if whole:
+        M, N = 3 * cfg.tile_m, 3 * cfg.tile_n
     a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-    coda.gemm(a, b, epilogue=NoOperands(), config=cfg)
+    got = coda.gemm(a, b, epilogue=NoOperands(), config=cfg)
     torch.cuda.synchronize()
+    acc = a.double() @ b.double().T
+    for k, want in (("ss", (acc * acc).sum(1)), ("cs", acc.sum(0)), ("mx", acc.amax(1))):
+        assert rel(got[k].double(), want) < 1e-2, k
     assert len(bufs) == 3
     real_m = -(-M // cfg.tile_m) * cfg.warps_per_tile  # per-column buffers also have the padded M-tile's slots
     for big, n, shape in bufs:

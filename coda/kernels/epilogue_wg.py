@@ -234,8 +234,10 @@ class EpilogueWarpgroup:
                         self._ewg_pack(res_frags, res, i)
                         inb = j0 + i < N // pw
                         for ri in cutlass.range_constexpr(len(self.red_n)):
-                            self._ewg_fold(rrow, ri, cutlass.select_(
-                                inb, cutlass.Float32(res[self.red_n[ri].name]), self._neutral(self.red_n[ri].op)))
+                            val = cutlass.Float32(res[self.red_n[ri].name])
+                            if cutlass.const_expr(not self.even[1]):  # padded columns: the neutral element
+                                val = cutlass.select_(inb, val, self._neutral(self.red_n[ri].op))
+                            self._ewg_fold(rrow, ri, val)
                         for ri in cutlass.range_constexpr(len(self.red_m)):
                             rcol[ri * ne + i] = rcol[ri * ne + i] + cutlass.select_(
                                 ok, cutlass.Float32(res[self.red_m[ri].name]), cutlass.Float32(0.0))

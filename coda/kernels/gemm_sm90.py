@@ -57,9 +57,11 @@ BAR_EPI, BAR_ORDER = 1, 3
 
 
 class GemmSm90(epilogue_wg.EpilogueWarpgroup):
-    def __init__(self, cfg: GemmConfig, epi: Epilogue, tile_aligned=None):
+    def __init__(self, cfg: GemmConfig, epi: Epilogue, tile_aligned=None, even=(False, False)):
         """``tile_aligned``: per TileMN operand (in declaration order), whether its address and strides are 16-byte
-        aligned (TMA can read it; None: all are); see ``tile_tma_plan`` for which ones are TMA-loaded."""
+        aligned (TMA can read it; None: all are); see ``tile_tma_plan`` for which ones are TMA-loaded. ``even``:
+        (M a multiple of tile_m, N of tile_n): a reduction along an even axis needs no mask of padded elements
+        (every element of a real tile is inside; a padded tile's partial is never stored or finished)."""
         self.cfg = cfg.validate()
         self.epi = epi
         self.acc_dtype = cutlass.Float32
@@ -79,6 +81,7 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
             raise ValueError(f"tile_aligned: {len(self.tile_aligned)} flags for {len(self.tiles)} TileMN operands")
         self.op_tile = (cfg.tile_m, tile_operand_cols(epi, cfg))
         self.pf_ops = [i for i, o in enumerate(epi.operands) if o.spec is TILE]  # what cfg.l2_prefetch prefetches
+        self.even = tuple(bool(x) for x in even)
         self.ewg = cfg.epi_wg  # the epilogue in warps of the producer warpgroup (kernels/epilogue_wg.py)
         if self.ewg:
             epilogue_wg.check(epi)
@@ -774,6 +777,9 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
 
     def _mask_reductions(self, res, lazy, v):
         """Reduction values of out-of-range elements -> the neutral element, along the reduced axis only (axis n
-        masks padded columns, axis m padded rows): a padded row's (column's) own partial is never stored."""
+        masks padded columns, axis m padded rows): a padded row's (column's) own partial is never stored. No mask
+        along an even axis (``even``)."""
         for r in self.epi.reductions:
+            if cutlass.const_expr(self.even[r.axis == "n"]):
+                continue
             res[r.name] = cutlass.select_(r.spec.inside(lazy, v), cutlass.Float32(res[r.name]), self._neutral(r.op))

@@ -203,8 +203,9 @@ def compile_kernel(cfg: Any, epi: Any, in_dtype: Any, out_dtype: Any, arg_sig: t
 
         from coda.kernels.gemm_sm90 import GemmSm90
         kw = {"options": options} if options else {}
-        aligned = dict((x[0], x[1]) for x in arg_sig if isinstance(x[0], str) and len(x) == 2).get("tile_aligned")
-        return cute.compile(host_entry(GemmSm90(cfg, epi, tile_aligned=aligned), max_clusters), *args, **kw)
+        flags = dict((x[0], x[1]) for x in arg_sig if isinstance(x[0], str) and len(x) == 2)
+        kernel = GemmSm90(cfg, epi, tile_aligned=flags.get("tile_aligned"), even=flags.get("even", (False, False)))
+        return cute.compile(host_entry(kernel, max_clusters), *args, **kw)
     return cached(key, build)
 
 
