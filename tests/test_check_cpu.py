@@ -113,3 +113,42 @@ def test_whole_tiles_drop_the_reduction_masks():
         assert row["ok"] and row["spill_bytes"] == 0, row
     masked, even = (r["count"]["selp"] for r in rows)
     assert even + 64 <= masked, (masked, even)  # a thread's 128 x 256 / 256 = 128 elements, a select each
+
+
+def test_whole_tile_flags_skip_pairs_and_plain_epilogues():
+    """``coda.gemm.whole_tiles``: the flags for a per-row reducing epilogue of one value per element; none for the
+    identity, per-column sums or a 1 -> 2 epilogue (ptxas spilled without their masks)."""
+    import importlib
+
+    import torch
+
+    from coda.epilogues.cross_entropy import ce_forward_logits
+    from coda.kernels.epilogue import IDENTITY
+    from coda.ops.mlp import dacc_on_da
+    G = importlib.import_module("coda.gemm")  # the module (``coda.gemm`` is the function)
+    cfg = GemmConfig()
+    assert G.whole_tiles(ce_forward_logits(torch.bfloat16), cfg, 2816, 128256) == (False, True)  # 501 N-tiles
+    assert G.whole_tiles(ce_forward_logits(torch.bfloat16), cfg, 1024, 1000) == (False, False)
+    from coda.ops.mlp import fold_grads
+    assert G.whole_tiles(fold_grads, cfg, 8192, 8192) is None  # per-column sums keep their masks
+    assert G.whole_tiles(IDENTITY, cfg, 2816, 128256) is None
+    assert G.whole_tiles(dacc_on_da((("out",), ("r",), False)), cfg, 8192, 8192) is None
+
+
+@pytest.mark.parametrize("name", ["epilogues.rmsnorm:rmsnorm_dgrad", "epilogues.rmsnorm:rmsnorm_dgrad_residual",
+                                  "epilogues.rmsnorm:rmsnorm_dgrad_split", "epilogues.rmsnorm:row_dot",
+                                  "epilogues.rmsnorm:scale_sumsq", "ops.rmsnorm:rms_row_dot",
+                                  "ops.rmsnorm:rmsnorm_backward", "ops.mlp:fold_grads",
+                                  "epilogues.cross_entropy:ce_forward_smooth", "epilogues.adamw:adamw_fold"])
+def test_reducing_epilogues_on_whole_tiles_do_not_spill(name):  # ~5 s each
+    """The library's reducing epilogues on whole tiles, with the ``even`` flags ``coda.gemm`` gives them, on the
+    heuristic's tile (the one a K = 0 pass gets too): no spills within the 168-register budget."""
+    import importlib
+
+    from coda.config import default_config
+    mod, attr = name.split(":")
+    epi = getattr(importlib.import_module("coda." + mod), attr)
+    cfg = default_config(8192, 2048, 2048)
+    even = importlib.import_module("coda.gemm").whole_tiles(epi, cfg, 8192, 2048) or (False, False)
+    row = compile_variant(cfg, epi, even=even)
+    assert row["ok"] and row["spill_bytes"] == 0, row
