@@ -215,6 +215,23 @@ def test_shipped_h100_file_schema_and_provenance():
     assert 'shipped/*.json' in (ROOT / "pyproject.toml").read_text()
 
 
+def test_shipped_h200_file_is_the_converted_tuning_store(tmp_path):
+    """The H200 file (session 30): the converter's output for its one source, the near-level tuning store of the
+    llama-1b step's problems on an H200; K = 0 passes are not shippable (skipped, with the reason)."""
+    path = SHIPPED.with_name("h200.json")
+    doc = json.loads(path.read_text())
+    assert ship.doc_problems(doc) == []
+    assert doc["gpu"] == {"name": "NVIDIA H200", "sm_count": 132, "arch": "sm_90a"} and doc["cutlass_dsl"] == "4.8.1"
+    (src,) = doc["provenance"]["sources"]
+    assert src["file"] == "docs/tune_h200/llama1b_near_store_s30.json"
+    import hashlib
+    assert hashlib.sha256((ROOT / src["file"]).read_bytes()).hexdigest()[:16] == src["sha256"]
+    assert all("K0x" in s["key"] for s in doc["provenance"]["skipped"])
+    assert len(doc["entries"]) == 18 and all(e["level"] == "near" for e in doc["entries"].values())
+    rc = cli_main(["--ship-from", str(ROOT / src["file"]), "--ship-dir", str(tmp_path), "--note", "x"])
+    assert rc == 0 and json.loads((tmp_path / "h200.json").read_text())["entries"] == doc["entries"]
+
+
 def test_the_converter_makes_the_shipped_file(tmp_path):
     """The shipped file is the converter's output for its sources (not edited by hand)."""
     doc = json.loads(SHIPPED.read_text())
