@@ -61,9 +61,8 @@ def target_logit(z: Tensor, tgt: Tensor) -> Tensor:
     ignored row's -1, a target in the V % 8 tail): the sum over v of [v == t] z_v that the epilogue formed before."""
     if z.shape[1] == 0:  # V < 8: every column is in the tail
         return torch.zeros(tgt.shape, dtype=torch.float32, device=z.device)
-    inside = (tgt >= 0) & (tgt < z.shape[1])
-    zt = z.gather(1, tgt.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
-    return torch.where(inside, zt.float(), 0.0)
+    col = tgt.clamp(0, z.shape[1] - 1)  # == tgt exactly where the target is a stored column
+    return z.gather(1, col.unsqueeze(1)).squeeze(1).float().masked_fill_(col != tgt, 0.0)
 
 
 def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, tcol: Tensor, reduction: str,

@@ -562,3 +562,17 @@ def test_softcap_epilogues_compile_for_sm90():
         assert row["ok"] and row["spill_bytes"] == 0, (epi.name, row["error"], row["spill_bytes"])
         # two exponentials per element of a thread's 64 x 256 / 128 = 128: the cap's tanh and the softmax's exp
         assert row["count"]["ex2"] >= 2 * 128, (epi.name, row["count"])
+
+
+def test_target_logit_reads_the_stored_column_or_zero():
+    """The fast mode's z_t: z[r, t_r] in float32 where t_r is a stored column, 0 for an ignored row (-1), a target in
+    the V % 8 tail (>= the stored width) or no stored column at all; NaN at the target stays NaN."""
+    from coda.ops.cross_entropy_fast import target_logit
+    z = torch.randn(5, 16, dtype=torch.bfloat16)
+    z[4, 3] = float("nan")
+    tgt = torch.tensor([0, 15, -1, 17, 3])
+    got = target_logit(z, tgt)
+    assert got.dtype == torch.float32
+    assert got[0] == z[0, 0].float() and got[1] == z[1, 15].float() and got[2] == 0 and got[3] == 0
+    assert torch.isnan(got[4])
+    assert torch.equal(target_logit(z[:, :0], tgt), torch.zeros(5))
