@@ -396,6 +396,10 @@ def test_cli_show_lists_store_and_shipped_entries(monkeypatch, capsys):
     assert sum(ln.startswith("shipped:h100_sxm.json") for ln in lines) == n_shipped
     assert "8192x128256x4096" in out
     assert cli_main(["--show", "--gpu", "NVIDIA H200"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    n_h200 = len(json.loads(SHIPPED.with_name("h200.json").read_text())["entries"])
+    assert sum(ln.startswith("shipped:h200.json") for ln in lines) == n_h200
+    assert cli_main(["--show", "--gpu", "NVIDIA H100 PCIe"]) == 0  # no file for this GPU
     assert "(no entries)" in capsys.readouterr().out
 
 
