@@ -27,8 +27,11 @@ __all__ = ["ce_forward", "ce_forward_smooth", "ce_backward", "ce_backward_genera
 
 
 def _row_stats(z, t, smooth: bool) -> dict:
-    """lse, z_t (and with ``smooth`` sum_v z_v) of the logits z: the forward epilogues' per-row reductions."""
-    out = {"lse": coda.reduce_n(z, "logsumexp"), "zt": coda.reduce_n(coda.where(coda.col() == t, z, 0.0), "sum")}
+    """lse, z_t (none without a target operand ``t``) and with ``smooth`` sum_v z_v of the logits z: the forward
+    epilogues' per-row reductions."""
+    out = {"lse": coda.reduce_n(z, "logsumexp")}
+    if t is not None:
+        out["zt"] = coda.reduce_n(coda.where(coda.col() == t, z, 0.0), "sum")
     if smooth:
         out["zsum"] = coda.reduce_n(z, "sum")
     return out
@@ -99,10 +102,7 @@ def _logits_epilogue(dtype, smooth: bool, cap: bool):
         return coda.cast(cap * coda.tanh(acc / cap) if cap is not None else acc, dtype)
 
     def stats(z):
-        out = {"out": z, "lse": coda.reduce_n(z, "logsumexp")}
-        if smooth:
-            out["zsum"] = coda.reduce_n(z, "sum")
-        return out
+        return {"out": z, **_row_stats(z, None, smooth)}
 
     if cap:
         def ce_forward_logits(acc, cap: coda.Scalar):

@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     import argparse
     import torch
     from triton.testing import do_bench
+
+    from coda.kernels.epilogue import finish_reduction
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args(argv)
@@ -42,12 +44,20 @@ def main(argv=None) -> int:
     tot = [0.0, 0.0, 0.0]
     for (shape, op), n in sorted(seen.items()):
         p = torch.randn(*shape, device="cuda")
-        ones = torch.ones(1, shape[1], device="cuda")
-        fns = [lambda: p.sum(dim=1), lambda: torch.matmul(ones, p).squeeze(1)]
-        k = next((k for k in (16, 8, 4) if shape[1] % k == 0 and shape[1] > k), None)
-        fns.append((lambda: p.view(shape[0], shape[1] // k, k, shape[2]).sum(2).sum(1)) if k else fns[0])
-        ts = [do_bench(f, warmup=10, rep=50) * 1e3 for f in fns] if op == "sum" else [do_bench(fns[0]) * 1e3] * 3
-        ref = p.double().sum(dim=1)
+        if op == "sum":
+            ones = torch.ones(1, shape[1], device="cuda")
+            fns = [lambda: p.sum(dim=1), lambda: torch.matmul(ones, p).squeeze(1)]
+            k = next((k for k in (16, 8, 4) if shape[1] % k == 0 and shape[1] > k), None)
+            fns.append((lambda: p.view(shape[0], shape[1] // k, k, shape[2]).sum(2).sum(1)) if k else fns[0])
+            ref = p.double().sum(dim=1)
+        else:  # max / logsumexp: the library's finishing alone (a logsumexp consumes its partials: on a copy)
+            fns = [lambda: finish_reduction(p.clone(), op)] * 3
+            ref = p.double().logsumexp(dim=1) if op == "logsumexp" else p.double().amax(dim=1)
+        us = {}  # each distinct function timed once
+        for f in fns:
+            if f not in us:
+                us[f] = do_bench(f, warmup=10, rep=50) * 1e3
+        ts = [us[f] for f in fns]
         err = max(((f() - ref).abs().max() / ref.abs().max()).item() for f in fns)
         for i in range(3):
             tot[i] += n * ts[i]
