@@ -228,3 +228,44 @@ def test_partials_stay_in_bounds(cfg, whole, monkeypatch):
         if shape[-1] == N:  # per column: (L, slots, N)
             real = real[:, :real_m]
         assert not torch.isnan(real).any(), "partial entry never written"
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+@pytest.mark.parametrize("shape", [(1, 512, 2048), (1, 17, 300), (1, 16, 1), (2, 64, 40), (1, 15, 8)])
+def test_finish_sum_in_fp32(shape, tf32, monkeypatch):
+    """finish_reduction's sum (a matrix-vector product for >= 16 tiles of one batch) is fp32 arithmetic whatever
+    torch's TF32 setting, matches float64, and is bitwise repeatable; under CUDA-graph capture it works from the
+    ones vector made before the capture."""
+    from coda.kernels import epilogue as ep
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
+    p = torch.randn(*shape, device="cuda") * 100 + 1  # a large common part: TF32's 10-bit mantissa would show
+    ref = p.double().sum(dim=1)
+    got = ep.finish_reduction(p, "sum")
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert torch.equal(got, ep.finish_reduction(p, "sum"))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ep.finish_reduction(p, "sum")
+    p.copy_(torch.randn_like(p))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(out.double(), p.double().sum(dim=1), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", [(1, 501, 2816), (1, 16, 3), (1, 15, 40), (2, 33, 7), (1, 600, 4096)])
+def test_finish_logsumexp(shape):
+    """finish_reduction's logsumexp (on a transposed copy for one batch of >= 16 tiles up to 8 MB, else in place)
+    vs float64, with a row of -inf partials (-inf), a +inf one (+inf) and a NaN one (NaN), as torch.logsumexp."""
+    from coda.kernels.epilogue import finish_reduction
+    p = torch.randn(*shape, device="cuda") * 30
+    p[0, :, 0] = -float("inf")
+    if shape[2] > 2:
+        p[0, 1, 1] = float("inf")
+        p[0, -1, 2] = float("nan")
+    ref = p.double().logsumexp(dim=1)
+    got = finish_reduction(p.clone(), "logsumexp")
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.equal(torch.isinf(got), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    assert (got.double()[fin] - ref[fin]).abs().max().item() < 1e-5 * ref[fin].abs().max().item() + 1e-6

@@ -23,6 +23,9 @@ DATASHEET_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "GH200": 989.4}
 # memory-bound CuTeDSL kernels carry "cutlass" in their names but are not GEMMs.
 RULES = (
     ("other", r"ce_grad|softmax_grad"),
+    # cuBLAS matrix-vector products: the finishing sums of the epilogues' tile partials (kernels.epilogue's
+    # _sum_tiles), memory-bound; the model's own GEMMs never run as gemv at training shapes
+    ("other", r"gemv"),
     # coda.optim's AdamW as a K = 0 pass of our kernel (its epilogue's name is in the kernel's); in a dW GEMM's
     # epilogue (in_backward=True) it is GEMM time
     ("optimizer", r"GemmSm90_adamw_scaled"),
@@ -31,7 +34,7 @@ RULES = (
     # cuDNN's SDPA backward runs its preprocessing (rowsum(dO * O)) and the dQ accumulator's conversion as kernels
     # of their own (cudnn::fusion::compute_dot_do_o, convert_dq_to_16bits): attention time, as in FlashAttention
     ("attention", r"flash|fmha|sdpa|attention|_mha_|mha_fwd|mha_bwd|compute_dot_do_o|convert_dq_to_16bits"),
-    ("gemm", r"nvjet|gemm|gemv|xmma|splitkreduce|cutlass|triton_tem_\w*mm"),
+    ("gemm", r"nvjet|gemm|xmma|splitkreduce|cutlass|triton_tem_\w*mm"),
 )
 _COMPILED = tuple((c, re.compile(p, re.IGNORECASE)) for c, p in RULES)
 

@@ -280,16 +280,51 @@ def finish_reduction(partials, op: str):
     """Finish a tile-partial reduction: partials (L, tiles, len) -> (L, len). Deterministic (fixed order).
     ``partials`` is consumed (a logsumexp overwrites it)."""
     if op == "sum":
-        return partials.sum(dim=1)
+        return _sum_tiles(partials)
     if op == "max":
         return partials.amax(dim=1)
     if op == "logsumexp":  # torch.logsumexp's algorithm in place (the partials are the call's own buffer):
         if partials.numel() == 0:  # its (x - max).exp() would be one more tensor of the partials' size
             return partials.logsumexp(dim=1)
-        m = partials.amax(dim=1, keepdim=True)
-        m.masked_fill_(m.abs() == float("inf"), 0.0)
-        return partials.sub_(m).exp_().sum(dim=1).log_().add_(m.squeeze(1))
+        if partials.is_cuda and partials.shape[0] == 1 and partials.shape[1] >= 16 and \
+                partials.numel() * partials.element_size() <= _TRANSPOSE_BYTES:
+            # over the contiguous dim of a transposed copy: torch's reductions over the strided tiles dim are ~4x
+            # slower (H100, the fast CE's (1, 501, 2816) lse partials: 62 us in place, python -m coda.bench.finish)
+            return _lse_rows(partials[0].t().contiguous()).unsqueeze(0)
+        return _lse_rows(partials, dim=1)
     raise ValueError(f"unknown reduction op {op!r}")
+
+
+_TRANSPOSE_BYTES = 8 << 20  # a logsumexp's partials up to this size are finished on a transposed copy
+
+
+def _lse_rows(p, dim: int = 1):
+    """logsumexp over ``dim`` of p, in place on p (consumed)."""
+    m = p.amax(dim=dim, keepdim=True)
+    m.masked_fill_(m.abs() == float("inf"), 0.0)
+    return p.sub_(m).exp_().sum(dim=dim).log_().add_(m.squeeze(dim))
+
+
+_ONES: dict = {}  # (device, length) -> a float32 vector of ones, made outside CUDA-graph capture
+
+
+def _sum_tiles(partials):
+    """partials.sum(dim=1); for one float32 CUDA batch of >= 16 tiles as a matrix-vector product with a vector of
+    ones (cuBLAS SGEMV: fp32 arithmetic whatever the TF32 setting, deterministic), which for the (1, 512, 2048)
+    column partials of a llama-1b step takes half of torch's reduction kernel (H100, ``python -m
+    coda.bench.finish``: 11.2 vs 22.8 us). Under CUDA-graph capture the ones vector must exist already (it is made
+    by the warm-up step outside the capture); else torch's sum."""
+    import torch
+    L, tiles, n = partials.shape
+    if not (partials.is_cuda and partials.dtype == torch.float32 and L == 1 and tiles >= 16 and n > 0):
+        return partials.sum(dim=1)
+    key = (partials.device, tiles)
+    ones = _ONES.get(key)
+    if ones is None:
+        if torch.cuda.is_current_stream_capturing():
+            return partials.sum(dim=1)
+        ones = _ONES[key] = torch.ones(tiles, device=partials.device, dtype=torch.float32)
+    return torch.mv(partials[0].t(), ones).unsqueeze(0)
 
 
 def check_epilogue(epilogue: Optional[Epilogue]) -> Epilogue:
