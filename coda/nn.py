@@ -55,6 +55,29 @@ INDUCTOR_UNDER_COMPILE = os.environ.get("CODA_INDUCTOR_UNDER_COMPILE", "attentio
 def compiling() -> bool:
     """Whether torch.compile is tracing this call (one place to ask; tests replace it)."""
     return torch.compiler.is_compiling()
+
+
+# The rows' sums of squares that a fused block's last GEMM emitted for the tensor it returned (the residual stream),
+# keyed by that tensor object: the next block's RMSNorm takes r from them instead of reading the stream again
+# (issue 30's chain: SwiGLUMLP's down projection -> the next FusedAttention's QKV GEMM). Valid for the same object
+# at the same version only (an in-place change drops them); eager only (under torch.compile nothing is recorded).
+_ROW_SUMSQ = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def remember_sumsq(t: Tensor, ss: Tensor) -> Tensor:
+    """Record ``ss`` (t's rows' sums of squares) for :func:`recall_sumsq`; returns t."""
+    if not compiling():
+        _ROW_SUMSQ[t] = (ss, t._version)
+    return t
+
+
+def recall_sumsq(t: Tensor) -> Optional[Tensor]:
+    """The sums of squares recorded for this very tensor, unchanged since; else None."""
+    if compiling():
+        return None
+    hit = _ROW_SUMSQ.get(t)
+    return hit[0] if hit is not None and hit[1] == t._version else None
+
 _ALIGN = 8  # the kernel's 16-byte rows of 16-bit elements
 
 
@@ -310,8 +333,11 @@ class SwiGLUMLP(_NormConsumer):
         elif dtype in _FUSED_DTYPES and gamma is not None and type(self.down_proj) is nn.Linear \
                 and self.down_proj.bias is None:  # norm + gate/up + SwiGLU + down [+ x]: ops.mlp, 2 GEMMs, whose
             # backward writes dacc from da's GEMM (the SwiGLU backward as its 1 -> 2 epilogue: da never stored)
-            return ops.mlp(x.to(dtype), gamma, self.weight_gu.to(dtype), self.down_proj.weight.to(dtype), self.eps,
-                           residual=self.add_residual)
+            args = (x.to(dtype), gamma, self.weight_gu.to(dtype), self.down_proj.weight.to(dtype), self.eps)
+            if self.add_residual and not compiling():  # the next block's norm takes r from the down projection's
+                # epilogue (the rows' sums of squares of the stream it writes; recall_sumsq)
+                return remember_sumsq(*ops.mlp(*args, residual=True, return_sumsq=True))
+            return ops.mlp(*args, residual=self.add_residual)
         elif dtype in _FUSED_DTYPES:
             n = x.to(dtype)
             if gamma is None:

@@ -188,8 +188,10 @@ class FusedAttention(_NormConsumer):
                                                           pos, self.freqs, self.eps), [hq, hk, hk], dim=-1)
         elif one_gemm:  # norm + QKV + RoPE: one GEMM
             res_in_op = self.add_residual and type(self.o_proj) is nn.Linear and self.o_proj.bias is None
+            ss = _nn.recall_sumsq(x) if x.dtype == dtype else None  # r from the previous block's epilogue
             q, k, v, *xr = ops.rmsnorm_linear_rope_qkv(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype),
-                                                       pos, self.freqs, self.eps, (hq, hk), residual=res_in_op)
+                                                       pos, self.freqs, self.eps, (hq, hk), residual=res_in_op,
+                                                       sumsq=ss)
             # (q, k, v apart: their gradients go to the backward as they are, un-rotated in one pass with the
             # norm's row dots; a split's backward would first cat them into one buffer)
         else:  # norm + QKV (fused unless float32 / float64 or under torch.compile, where it is the stock math that

@@ -56,9 +56,9 @@ def _op(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, freqs
     return _forward(x, norm_weight, weight, positions, freqs, eps)
 
 
-def _forward(x, norm_weight, weight, positions, freqs, eps):
+def _forward(x, norm_weight, weight, positions, freqs, eps, sumsq=None):
     gemm = gemm_for(x.device, ENTRY)
-    a, b, r = normed_operands(x, norm_weight, weight, eps, gemm)
+    a, b, r = normed_operands(x, norm_weight, weight, eps, gemm, sumsq)
     y = gemm(a, b, epilogue=rope_rmsnorm, r=r, pos=positions, freq=freqs)
     return y, r
 
@@ -129,16 +129,16 @@ def _check(x, norm_weight, weight, positions, freqs, eps):
 
 
 # ------------------------------------------------------------------------------------------------ q, k, v apart
-def _fake_qkv(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual):
+def _fake_qkv(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual, sumsq=None):
     M, N = x.shape[0], weight.shape[0]
     return (x.new_empty(M, nq), x.new_empty(M, nk), x.new_empty(M, N - nq - nk),
             x.new_empty(x.shape) if residual else x.new_empty(0), x.new_empty(M, dtype=torch.float32))
 
 
-def _qkv_views(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual):
+def _qkv_views(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual, sumsq=None):
     """The eager forward: q, k, v as column blocks (views) of the one GEMM output, x itself as the residual
-    stream (``residual``; an empty tensor without), r."""
-    y, r = _forward(x, norm_weight, weight, positions, freqs, eps)
+    stream (``residual``; an empty tensor without), r (from ``sumsq``, x's rows' sums of squares, when given)."""
+    y, r = _forward(x, norm_weight, weight, positions, freqs, eps, sumsq)
     return (*torch.split(y, [nq, nk, y.shape[1] - nq - nk], dim=1), x if residual else x.new_empty(0), r)
 
 
@@ -161,9 +161,10 @@ def _qkv_backward(ctx, dq, dk, dv, dres=None, _dr=None):
 @forward_op("rmsnorm_linear_rope_qkv", fake=_fake_qkv, backward=_qkv_backward, eager=_qkv_views,
             outputs=lambda i: 4 if i[8] else 3, saved=lambda i, out: (*i[:3], out[4], *out[:3], *i[3:5]))
 def _qkv_op(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor, eps: float, nq: int,
-            nk: int, residual: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """x (M, K) -> q (M, nq), k (M, nk), v (M, N - nq - nk), x again (``residual``; else an empty tensor), r (M,)."""
-    out = _qkv_views(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual)
+            nk: int, residual: bool, sumsq: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x (M, K) -> q (M, nq), k (M, nk), v (M, N - nq - nk), x again (``residual``; else an empty tensor), r (M,).
+    ``sumsq`` (M,) fp32: x's rows' sums of squares (r without a pass over x), or None."""
+    out = _qkv_views(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual, sumsq)
     return (*(t.contiguous() for t in out[:3]), out[3].clone(), out[4])
 
 
@@ -185,13 +186,17 @@ def _qkv_backward_op(dq: Tensor, dk: Tensor, dv: Tensor, dres: Optional[Tensor],
 
 
 def rmsnorm_linear_rope_qkv(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor,
-                            eps: float, widths, *, residual: bool = False):
+                            eps: float, widths, *, residual: bool = False, sumsq: Optional[Tensor] = None):
     """:func:`rmsnorm_linear_rope` returning the output's three column blocks (q, k, v: ``widths`` = (nq, nk), v
     the rest; each a multiple of 8), (..., n_i) each, autograd included; in eager mode views of one GEMM output.
     Their gradients go through one ``coda.kernels.rope_grad`` pass (the module docstring).
 
     ``residual=True``: also returns x (the residual stream, for :func:`linear_residual`'s ``res``; in eager mode x
-    itself, no copy); the gradient arriving on it is added to dx in the dX GEMM's epilogue (no add kernel)."""
+    itself, no copy); the gradient arriving on it is added to dx in the dX GEMM's epilogue (no add kernel).
+
+    ``sumsq`` (x.shape[:-1], float32): the sum of squares of each row of x, as the GEMM that wrote x emitted it
+    (``coda.ops.mlp(..., return_sumsq=True)``): r comes from it instead of a reduction over x (used where gamma
+    is folded into the weight, M > N; no gradient flows through it: the backward differentiates r through x)."""
     K, N, pos = _check(x, norm_weight, weight, positions, freqs, eps)
     nq, nk = (int(w) for w in widths)
     if min(nq, nk, N - nq - nk) < 0 or nq % 8 or nk % 8:
@@ -199,9 +204,17 @@ def rmsnorm_linear_rope_qkv(x: Tensor, norm_weight: Tensor, weight: Tensor, posi
                          f"{tuple(widths)}")
     if not isinstance(residual, bool):
         raise TypeError(f"{ENTRY}_qkv: residual must be True or False, got {type(residual).__name__}")
+    if sumsq is not None:
+        if not isinstance(sumsq, Tensor) or sumsq.dtype != torch.float32 or sumsq.device != x.device:
+            raise TypeError(f"{ENTRY}_qkv: sumsq must be a float32 tensor on x's device, got "
+                            f"{getattr(sumsq, 'dtype', type(sumsq).__name__)}")
+        if tuple(sumsq.shape) != tuple(x.shape[:-1]):
+            raise ValueError(f"{ENTRY}_qkv: sumsq must have shape {tuple(x.shape[:-1])} (x's rows), got "
+                             f"{tuple(sumsq.shape)}")
+        sumsq = sumsq.detach().reshape(-1).contiguous()
     lead = x.shape[:-1]
     q, k, v, xr, _ = call("rmsnorm_linear_rope_qkv", x.reshape(-1, K), norm_weight, weight, pos, freqs, float(eps),
-                          nq, nk, residual)
+                          nq, nk, residual, sumsq)
     parts = tuple(t.reshape(*lead, t.shape[1]) for t in (q, k, v))
     return (*parts, xr.reshape(x.shape)) if residual else parts
 

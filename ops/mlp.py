@@ -61,7 +61,7 @@ from .gated import fake_preact, forward_preact
 from .linear import backward_of, evaluate, saved_preact
 from .rmsnorm_linear import check_eps, check_norm_weight, normed_operands
 
-__all__ = ["mlp", "rmsnorm_swiglu", "rms_swiglu", "residual_add"]
+__all__ = ["mlp", "rmsnorm_swiglu", "rms_swiglu", "residual_add", "residual_add_sumsq"]
 
 _ENTRY = "coda.ops.mlp"
 
@@ -79,6 +79,23 @@ def rms_swiglu(acc, r: coda.VecM):
 def residual_add(acc, res: coda.TileMN):
     """``acc + res``: a projection that writes straight into the residual stream."""
     return acc + res
+
+
+_SUMSQ = {}
+
+
+def residual_add_sumsq(dtype):
+    """``acc + res`` rounded to ``dtype`` (the stored value) and its per-row sum of squares (fp32 partials per
+    N-tile): the next RMSNorm's r from the producer's epilogue instead of a pass over the residual stream
+    (``coda.nn``: the down projection's output feeds the next layer's QKV GEMM). One epilogue per dtype."""
+    key = str(dtype).replace("torch.", "")
+    if key not in _SUMSQ:
+        def residual_add_sumsq(acc, res: coda.TileMN):
+            h = coda.cast(acc + res, dtype)
+            return {"out": h, "ss": coda.reduce_n(h * h)}
+        residual_add_sumsq.__name__ = residual_add_sumsq.__qualname__ = f"residual_add_sumsq_{key}"
+        _SUMSQ[key] = coda.epilogue(residual_add_sumsq)
+    return _SUMSQ[key]
 
 
 @coda.epilogue
@@ -148,10 +165,11 @@ def _fake_rmsnorm_swiglu(x, norm_weight, w_gate_up, eps, save_preact):
             *fake_preact(x, w_gate_up, save_preact))
 
 
-def _fake_mlp(x, norm_weight, w_gate_up, w_down, eps, save_preact, residual):
+def _fake_mlp(x, norm_weight, w_gate_up, w_down, eps, save_preact, residual, sumsq):
     M = x.shape[0]
     return (x.new_empty(M, x.shape[1]), x.new_empty(M, w_gate_up.shape[0] // 2),
-            x.new_empty(M, dtype=torch.float32), *fake_preact(x, w_gate_up, save_preact))
+            x.new_empty(M, dtype=torch.float32), *fake_preact(x, w_gate_up, save_preact),
+            x.new_empty(M if residual and sumsq else 0, dtype=torch.float32))
 
 
 def _fake_backward(dy, x, norm_weight, w_gate_up, w_down, a, r, g, u, need_x, need_gamma, need_gu, need_down,
@@ -171,15 +189,19 @@ def _rmsnorm_swiglu_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, eps: f
     return a, r, g, u
 
 
-@forward_op("mlp", fake=_fake_mlp, backward="mlp_backward", grads=4, saved=lambda i, out: (*i[:4], *out[1:]),
+@forward_op("mlp", fake=_fake_mlp, backward="mlp_backward", grads=4, saved=lambda i, out: (*i[:4], *out[1:5]),
             extra=lambda i: (bool(i[6]),), arrange=lambda extra, needs: (*needs, *extra))  # (needs, residual)
-def _mlp_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float,
-            save_preact: bool, residual: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """x (M, H); returns y (M, H), the activation a (M, I), r (M,) fp32 and (save_preact) g, u (M, I)."""
+def _mlp_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float, save_preact: bool,
+            residual: bool, sumsq: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x (M, H); returns y (M, H), the activation a (M, I), r (M,) fp32, (save_preact) g, u (M, I) and (residual and
+    sumsq) the rows' sums of squares of y (M,) fp32, from the down projection's epilogue; else empty."""
     gemm = gemm_for(x.device, _ENTRY)
     a, g, u, r = _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm)
+    if residual and sumsq:
+        res = gemm(a, w_down, epilogue=residual_add_sumsq(x.dtype), res=x)
+        return res["out"], a, r, g, u, res["ss"]
     y = gemm(a, w_down, epilogue=residual_add, res=x) if residual else gemm(a, w_down)
-    return y, a, r, g, u
+    return y, a, r, g, u, x.new_empty(0, dtype=torch.float32)
 
 
 @backward_op("mlp_backward", fake=_fake_backward)
@@ -259,7 +281,7 @@ def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, weight_gu: Tensor, eps: float
 
 
 def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float = 1e-6, *,
-        save_preact: bool = True, residual: bool = True) -> Tensor:
+        save_preact: bool = True, residual: bool = True, return_sumsq: bool = False):
     """``x + down(silu(gate(n)) * up(n))`` with ``n = RMSNorm(x) * norm_weight``: two fused GEMMs, autograd included.
     ``residual=False``: ``down(...)`` only (the drop-in for ``LlamaMLP`` in a layer that adds x itself).
 
@@ -270,11 +292,21 @@ def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: 
     ``save_preact=True`` (default) saves the gate/up pre-activation (M x 2I in x's dtype, like the GEMM output
     torch autograd saves) and the backward reads it -- only when autograd records the call (grad mode on and an
     input requiring grad: inference writes no pre-activation); ``False`` saves M x 2I fewer elements and
-    recomputes it with one more GEMM (M x 2I x H) in the backward."""
+    recomputes it with one more GEMM (M x 2I x H) in the backward.
+
+    ``return_sumsq=True`` (with ``residual``): returns (y, ss), ss (...,) float32 the sum of squares of each row of
+    y as stored (rounded), from the down projection's epilogue -- what the next RMSNorm needs (e.g.
+    :func:`rmsnorm_linear_rope_qkv`'s ``sumsq``) without reading y again. No gradient flows through ss."""
     _check("mlp", (("x", x), ("norm_weight", norm_weight), ("w_gate_up", w_gate_up), ("w_down", w_down)), eps)
+    for name, flag in (("residual", residual), ("return_sumsq", return_sumsq)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"coda.ops.mlp: {name} must be True or False, got {type(flag).__name__}")
+    if return_sumsq and not residual:
+        raise ValueError("coda.ops.mlp: return_sumsq=True needs residual=True (the sums are of x + down(...))")
     lead, H = x.shape[:-1], x.shape[-1]
     save = save_preact_for("mlp", save_preact, x, norm_weight, w_gate_up, w_down)
-    y = call("mlp", x.reshape(math.prod(lead), H), norm_weight, w_gate_up, w_down, float(eps), save,
-             bool(residual))[0]
-    return y.reshape(*lead, H)
+    out = call("mlp", x.reshape(math.prod(lead), H), norm_weight, w_gate_up, w_down, float(eps), save,
+               residual, return_sumsq)
+    y = out[0].reshape(*lead, H)
+    return (y, out[5].reshape(lead)) if return_sumsq else y
 

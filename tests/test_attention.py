@@ -169,3 +169,38 @@ def test_under_compile_the_block_leaves_norm_qkv_rope_to_inductor(monkeypatch):
     monkeypatch.setattr(type(attn), "inductor_under_compile", False)
     attn(x, None, None)
     assert calls == [1, 1]
+
+
+def test_qkv_takes_the_producers_sumsq():
+    """rmsnorm_linear_rope_qkv(sumsq=...): r from the given rows' sums of squares where gamma is folded into the
+    weight (M > N): the same q, k, v as without (up to the sum's rounding), four times the sums give half the
+    outputs (r = 1/2 r, eps ~0), the gradients are those of the call without (the backward differentiates r through
+    x); argument errors."""
+    g = torch.Generator().manual_seed(3)
+    M, K, d, nh, nkv = 64, 32, 8, 2, 1
+    N = (nh + 2 * nkv) * d  # 32 < M: the folded-weight branch
+    x = torch.randn(M, K, generator=g)
+    gam, w = 1 + 0.1 * torch.randn(K, generator=g), torch.randn(N, K, generator=g) / 8
+    pos, fr = torch.arange(M), rope_freqs(d, nh + 2 * nkv, rotary_heads=nh + nkv)
+    ss = x.double().pow(2).sum(-1).float()
+    up = torch.randn(M, N, generator=g)
+    outs, grads = [], []
+    for s in (None, ss):
+        xa = x.clone().requires_grad_()
+        q, k, v = rmsnorm_linear_rope_qkv(xa, gam, w, pos, fr, 1e-30, (nh * d, nkv * d), sumsq=s)
+        y = torch.cat((q, k, v), 1)
+        (y * up).sum().backward()
+        outs.append(y.detach())
+        grads.append(xa.grad)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+    q4, k4, v4 = rmsnorm_linear_rope_qkv(x, gam, w, pos, fr, 1e-30, (nh * d, nkv * d), sumsq=4 * ss)
+    torch.testing.assert_close(torch.cat((q4, k4, v4), 1), outs[0] / 2, rtol=1e-5, atol=1e-6)
+    x3 = x.reshape(2, 32, K)
+    q3, _, _ = rmsnorm_linear_rope_qkv(x3, gam, w, pos.reshape(2, 32), fr, 1e-30, (nh * d, nkv * d),
+                                       sumsq=ss.reshape(2, 32))
+    torch.testing.assert_close(q3.reshape(M, -1), outs[1][:, :nh * d])
+    with pytest.raises(TypeError, match="sumsq"):
+        rmsnorm_linear_rope_qkv(x, gam, w, pos, fr, 1e-30, (nh * d, nkv * d), sumsq=ss.double())
+    with pytest.raises(ValueError, match="sumsq"):
+        rmsnorm_linear_rope_qkv(x, gam, w, pos, fr, 1e-30, (nh * d, nkv * d), sumsq=ss[:10])

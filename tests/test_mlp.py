@@ -211,12 +211,14 @@ def test_no_preact_without_autograd(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ torch integration
-@pytest.mark.parametrize("save_preact,residual", [(True, True), (False, True), (True, False)])
-def test_opcheck(save_preact, residual):
+@pytest.mark.parametrize("save_preact,residual,sumsq", [(True, True, False), (False, True, False),
+                                                         (True, False, False), (True, True, True)])
+def test_opcheck(save_preact, residual, sumsq):
     x, gamma, wgu, wd = (t.detach() for t in _inputs(M=16))
-    torch.library.opcheck(torch.ops.coda.mlp.default, (x, gamma, wgu, wd, 1e-5, save_preact, residual))
+    torch.library.opcheck(torch.ops.coda.mlp.default, (x, gamma, wgu, wd, 1e-5, save_preact, residual, sumsq))
     torch.library.opcheck(torch.ops.coda.rmsnorm_swiglu.default, (x, gamma.bfloat16(), wgu, 1e-5, save_preact))
-    y, a, r, g, u = torch.ops.coda.mlp(x, gamma, wgu, wd, 1e-5, save_preact, residual)
+    y, a, r, g, u, ss = torch.ops.coda.mlp(x, gamma, wgu, wd, 1e-5, save_preact, residual, sumsq)
+    assert ss.shape == ((16,) if sumsq else (0,))
     assert g.shape == u.shape == ((16, 48) if save_preact else (0,))
     g, u = (g, u) if save_preact else (None, None)
     dy, da = torch.randn_like(y), torch.randn_like(a)
@@ -316,3 +318,27 @@ def test_backward_epilogues_compile_for_sm90():
                         (mlp_mod.fold_grads, ("mn", "mn"))):
         row = compile_variant(cfg, epi, majors=majors)
         assert row["wgmma"] > 0 and (row["ok"] or "spill" in row["error"]), (epi.name, row["error"])
+
+
+def test_return_sumsq():
+    """return_sumsq=True: the rows' sums of squares of y as stored (from the down projection's epilogue), y and
+    every gradient bitwise those of the plain call (no gradient flows through ss); argument errors."""
+    leaves = _inputs(M=40)
+    y, ss = coda.ops.mlp(*leaves, return_sumsq=True)
+    ref = y.detach().double().pow(2).sum(-1)
+    assert ss.dtype == torch.float32 and ss.shape == (40,) and not ss.requires_grad
+    assert ((ss.double() - ref).abs().max() / ref.max()).item() < 1e-6
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    grads = [t.grad.clone() for t in leaves]
+    plain = _inputs(M=40)
+    y2 = coda.ops.mlp(*plain)
+    y2.backward(dy)
+    assert torch.equal(y, y2) and all(torch.equal(a, b.grad) for a, b in zip(grads, plain))
+    x3 = leaves[0].detach().reshape(2, 20, -1)
+    y3, ss3 = coda.ops.mlp(x3, *(t.detach() for t in leaves[1:]), return_sumsq=True)
+    assert ss3.shape == (2, 20) and torch.equal(ss3.reshape(-1), ss)
+    with pytest.raises(ValueError, match="residual=True"):
+        coda.ops.mlp(*leaves, residual=False, return_sumsq=True)
+    with pytest.raises(TypeError, match="return_sumsq"):
+        coda.ops.mlp(*leaves, return_sumsq=1)

@@ -428,3 +428,31 @@ def test_lm_head_softcap():
     assert mod(xb.detach()).abs().max() <= cap and "softcap=2.0" in repr(mod)
     with pytest.raises(ValueError, match="softcap"):
         LMHeadCrossEntropy(H, V, EPS, softcap=0.0)
+
+
+def test_fused_layers_hand_the_streams_sumsq_on(monkeypatch):
+    """coda.fuse'd layers chain the RMSNorm statistics: each fused MLP's down projection emits the rows' sums of
+    squares of the stream it writes and the next layer's QKV GEMM takes r from them (issue 30), the first layer
+    reduces its input itself; the loss is the same as without the chain. A recorded sum is dropped when its
+    tensor changes in place."""
+    recall = coda.nn.recall_sumsq
+    model = coda.fuse(_example(num_hidden_layers=3))
+    ids = torch.randint(0, 200, (2, 96), generator=torch.Generator().manual_seed(1))  # M 192 > N 128: folded W
+    real, seen = ops.rmsnorm_linear_rope_qkv, []
+
+    def spy(x, *args, sumsq=None, **kwargs):
+        seen.append(None if sumsq is None else (sumsq.clone(), x.detach().double().pow(2).sum(-1)))
+        return real(x, *args, sumsq=sumsq, **kwargs)
+
+    monkeypatch.setattr(ops, "rmsnorm_linear_rope_qkv", spy)
+    loss = model(ids, labels=ids)
+    assert len(seen) == 3 and seen[0] is None and all(s is not None for s in seen[1:])
+    for got, want in seen[1:]:
+        assert got.shape == want.shape and ((got.double() - want).abs().max() / want.max()).item() < 1e-6
+    monkeypatch.setattr(coda.nn, "recall_sumsq", lambda t: None)  # every layer reduces its input itself
+    assert loss.item() == pytest.approx(model(ids, labels=ids).item(), rel=1e-3)
+    t = torch.ones(3, 4)
+    assert coda.nn.remember_sumsq(t, torch.full((3,), 4.0)) is t
+    assert torch.equal(recall(t), torch.full((3,), 4.0))
+    t.add_(1)
+    assert recall(t) is None and recall(torch.ones(3, 4)) is None
