@@ -255,8 +255,7 @@ def test_finish_sum_in_fp32(shape, tf32, monkeypatch):
 
 @pytest.mark.parametrize("shape", [(1, 501, 2816), (1, 16, 3), (1, 15, 40), (2, 33, 7), (1, 600, 4096)])
 def test_finish_logsumexp(shape):
-    """finish_reduction's logsumexp (on a transposed copy for one batch of >= 16 tiles up to 8 MB, else in place)
-    vs float64, with a row of -inf partials (-inf), a +inf one (+inf) and a NaN one (NaN), as torch.logsumexp."""
+    """finish_reduction's logsumexp (in place over the partials) vs float64, with a row of -inf partials (-inf), a +inf one (+inf) and a NaN one (NaN), as torch.logsumexp."""
     from coda.kernels.epilogue import finish_reduction
     p = torch.randn(*shape, device="cuda") * 30
     p[0, :, 0] = -float("inf")
@@ -268,4 +267,5 @@ def test_finish_logsumexp(shape):
     assert got.shape == ref.shape and got.dtype == torch.float32
     assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.equal(torch.isinf(got), torch.isinf(ref))
     fin = torch.isfinite(ref)
-    assert (got.double()[fin] - ref[fin]).abs().max().item() < 1e-5 * ref[fin].abs().max().item() + 1e-6
+    if fin.any():
+        assert (got.double()[fin] - ref[fin]).abs().max().item() < 1e-5 * ref[fin].abs().max().item() + 1e-6

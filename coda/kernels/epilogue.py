@@ -286,23 +286,10 @@ def finish_reduction(partials, op: str):
     if op == "logsumexp":  # torch.logsumexp's algorithm in place (the partials are the call's own buffer):
         if partials.numel() == 0:  # its (x - max).exp() would be one more tensor of the partials' size
             return partials.logsumexp(dim=1)
-        if partials.is_cuda and partials.shape[0] == 1 and partials.shape[1] >= 16 and \
-                partials.numel() * partials.element_size() <= _TRANSPOSE_BYTES:
-            # over the contiguous dim of a transposed copy: torch's reductions over the strided tiles dim are ~4x
-            # slower (H100, the fast CE's (1, 501, 2816) lse partials: 62 us in place, python -m coda.bench.finish)
-            return _lse_rows(partials[0].t().contiguous()).unsqueeze(0)
-        return _lse_rows(partials, dim=1)
+        m = partials.amax(dim=1, keepdim=True)
+        m.masked_fill_(m.abs() == float("inf"), 0.0)
+        return partials.sub_(m).exp_().sum(dim=1).log_().add_(m.squeeze(1))
     raise ValueError(f"unknown reduction op {op!r}")
-
-
-_TRANSPOSE_BYTES = 8 << 20  # a logsumexp's partials up to this size are finished on a transposed copy
-
-
-def _lse_rows(p, dim: int = 1):
-    """logsumexp over ``dim`` of p, in place on p (consumed)."""
-    m = p.amax(dim=dim, keepdim=True)
-    m.masked_fill_(m.abs() == float("inf"), 0.0)
-    return p.sub_(m).exp_().sum(dim=dim).log_().add_(m.squeeze(dim))
 
 
 _ONES: dict = {}  # (device, length) -> a float32 vector of ones, made outside CUDA-graph capture
