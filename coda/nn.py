@@ -408,7 +408,7 @@ class LMHeadCrossEntropy(_NormConsumer):
         if gamma is None:
             return x
         if fused and x.dtype in ops._common.IN_DTYPES and x.shape[-1] % _ALIGN == 0 and x.dtype == _compute_dtype(x):
-            return ops.rmsnorm(x, gamma, self.eps)
+            return ops.rmsnorm(x, gamma, self.eps, sumsq=recall_sumsq(x))  # r from the last layer's epilogue
         return rms_norm(x, gamma, self.eps)
 
     def forward(self, x: Tensor, target: Optional[Tensor] = None, reduction: str = "mean") -> Tensor:

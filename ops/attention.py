@@ -36,7 +36,7 @@ from ._builder import backward_op, forward_op
 from ._common import (call, check_inputs, check_last_dim_contiguous, epilogue_pass, gemm_for, grad_of, linear_grads,
                       weight_grad)
 from .mlp import residual_add
-from .rmsnorm_linear import check_eps, check_norm_weight, normed_operands
+from .rmsnorm_linear import check_eps, check_norm_weight, check_sumsq, normed_operands
 from .rope import unrotate
 
 __all__ = ["rmsnorm_linear_rope", "rmsnorm_linear_rope_qkv", "linear_residual"]
@@ -204,14 +204,7 @@ def rmsnorm_linear_rope_qkv(x: Tensor, norm_weight: Tensor, weight: Tensor, posi
                          f"{tuple(widths)}")
     if not isinstance(residual, bool):
         raise TypeError(f"{ENTRY}_qkv: residual must be True or False, got {type(residual).__name__}")
-    if sumsq is not None:
-        if not isinstance(sumsq, Tensor) or sumsq.dtype != torch.float32 or sumsq.device != x.device:
-            raise TypeError(f"{ENTRY}_qkv: sumsq must be a float32 tensor on x's device, got "
-                            f"{getattr(sumsq, 'dtype', type(sumsq).__name__)}")
-        if tuple(sumsq.shape) != tuple(x.shape[:-1]):
-            raise ValueError(f"{ENTRY}_qkv: sumsq must have shape {tuple(x.shape[:-1])} (x's rows), got "
-                             f"{tuple(sumsq.shape)}")
-        sumsq = sumsq.detach().reshape(-1).contiguous()
+    sumsq = check_sumsq(f"{ENTRY}_qkv", sumsq, x)
     lead = x.shape[:-1]
     q, k, v, xr, _ = call("rmsnorm_linear_rope_qkv", x.reshape(-1, K), norm_weight, weight, pos, freqs, float(eps),
                           nq, nk, residual, sumsq)

@@ -22,6 +22,7 @@ Saved: x, gamma and r (M floats); not n. torch integration as the other ops: cus
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -31,7 +32,7 @@ from coda.epilogues.rmsnorm import _dgrad
 
 from ._builder import backward_op, forward_op
 from ._common import IN_DTYPES, call, check_last_dim_contiguous, check_tensors, epilogue_pass, gemm_for
-from .rmsnorm_linear import check_eps, check_norm_weight, row_rsqrt
+from .rmsnorm_linear import check_eps, check_norm_weight, check_sumsq, row_rsqrt
 
 __all__ = ["rmsnorm", "rms_apply", "rms_row_dot", "rmsnorm_backward"]
 
@@ -59,13 +60,16 @@ def rmsnorm_backward(acc, dn: coda.TileMN, h: coda.TileMN, r: coda.VecM, c: coda
     return res
 
 
-def rmsnorm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-6, *, sumsq=None) -> torch.Tensor:
     """``x * rsqrt(mean(x^2, -1) + eps) * norm_weight`` (statistics in fp32, the product rounded once), autograd
     included. ``x``: (..., K), bfloat16 or float16, K a multiple of 8; ``norm_weight``: (K,), float32, bfloat16 or
-    float16. Returns (..., K) in x's dtype; gradients flow to x and norm_weight."""
+    float16. Returns (..., K) in x's dtype; gradients flow to x and norm_weight. ``sumsq`` (x.shape[:-1], float32):
+    x's rows' sums of squares as the GEMM that wrote x emitted them (``coda.ops.mlp(return_sumsq=True)``): r from
+    them instead of a reduction over x (no gradient flows through them)."""
     _check(x, norm_weight, eps)
+    sumsq = check_sumsq("rmsnorm", sumsq, x)
     lead, K = x.shape[:-1], x.shape[-1]
-    n, _ = call("rmsnorm", x.reshape(math.prod(lead), K), norm_weight, float(eps))
+    n, _ = call("rmsnorm", x.reshape(math.prod(lead), K), norm_weight, float(eps), sumsq)
     return n.reshape(*lead, K)
 
 
@@ -110,16 +114,18 @@ def _backward(dn: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, r: t
             res["dgamma"].to(norm_weight.dtype) if need_gamma else norm_weight.new_empty(0))
 
 
-def _fake(x, norm_weight, eps):
+def _fake(x, norm_weight, eps, sumsq=None):
     return x.new_empty(x.shape), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
 @forward_op("rmsnorm", fake=_fake, backward="rmsnorm_backward", grads=2,
             saved=lambda inputs, out: (inputs[0], inputs[1], out[1]))
-def _rmsnorm_op(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) -> (n (M, K), r (M,) fp32)."""
+def _rmsnorm_op(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                sumsq: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (n (M, K), r (M,) fp32); ``sumsq`` (M,) fp32: x's rows' sums of squares, or None."""
     M, K = x.shape
-    r = row_rsqrt(torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).square_(), K, eps)
+    ss = sumsq if sumsq is not None else torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).square_()
+    r = row_rsqrt(ss, K, eps)
     if M == 0 or K == 0:
         return x.new_empty(x.shape), r
     gemm = gemm_for(x.device, _ENTRY)  # a non-Hopper GPU raises here, before anything runs

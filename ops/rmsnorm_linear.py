@@ -134,6 +134,20 @@ def check_norm_weight(entry: str, norm_weight: torch.Tensor, K: int) -> None:
         raise TypeError(f"{entry}: norm_weight must be float32, bfloat16 or float16, got {norm_weight.dtype}")
 
 
+def check_sumsq(entry: str, sumsq, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """A ``sumsq`` argument (the rows' sums of squares of x, float32, shape x.shape[:-1], on x's device: what the
+    GEMM that wrote x emitted, e.g. ``coda.ops.mlp(return_sumsq=True)``) as the ops take it: detached, (M,)
+    contiguous; None stays None. ``TypeError`` / ``ValueError`` naming it otherwise."""
+    if sumsq is None:
+        return None
+    if not isinstance(sumsq, torch.Tensor) or sumsq.dtype != torch.float32 or sumsq.device != x.device:
+        raise TypeError(f"{entry}: sumsq must be a float32 tensor on x's device, got "
+                        f"{getattr(sumsq, 'dtype', type(sumsq).__name__)}")
+    if tuple(sumsq.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"{entry}: sumsq must have shape {tuple(x.shape[:-1])} (x's rows), got {tuple(sumsq.shape)}")
+    return sumsq.detach().reshape(-1).contiguous()
+
+
 def fold(weight: torch.Tensor, norm_weight: torch.Tensor, gemm) -> torch.Tensor:
     """W' = weight * norm_weight (gamma per column; fp32 product rounded once to weight's dtype), a new contiguous
     N x K tensor: the epilogue ``fold_gamma`` as a K = 0 launch of ``gemm`` (one pass over the weight)."""

@@ -432,8 +432,8 @@ def test_lm_head_softcap():
 
 def test_fused_layers_hand_the_streams_sumsq_on(monkeypatch):
     """coda.fuse'd layers chain the RMSNorm statistics: each fused MLP's down projection emits the rows' sums of
-    squares of the stream it writes and the next layer's QKV GEMM takes r from them (issue 30), the first layer
-    reduces its input itself; the loss is the same as without the chain. A recorded sum is dropped when its
+    squares of the stream it writes and the next layer's QKV GEMM (the last one's: the LM head's final norm) takes
+    r from them (issue 30), the first layer reduces its input itself; the loss is the same as without the chain. A recorded sum is dropped when its
     tensor changes in place."""
     recall = coda.nn.recall_sumsq
     model = coda.fuse(_example(num_hidden_layers=3))
@@ -444,9 +444,16 @@ def test_fused_layers_hand_the_streams_sumsq_on(monkeypatch):
         seen.append(None if sumsq is None else (sumsq.clone(), x.detach().double().pow(2).sum(-1)))
         return real(x, *args, sumsq=sumsq, **kwargs)
 
+    real_norm = ops.rmsnorm
+
+    def spy_norm(x, *args, sumsq=None, **kwargs):  # the final norm (LMHeadCrossEntropy)
+        seen.append(None if sumsq is None else (sumsq.clone(), x.detach().double().pow(2).sum(-1)))
+        return real_norm(x, *args, sumsq=sumsq, **kwargs)
+
     monkeypatch.setattr(ops, "rmsnorm_linear_rope_qkv", spy)
+    monkeypatch.setattr(ops, "rmsnorm", spy_norm)
     loss = model(ids, labels=ids)
-    assert len(seen) == 3 and seen[0] is None and all(s is not None for s in seen[1:])
+    assert len(seen) == 4 and seen[0] is None and all(s is not None for s in seen[1:])
     for got, want in seen[1:]:
         assert got.shape == want.shape and ((got.double() - want).abs().max() / want.max()).item() < 1e-6
     monkeypatch.setattr(coda.nn, "recall_sumsq", lambda t: None)  # every layer reduces its input itself

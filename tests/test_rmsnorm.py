@@ -80,3 +80,27 @@ def test_bad_arguments_name_them(args, exc, match):
 def test_bad_eps():
     with pytest.raises(ValueError, match="eps"):
         coda.ops.rmsnorm(torch.randn(4, 8, dtype=torch.bfloat16), torch.ones(8), eps=0.0)
+
+
+def test_sumsq_from_the_producer():
+    """sumsq=: r from the given rows' sums of squares: the same n and gradients as without (the backward
+    differentiates r through x), four times the sums give half of n (eps ~0); opcheck with it; argument errors."""
+    x = torch.randn(3, 19, 40, dtype=torch.bfloat16)
+    g = torch.rand(40) + 0.5
+    ss = x.double().pow(2).sum(-1).float()
+    dn = torch.randn(3, 19, 40, dtype=torch.bfloat16)
+    outs = []
+    for s in (None, ss):
+        xs, gs = x.clone().requires_grad_(), g.clone().requires_grad_()
+        n = coda.ops.rmsnorm(xs, gs, 1e-30, sumsq=s)
+        n.backward(dn)
+        outs.append((n.detach(), xs.grad, gs.grad))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+    half = coda.ops.rmsnorm(x, g, 1e-30, sumsq=4 * ss)
+    torch.testing.assert_close(half.float(), outs[0][0].float() / 2, rtol=1e-2, atol=1e-3)
+    torch.library.opcheck(torch.ops.coda.rmsnorm.default, (x[0], g, 1e-6, ss[0]))
+    with pytest.raises(TypeError, match="sumsq"):
+        coda.ops.rmsnorm(x, g, sumsq=ss.bfloat16())
+    with pytest.raises(ValueError, match="sumsq"):
+        coda.ops.rmsnorm(x, g, sumsq=ss[0])
