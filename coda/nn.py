@@ -62,6 +62,8 @@ def compiling() -> bool:
 # (issue 30's chain: SwiGLUMLP's down projection -> the next FusedAttention's QKV GEMM). Valid for the same object
 # at the same version only (an in-place change drops them); eager only (under torch.compile nothing is recorded).
 _ROW_SUMSQ = torch.utils.weak.WeakIdKeyDictionary()
+# CODA_SUMSQ_CHAIN=0 (read at import): each block reduces its input itself (A/B measurements)
+SUMSQ_CHAIN = os.environ.get("CODA_SUMSQ_CHAIN", "1") != "0"
 
 
 def remember_sumsq(t: Tensor, ss: Tensor) -> Tensor:
@@ -334,8 +336,8 @@ class SwiGLUMLP(_NormConsumer):
                 and self.down_proj.bias is None:  # norm + gate/up + SwiGLU + down [+ x]: ops.mlp, 2 GEMMs, whose
             # backward writes dacc from da's GEMM (the SwiGLU backward as its 1 -> 2 epilogue: da never stored)
             args = (x.to(dtype), gamma, self.weight_gu.to(dtype), self.down_proj.weight.to(dtype), self.eps)
-            if self.add_residual and not compiling():  # the next block's norm takes r from the down projection's
-                # epilogue (the rows' sums of squares of the stream it writes; recall_sumsq)
+            if self.add_residual and SUMSQ_CHAIN and not compiling():  # the next block's norm takes r from the down
+                # projection's epilogue (the rows' sums of squares of the stream it writes; recall_sumsq)
                 return remember_sumsq(*ops.mlp(*args, residual=True, return_sumsq=True))
             return ops.mlp(*args, residual=self.add_residual)
         elif dtype in _FUSED_DTYPES:

@@ -456,8 +456,10 @@ def test_fused_layers_hand_the_streams_sumsq_on(monkeypatch):
     assert len(seen) == 4 and seen[0] is None and all(s is not None for s in seen[1:])
     for got, want in seen[1:]:
         assert got.shape == want.shape and ((got.double() - want).abs().max() / want.max()).item() < 1e-6
-    monkeypatch.setattr(coda.nn, "recall_sumsq", lambda t: None)  # every layer reduces its input itself
+    monkeypatch.setattr(coda.nn, "SUMSQ_CHAIN", False)  # CODA_SUMSQ_CHAIN=0: every block reduces its input
+    seen.clear()
     assert loss.item() == pytest.approx(model(ids, labels=ids).item(), rel=1e-3)
+    assert len(seen) == 4 and all(s is None for s in seen)
     t = torch.ones(3, 4)
     assert coda.nn.remember_sumsq(t, torch.full((3,), 4.0)) is t
     assert torch.equal(recall(t), torch.full((3,), 4.0))
