@@ -66,13 +66,14 @@ def problems():
     return {"fused_da": (fused_da, da), "da_nored": (fused_da, da_nored), "da_simple": (fused_da, da_simple),
             "da_plain": (fused_da, IDENTITY), "da_stores": (fused_da, dup), "da_loads": (fused_da, loads),
             "swiglu_fwd": (swiglu_fwd, with_preact(rms_swiglu)), "radial": (radial, rms_radial_residual),
-            "adamw": (adamw_dw, adamw), "adamw_wide": (lambda: adamw_dw(H, I), adamw)}
+            "adamw": (adamw_dw, adamw), "adamw_wide": (lambda: adamw_dw(H, I), adamw),
+            "adamw_plain": (adamw_dw, IDENTITY)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m coda.bench.epi_wg", description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="", help="comma-separated problem names (default: the step's four; also "
-                    "adamw_wide (the down projection's update), da_nored, da_simple, da_plain, da_stores, da_loads: the fused da without its row partials / with trivial "
+                    "adamw_wide (the down projection's update), adamw_plain (adamw's dW GEMM without the update), da_nored, da_simple, da_plain, da_stores, da_loads: the fused da without its row partials / with trivial "
                     "math / the plain GEMM / its stores alone / its loads alone)")
     ap.add_argument("--variants", default="", help="more epi_wg configs: ';'-separated GemmConfig fields, e.g. "
                     "'raster=n;cluster_m=1,swizzle=1'")
