@@ -80,6 +80,7 @@ def recall_sumsq(t: Tensor) -> Optional[Tensor]:
     hit = _ROW_SUMSQ.get(t)
     return hit[0] if hit is not None and hit[1] == t._version else None
 
+
 _ALIGN = 8  # the kernel's 16-byte rows of 16-bit elements
 
 
