@@ -226,6 +226,9 @@ def _residual_layer_forward(self, *args, **kwargs):
     else:
         x, rest = kwargs.pop("hidden_states"), ()
     n = self.input_layernorm(x)
+    if getattr(self.self_attn, "emit_next_norm", False) and getattr(self.self_attn, "add_residual", False) and \
+            getattr(self.mlp, "norm_weight", None) is not None:  # o_proj's epilogue also forms the MLP's h * gamma
+        kwargs = {**kwargs, "next_norm_weight": self.mlp.norm_weight}
     a = self.self_attn(n, *rest, **kwargs) if rest else self.self_attn(hidden_states=n, **kwargs)
     a = a[0] if isinstance(a, tuple) else a
     h = a if getattr(self.self_attn, "add_residual", False) else x + a  # FusedAttention adds x itself

@@ -66,19 +66,29 @@ _ROW_SUMSQ = torch.utils.weak.WeakIdKeyDictionary()
 SUMSQ_CHAIN = os.environ.get("CODA_SUMSQ_CHAIN", "1") != "0"
 
 
-def remember_sumsq(t: Tensor, ss: Tensor) -> Tensor:
-    """Record ``ss`` (t's rows' sums of squares) for :func:`recall_sumsq`; returns t."""
+def remember_sumsq(t: Tensor, ss: Tensor, scaled: Optional[Tensor] = None, gamma: Optional[Tensor] = None) -> Tensor:
+    """Record ``ss`` (t's rows' sums of squares) for :func:`recall_sumsq` and, with ``scaled`` = t * gamma, that
+    product for :func:`recall_normed`; returns t."""
     if not compiling():
-        _ROW_SUMSQ[t] = (ss, t._version)
+        _ROW_SUMSQ[t] = (ss, t._version, scaled, gamma)
     return t
+
+
+def _recalled(t: Tensor):
+    hit = None if compiling() else _ROW_SUMSQ.get(t)
+    return hit if hit is not None and hit[1] == t._version else None
 
 
 def recall_sumsq(t: Tensor) -> Optional[Tensor]:
     """The sums of squares recorded for this very tensor, unchanged since; else None."""
-    if compiling():
-        return None
-    hit = _ROW_SUMSQ.get(t)
-    return hit[0] if hit is not None and hit[1] == t._version else None
+    hit = _recalled(t)
+    return None if hit is None else hit[0]
+
+
+def recall_normed(t: Tensor, gamma: Tensor) -> Optional[tuple]:
+    """(t * gamma, sums of squares) recorded for this very tensor and this very gamma, unchanged since; else None."""
+    hit = _recalled(t)
+    return None if hit is None or hit[2] is None or hit[3] is not gamma else (hit[2], hit[0])
 
 
 _ALIGN = 8  # the kernel's 16-byte rows of 16-bit elements
@@ -337,10 +347,12 @@ class SwiGLUMLP(_NormConsumer):
                 and self.down_proj.bias is None:  # norm + gate/up + SwiGLU + down [+ x]: ops.mlp, 2 GEMMs, whose
             # backward writes dacc from da's GEMM (the SwiGLU backward as its 1 -> 2 epilogue: da never stored)
             args = (x.to(dtype), gamma, self.weight_gu.to(dtype), self.down_proj.weight.to(dtype), self.eps)
+            normed = recall_normed(x, gamma) if x.dtype == dtype else None  # x * gamma and r's sums from x's
+            # producer (FusedAttention.emit_next_norm), else the gate/up GEMM's own pre-pass
             if self.add_residual and SUMSQ_CHAIN and not compiling():  # the next block's norm takes r from the down
                 # projection's epilogue (the rows' sums of squares of the stream it writes; recall_sumsq)
-                return remember_sumsq(*ops.mlp(*args, residual=True, return_sumsq=True))
-            return ops.mlp(*args, residual=self.add_residual)
+                return remember_sumsq(*ops.mlp(*args, residual=True, return_sumsq=True, normed=normed))
+            return ops.mlp(*args, residual=self.add_residual, normed=normed)
         elif dtype in _FUSED_DTYPES:
             n = x.to(dtype)
             if gamma is None:

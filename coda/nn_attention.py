@@ -23,6 +23,7 @@ keeps the stock ``q_proj.bias`` / ``k_proj.bias`` / ``v_proj.bias``.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Optional
 
 import torch
@@ -122,6 +123,11 @@ class FusedAttention(_NormConsumer):
     # eager grouped-query heads: SDPA's enable_gqa (False) or k, v repeated per query head first (True);
     # python -m coda.bench.layer times both
     gqa_by_repeat = False
+    # with add_residual: o_proj's epilogue also writes h * gamma of the next RMSNorm (the fused MLP's weight, which
+    # coda.fuse's layer forward passes as ``next_norm_weight``) and h's rows' sums of squares, which the MLP's
+    # gate/up GEMM takes instead of its scale_sumsq pass (coda.nn.recall_normed; eager only). Off by default until
+    # measured in the step: CODA_O_NORM_CHAIN=1 turns it on.
+    emit_next_norm = os.environ.get("CODA_O_NORM_CHAIN", "0") == "1"
 
     def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, inv_freq: Tensor,
                  eps: float = 1e-6, *, norm=None, hf_signature: bool = False, device=None, dtype=None):
@@ -228,7 +234,12 @@ class FusedAttention(_NormConsumer):
                                            enable_gqa=gqa)
         o = o.transpose(1, 2).reshape(B, T, hq)
         if xr:  # x + o_proj(o) in one GEMM; its backward hands dx's residual part to the QKV op (no add kernels)
-            out = ops.linear_residual(o, self.o_proj.weight.to(o.dtype), xr[0])
+            gamma = kwargs.get("next_norm_weight") if self.emit_next_norm and not _nn.compiling() else None
+            if gamma is not None and tuple(gamma.shape) == (self.hidden_size,):
+                out, hg, ss = ops.linear_residual(o, self.o_proj.weight.to(o.dtype), xr[0], norm_weight=gamma)
+                _nn.remember_sumsq(out, ss, hg, gamma)
+            else:
+                out = ops.linear_residual(o, self.o_proj.weight.to(o.dtype), xr[0])
         else:
             out = self.o_proj(o)
             out = x + out if self.add_residual else out

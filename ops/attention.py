@@ -35,7 +35,7 @@ from coda.kernels.rope_grad import rope_grad
 from ._builder import backward_op, forward_op
 from ._common import (call, check_inputs, check_last_dim_contiguous, epilogue_pass, gemm_for, grad_of, linear_grads,
                       weight_grad)
-from .mlp import residual_add
+from .mlp import residual_add, residual_add_sumsq
 from .rmsnorm_linear import check_eps, check_norm_weight, check_sumsq, normed_operands
 from .rope import unrotate
 
@@ -213,14 +213,16 @@ def rmsnorm_linear_rope_qkv(x: Tensor, norm_weight: Tensor, weight: Tensor, posi
 
 
 # ------------------------------------------------------------------------------------------------ output projection
-def _linear_residual_backward(ctx, dy):
-    """dy to o (dy W), weight (dy^T o, or updated in backward: ``coda.optim``) and res (dy itself: no copy)."""
+def _linear_residual_backward(ctx, dy, *_):
+    """dy to o (dy W), weight (dy^T o, or updated in backward: ``coda.optim``) and res (dy itself: no copy); none to
+    the next norm's weight (``linear_residual_norm``: its outputs hg and ss carry no gradient)."""
     o, weight = ctx.saved_tensors
     need_o, need_w, need_res = ctx.needs_input_grad[:3]
+    rest = (None,) * (len(ctx.needs_input_grad) - 3)
     if dy is None:
-        return None, None, None
+        return (None, None, None, *rest)
     do, dw = call("linear_residual_backward", dy, o, weight, need_o, need_w, ctx=ctx)
-    return do if need_o else None, grad_of(dw) if need_w else None, dy if need_res else None
+    return (do if need_o else None, grad_of(dw) if need_w else None, dy if need_res else None, *rest)
 
 
 @backward_op("linear_residual_backward", fake=lambda dy, o, weight, need_o, need_w: (
@@ -238,7 +240,19 @@ def _linear_residual_op(o: Tensor, weight: Tensor, res: Tensor) -> Tensor:
     return gemm_for(o.device, LR_ENTRY)(o, weight, epilogue=residual_add, res=res)
 
 
-def linear_residual(o: Tensor, weight: Tensor, res: Tensor) -> Tensor:
+@forward_op("linear_residual_norm", backward=_linear_residual_backward, saved=lambda i, out: i[:2],
+            fake=lambda o, weight, res, gamma: (o.new_empty(o.shape[0], weight.shape[0]),
+                                                o.new_empty(o.shape[0], weight.shape[0]),
+                                                o.new_empty(o.shape[0], dtype=torch.float32)))
+def _linear_residual_norm_op(o: Tensor, weight: Tensor, res: Tensor,
+                             gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """y = res + o W^T, y * gamma (rounded once) and y's rows' sums of squares (fp32), from one epilogue."""
+    out = gemm_for(o.device, LR_ENTRY)(o, weight, epilogue=residual_add_sumsq(o.dtype, scaled=True), res=res,
+                                       gamma=gamma)
+    return out["out"], out["hg"], out["ss"]
+
+
+def linear_residual(o: Tensor, weight: Tensor, res: Tensor, *, norm_weight: Optional[Tensor] = None):
     """``res + o @ weight.T`` in one GEMM (the add in its epilogue), autograd included: the attention's output
     projection writing straight into the residual stream. o (..., K), weight (N, K), res (..., N), one dtype (bf16
     / fp16; float32 / float64 on CPU tensors). The gradient of res is dy itself.
@@ -247,7 +261,11 @@ def linear_residual(o: Tensor, weight: Tensor, res: Tensor) -> Tensor:
     generic path (epilogue by name, operand lists, the derived backward) takes ~40 us more host time a call (CPU
     reference path, 128 vs 170 us; the fused step's forward is host-late under the profiler, though not in the
     timed step: session 25), and its backward forms the acc-free gradient of res from a zero scalar it allocates
-    (one more kernel a layer)."""
+    (one more kernel a layer).
+
+    ``norm_weight`` (N,): the next RMSNorm's weight gamma; then returns (y, y * gamma, ss), the product rounded once
+    to y's dtype and ss (..., ) float32 the rows' sums of squares of y, all from the same epilogue: what
+    :func:`coda.ops.mlp`'s ``normed`` takes instead of a pass over y. No gradient flows through the two extras."""
     check_inputs(LR_ENTRY, o, weight)
     if weight.dim() != 2 or weight.shape[1] != o.shape[-1] or tuple(res.shape) != (*o.shape[:-1], weight.shape[0]):
         raise ValueError(f"{LR_ENTRY}: expected o (..., K), weight (N, K), res (..., N); got {tuple(o.shape)}, "
@@ -256,5 +274,12 @@ def linear_residual(o: Tensor, weight: Tensor, res: Tensor) -> Tensor:
         raise TypeError(f"{LR_ENTRY}: res must have o's dtype and device, got {res.dtype} on {res.device}")
     check_last_dim_contiguous(LR_ENTRY, (("o", o), ("weight", weight), ("res", res)))
     K, N = o.shape[-1], weight.shape[0]
-    y = call("linear_residual", o.reshape(-1, K), weight, res.reshape(-1, N))
-    return y.reshape(*o.shape[:-1], N)
+    if norm_weight is None:
+        y = call("linear_residual", o.reshape(-1, K), weight, res.reshape(-1, N))
+        return y.reshape(*o.shape[:-1], N)
+    check_norm_weight(LR_ENTRY, norm_weight, N)
+    if norm_weight.device != o.device:
+        raise ValueError(f"{LR_ENTRY}: norm_weight is on {norm_weight.device} but o is on {o.device}")
+    y, hg, ss = call("linear_residual_norm", o.reshape(-1, K), weight, res.reshape(-1, N), norm_weight)
+    lead = o.shape[:-1]
+    return y.reshape(*lead, N), hg.reshape(*lead, N), ss.reshape(lead)

@@ -59,7 +59,7 @@ from ._common import (IN_DTYPES, call, check_last_dim_contiguous, check_tensors,
 from .gated import check_x_weight_gu
 from .gated import fake_preact, forward_preact
 from .linear import backward_of, evaluate, saved_preact
-from .rmsnorm_linear import check_eps, check_norm_weight, normed_operands
+from .rmsnorm_linear import check_eps, check_norm_weight, check_sumsq, normed_operands, row_rsqrt
 
 __all__ = ["mlp", "rmsnorm_swiglu", "rms_swiglu", "residual_add", "residual_add_sumsq"]
 
@@ -84,16 +84,24 @@ def residual_add(acc, res: coda.TileMN):
 _SUMSQ = {}
 
 
-def residual_add_sumsq(dtype):
-    """``acc + res`` rounded to ``dtype`` (the stored value) and its per-row sum of squares (fp32 partials per
+def residual_add_sumsq(dtype, scaled: bool = False):
+    """``acc + res`` rounded to ``dtype`` (the stored value h) and its per-row sum of squares (fp32 partials per
     N-tile): the next RMSNorm's r from the producer's epilogue instead of a pass over the residual stream
-    (``coda.nn``: the down projection's output feeds the next layer's QKV GEMM). One epilogue per dtype."""
-    key = str(dtype).replace("torch.", "")
+    (``coda.nn``: the down projection's output feeds the next layer's QKV GEMM). ``scaled``: also the extra output
+    ``hg`` = h * gamma (a VecN operand ``gamma``; the product rounded once, as ``scale_sumsq`` writes it), the next
+    GEMM's A operand (the O projection's output feeds the MLP's gate/up GEMM). One epilogue per dtype and form."""
+    key = (str(dtype).replace("torch.", ""), scaled)
     if key not in _SUMSQ:
-        def residual_add_sumsq(acc, res: coda.TileMN):
-            h = coda.cast(acc + res, dtype)
-            return {"out": h, "ss": coda.reduce_n(h * h)}
-        residual_add_sumsq.__name__ = residual_add_sumsq.__qualname__ = f"residual_add_sumsq_{key}"
+        if scaled:
+            def residual_add_sumsq(acc, res: coda.TileMN, gamma: coda.VecN):
+                h = coda.cast(acc + res, dtype)
+                return {"out": h, "hg": h * gamma, "ss": coda.reduce_n(h * h)}
+        else:
+            def residual_add_sumsq(acc, res: coda.TileMN):
+                h = coda.cast(acc + res, dtype)
+                return {"out": h, "ss": coda.reduce_n(h * h)}
+        name = f"residual_add_sumsq_{key[0]}{'_gamma' if scaled else ''}"
+        residual_add_sumsq.__name__ = residual_add_sumsq.__qualname__ = name
         _SUMSQ[key] = coda.epilogue(residual_add_sumsq)
     return _SUMSQ[key]
 
@@ -154,9 +162,13 @@ def _check(entry: str, named, eps) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ custom ops (2-D)
-def _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm):
-    """(a, g, u, r): the gate/up GEMM; g, u (the pre-activation, M x I each) empty unless ``save_preact``."""
-    a, b, r = normed_operands(x, norm_weight, w_gate_up, eps, gemm)
+def _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm, hg=None, ss=None):
+    """(a, g, u, r): the gate/up GEMM; g, u (the pre-activation, M x I each) empty unless ``save_preact``. ``hg``,
+    ``ss``: x * gamma and x's rows' sums of squares as x's producer wrote them (then no ``scale_sumsq`` pass)."""
+    if hg is not None and ss is not None:
+        a, b, r = hg, w_gate_up, row_rsqrt(ss, x.shape[1], eps)
+    else:
+        a, b, r = normed_operands(x, norm_weight, w_gate_up, eps, gemm)
     return (*forward_preact(gemm, a, b, rms_swiglu, save_preact, r=r), r)
 
 
@@ -165,7 +177,7 @@ def _fake_rmsnorm_swiglu(x, norm_weight, w_gate_up, eps, save_preact):
             *fake_preact(x, w_gate_up, save_preact))
 
 
-def _fake_mlp(x, norm_weight, w_gate_up, w_down, eps, save_preact, residual, sumsq):
+def _fake_mlp(x, norm_weight, w_gate_up, w_down, eps, save_preact, residual, sumsq, hg=None, ss=None):
     M = x.shape[0]
     return (x.new_empty(M, x.shape[1]), x.new_empty(M, w_gate_up.shape[0] // 2),
             x.new_empty(M, dtype=torch.float32), *fake_preact(x, w_gate_up, save_preact),
@@ -192,11 +204,13 @@ def _rmsnorm_swiglu_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, eps: f
 @forward_op("mlp", fake=_fake_mlp, backward="mlp_backward", grads=4, saved=lambda i, out: (*i[:4], *out[1:5]),
             extra=lambda i: (bool(i[6]),), arrange=lambda extra, needs: (*needs, *extra))  # (needs, residual)
 def _mlp_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float, save_preact: bool,
-            residual: bool, sumsq: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+            residual: bool, sumsq: bool, hg: Optional[Tensor] = None,
+            ss: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x (M, H); returns y (M, H), the activation a (M, I), r (M,) fp32, (save_preact) g, u (M, I) and (residual and
-    sumsq) the rows' sums of squares of y (M,) fp32, from the down projection's epilogue; else empty."""
+    sumsq) the rows' sums of squares of y (M,) fp32, from the down projection's epilogue; else empty. ``hg``, ``ss``:
+    x * gamma (M, H) and x's rows' sums of squares (M,) fp32 from x's producer, or None."""
     gemm = gemm_for(x.device, _ENTRY)
-    a, g, u, r = _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm)
+    a, g, u, r = _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm, hg, ss)
     if residual and sumsq:
         res = gemm(a, w_down, epilogue=residual_add_sumsq(x.dtype), res=x)
         return res["out"], a, r, g, u, res["ss"]
@@ -281,7 +295,7 @@ def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, weight_gu: Tensor, eps: float
 
 
 def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float = 1e-6, *,
-        save_preact: bool = True, residual: bool = True, return_sumsq: bool = False):
+        save_preact: bool = True, residual: bool = True, return_sumsq: bool = False, normed=None):
     """``x + down(silu(gate(n)) * up(n))`` with ``n = RMSNorm(x) * norm_weight``: two fused GEMMs, autograd included.
     ``residual=False``: ``down(...)`` only (the drop-in for ``LlamaMLP`` in a layer that adds x itself).
 
@@ -296,7 +310,12 @@ def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: 
 
     ``return_sumsq=True`` (with ``residual``): returns (y, ss), ss (...,) float32 the sum of squares of each row of
     y as stored (rounded), from the down projection's epilogue -- what the next RMSNorm needs (e.g.
-    :func:`rmsnorm_linear_rope_qkv`'s ``sumsq``) without reading y again. No gradient flows through ss."""
+    :func:`rmsnorm_linear_rope_qkv`'s ``sumsq``) without reading y again. No gradient flows through ss.
+
+    ``normed=(xg, ss)``: x * norm_weight as stored (x's shape and dtype) and x's rows' sums of squares (float32), as
+    x's producer emitted them (``coda.ops.linear_residual(..., norm_weight=)``): the gate/up GEMM reads xg and takes
+    r from ss (no pass over x). Used where M <= 2I (else gamma is folded into the weight and they are ignored); no
+    gradient flows through them (the backward differentiates through x and norm_weight as without)."""
     _check("mlp", (("x", x), ("norm_weight", norm_weight), ("w_gate_up", w_gate_up), ("w_down", w_down)), eps)
     for name, flag in (("residual", residual), ("return_sumsq", return_sumsq)):
         if not isinstance(flag, bool):
@@ -304,9 +323,23 @@ def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: 
     if return_sumsq and not residual:
         raise ValueError("coda.ops.mlp: return_sumsq=True needs residual=True (the sums are of x + down(...))")
     lead, H = x.shape[:-1], x.shape[-1]
+    M = math.prod(lead)
+    hg = ss = None
+    if normed is not None:
+        if not (isinstance(normed, (tuple, list)) and len(normed) == 2):
+            raise TypeError("coda.ops.mlp: normed must be a pair (x * norm_weight, sumsq) or None")
+        hg, ss = normed
+        if not isinstance(hg, Tensor) or hg.shape != x.shape or hg.dtype != x.dtype or hg.device != x.device:
+            raise ValueError(f"coda.ops.mlp: normed[0] must be x * norm_weight: {tuple(x.shape)} {x.dtype} on "
+                             f"{x.device}, got {getattr(hg, 'shape', type(hg).__name__)}")
+        ss = check_sumsq("coda.ops.mlp (normed[1])", ss, x)
+        if 0 < M <= w_gate_up.shape[0]:
+            hg = hg.detach().reshape(M, H).contiguous()
+        else:  # the folded-weight branch reads x itself
+            hg = ss = None
     save = save_preact_for("mlp", save_preact, x, norm_weight, w_gate_up, w_down)
-    out = call("mlp", x.reshape(math.prod(lead), H), norm_weight, w_gate_up, w_down, float(eps), save,
-               residual, return_sumsq)
+    out = call("mlp", x.reshape(M, H), norm_weight, w_gate_up, w_down, float(eps), save, residual, return_sumsq,
+               hg, ss)
     y = out[0].reshape(*lead, H)
     return (y, out[5].reshape(lead)) if return_sumsq else y
 

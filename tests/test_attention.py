@@ -204,3 +204,29 @@ def test_qkv_takes_the_producers_sumsq():
         rmsnorm_linear_rope_qkv(x, gam, w, pos, fr, 1e-30, (nh * d, nkv * d), sumsq=ss.double())
     with pytest.raises(ValueError, match="sumsq"):
         rmsnorm_linear_rope_qkv(x, gam, w, pos, fr, 1e-30, (nh * d, nkv * d), sumsq=ss[:10])
+
+
+def test_linear_residual_with_the_next_norm_weight():
+    """linear_residual(norm_weight=g): y as without, y * g rounded once (what scale_sumsq writes) and y's rows' sums
+    of squares, from one epilogue; the gradients of o, W, res as without, none for g; opcheck; argument errors."""
+    from coda.ops import linear_residual
+    g0 = torch.Generator().manual_seed(7)
+    o, w, res = (torch.randn(*s, generator=g0).bfloat16() for s in ((2, 24, 32), (48, 32), (2, 24, 48)))
+    gam = (1 + 0.1 * torch.randn(48, generator=g0)).requires_grad_()
+    dy = torch.randn(2, 24, 48, generator=g0).bfloat16()
+    outs = []
+    for kw in ({}, {"norm_weight": gam}):
+        leaves = [t.clone().requires_grad_() for t in (o, w, res)]
+        out = linear_residual(*leaves, **kw)
+        y = out[0] if kw else out
+        y.backward(dy)
+        outs.append((y.detach(), *(t.grad for t in leaves)))
+        if kw:
+            _, hg, ss = out
+            assert torch.equal(hg, (y.detach().float() * gam.detach()).bfloat16())
+            ref = y.detach().double().pow(2).sum(-1)
+            assert ss.shape == (2, 24) and ((ss.double() - ref).abs().max() / ref.max()).item() < 1e-6
+    assert all(torch.equal(a, b) for a, b in zip(*outs)) and gam.grad is None
+    torch.library.opcheck(torch.ops.coda.linear_residual_norm.default, (o[0], w, res[0], gam.detach()))
+    with pytest.raises(ValueError, match="norm_weight"):
+        linear_residual(o, w, res, norm_weight=torch.ones(47))

@@ -342,3 +342,30 @@ def test_return_sumsq():
         coda.ops.mlp(*leaves, residual=False, return_sumsq=True)
     with pytest.raises(TypeError, match="return_sumsq"):
         coda.ops.mlp(*leaves, return_sumsq=1)
+
+
+def test_normed_from_the_producer():
+    """normed=(x * gamma, sumsq): the gate/up GEMM reads the given product and takes r from the sums (no scale_sumsq
+    pass): y and the gradients as without (the backward differentiates through x and gamma); ignored where gamma is
+    folded into the weight (M > 2I); argument errors."""
+    leaves = _inputs(M=40)
+    x, gamma = (t.detach() for t in leaves[:2])
+    hg = (x.float() * gamma).to(x.dtype)
+    ss = x.double().pow(2).sum(-1).float()
+    dy = torch.randn(40, x.shape[1]).bfloat16()
+    y = coda.ops.mlp(*leaves, normed=(hg, ss))
+    y.backward(dy)
+    plain = _inputs(M=40)
+    y0 = coda.ops.mlp(*plain)
+    y0.backward(dy)
+    torch.testing.assert_close(y, y0, rtol=1e-2, atol=1e-2)
+    for a, b in zip(leaves, plain):
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-2, atol=2e-2)
+    with pytest.raises(TypeError, match="normed"):
+        coda.ops.mlp(*leaves, normed=hg)
+    with pytest.raises(ValueError, match="normed"):
+        coda.ops.mlp(*leaves, normed=(hg[:10], ss))
+    wide = _inputs(M=200, I=16)  # M > 2I: the folded-weight branch reads x itself
+    xw, gw = (t.detach() for t in wide[:2])
+    yw = coda.ops.mlp(*wide, normed=(torch.zeros_like(xw), torch.zeros(200)))
+    assert torch.equal(yw, coda.ops.mlp(*wide))

@@ -465,3 +465,31 @@ def test_fused_layers_hand_the_streams_sumsq_on(monkeypatch):
     assert torch.equal(recall(t), torch.full((3,), 4.0))
     t.add_(1)
     assert recall(t) is None and recall(torch.ones(3, 4)) is None
+
+
+def test_o_projection_hands_the_mlp_its_normed_input(monkeypatch):
+    """FusedAttention.emit_next_norm (CODA_O_NORM_CHAIN=1): inside coda.fuse's layers the output projection's
+    epilogue also forms h * gamma of the MLP's norm and h's sums of squares, and the MLP's gate/up GEMM takes them
+    (no scale_sumsq pass); loss and gradients as without; off by default."""
+    from coda.nn_attention import FusedAttention
+    assert FusedAttention.emit_next_norm is False
+    ids = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(2))  # M 80 <= 2I: scale_sumsq
+    results = []
+    for on in (False, True):
+        monkeypatch.setattr(FusedAttention, "emit_next_norm", on)
+        model = coda.fuse(_example(num_hidden_layers=2))
+        real, seen = ops.mlp, []
+
+        def spy(*args, normed=None, **kwargs):
+            seen.append(normed)
+            return real(*args, normed=normed, **kwargs)
+
+        monkeypatch.setattr(ops, "mlp", spy)
+        loss = model(ids, labels=ids)
+        loss.backward()
+        monkeypatch.setattr(ops, "mlp", real)
+        assert len(seen) == 2 and all((s is not None) == on for s in seen)
+        results.append((loss.detach(), _stock_grads(model)))
+    assert results[1][0].item() == pytest.approx(results[0][0].item(), rel=1e-3)
+    for k, g in results[0][1].items():
+        assert _err(results[1][1][k], g) <= 2e-2 * g.abs().max().item() + 1e-3, k

@@ -23,14 +23,19 @@ def _model(dtype):
     return _example(dtype, device="cuda", **SIZES)
 
 
-def test_fuse_matches_stock_on_cuda():
+@pytest.mark.parametrize("o_norm", [False, True])
+def test_fuse_matches_stock_on_cuda(o_norm, monkeypatch):
+    """(8 x 128 tokens: the QKV GEMM folds gamma into its weight and takes r from the down projection's sums of
+    squares; o_norm: FusedAttention.emit_next_norm, the MLP's h * gamma from the output projection's epilogue)"""
+    from coda.nn_attention import FusedAttention
+    monkeypatch.setattr(FusedAttention, "emit_next_norm", o_norm)
     stock, ref = _model(torch.bfloat16), _model(torch.float64)
     fused = copy.deepcopy(stock)
     sd = stock.state_dict()
     coda.fuse(fused)
     sd_f = fused.state_dict()
     assert list(sd_f) == list(sd) and all(torch.equal(sd_f[k], sd[k]) for k in sd)
-    ids = torch.randint(0, 1000, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    ids = torch.randint(0, 1000, (8, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     losses = {}
     for key, m in (("stock", stock), ("fused", fused), ("ref", ref)):
         losses[key] = m(ids, labels=ids)
