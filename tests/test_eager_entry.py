@@ -47,6 +47,9 @@ def _cases():
                                                _rnd(H, 48, scale=0.1)),
            lambda x, g, w, wo: _attention_block(x, g, w, wo, M))
     yield ("linear_residual", lambda: (_rnd(M, H), _rnd(I, H, scale=0.1), _rnd(M, I)), coda.ops.linear_residual)
+    yield ("linear_residual_norm", lambda: (_rnd(M, H), _rnd(I, H, scale=0.1), _rnd(M, I),
+                                            _rnd(I, dtype=torch.float32).detach()),
+           lambda o, w, r, g: torch.cat(coda.ops.linear_residual(o, w, r, norm_weight=g)[:2], -1))  # y, y * g
     yield ("mlp", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(2 * I, H, scale=0.1),
                            _rnd(H, I, scale=0.1)), coda.ops.mlp)
     yield ("rmsnorm_swiglu", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(2 * I, H, scale=0.1)),
