@@ -23,14 +23,6 @@ import itertools
 import os
 from typing import Iterator, Optional
 
-# Programmatic dependent launch (Hopper), opt-in: CODA_PDL=1 (read at import) launches CODA's kernels with
-# programmatic stream serialization allowed; each waits (griddepcontrol.wait) after its prologue -- shared memory,
-# barriers, descriptor prefetch -- before touching global memory, then lets its own dependents launch, so a kernel's
-# launch and prologue overlap the previous kernel's tail. Off by default: the profiler then counts the wait as kernel
-# time (the step report's classes), and the fused eager step measured no gain (session 24). Part of the
-# compiled-kernel key.
-PDL = os.environ.get("CODA_PDL", "0") == "1"
-
 TILE_K = 64
 SMEM_CAPACITY = 227 * 1024  # bytes of dynamic shared memory per CTA on sm_90
 # Register budget of a consumer thread after setmaxnreg (232): the fp32 accumulator must leave room for addressing

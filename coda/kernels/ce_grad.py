@@ -147,8 +147,6 @@ def _kernel_class():
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
 
-    from coda.config import PDL
-
     class CeGradSm90:
         """One compiled variant: z's element type and the compile-time options."""
 
@@ -163,14 +161,11 @@ def _kernel_class():
             z = cute.make_tensor(mZ.iterator, cute.make_layout((R, V), stride=(ld, 1)))
             grid_y = cutlass.min(R, MAX_GRID_Y)
             self.kernel(z, mLse, mTgt, mScale, eps_over_v).launch(
-                grid=[cute.ceil_div(V, COLS_PER_CTA), grid_y, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL)
+                grid=[cute.ceil_div(V, COLS_PER_CTA), grid_y, 1], block=[THREADS, 1, 1], stream=stream)
 
         @cute.kernel
         def kernel(self, mZ: cute.Tensor, mLse: cute.Tensor, mTgt: cute.Tensor, mScale: cute.Tensor,
                    eps_over_v: Float32):
-            if cutlass.const_expr(PDL):  # coda.config.PDL: the previous kernel's writes visible from here on
-                cute.arch.griddepcontrol_wait()
-                cute.arch.griddepcontrol_launch_dependents()
             tidx, _, _ = cute.arch.thread_idx()
             bx, by, _ = cute.arch.block_idx()
             _, gy, _ = cute.arch.grid_dim()

@@ -42,7 +42,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from ..config import PDL, GemmConfig
+from ..config import GemmConfig
 from . import epilogue_wg, l2_prefetch, lse, schedule
 from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, staged_operands,  # noqa: F401 (the x-slots)
                        smem_plan, tile_operand_cols)
@@ -193,7 +193,7 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
                     op_tensors, red_tensors, self.tiled_mma, a_smem, b_smem, epi_smems,
                     [x[0] for x in lds], [x[1] for x in lds], ld_smems, counter).launch(
             grid=grid, block=[3 * WG_THREADS, 1, 1], cluster=(cfg.cluster_m, cfg.cluster_n, 1),
-            min_blocks_per_mp=1, stream=stream, use_pdl=PDL)
+            min_blocks_per_mp=1, stream=stream)
 
     @staticmethod
     def _tma_load(t, smem_staged, tile, mcast):
@@ -277,9 +277,6 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
         tBsB, tBgB = cpasync.tma_partition(tma_b, cluster_coord[0], cute.make_layout(cfg.cluster_m),
                                            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
         pipeline_init_wait(cluster_shape_mn=(cfg.cluster_m, cfg.cluster_n))
-        if cutlass.const_expr(PDL):  # the previous kernel's writes visible from here on; ours may launch now
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
 
         if wg_idx == 0:
             # ---- phase 2: producer (epi_wg: warps 1-3 run the epilogue, EWG_REGS registers; epilogue_wg.py)

@@ -102,7 +102,6 @@ def _kernel_class():
     from cutlass import Float32, Int32
 
     from coda._eval import CuteOps, reduce_angle
-    from coda.config import PDL
 
     class RopeGradSm90:
         """One compiled variant per element type."""
@@ -124,14 +123,11 @@ def _kernel_class():
             M = mDq.shape[0]
             self.kernel(self._rows(mDq), self._rows(mDk), self._rows(mDv), self._rows(mQ), self._rows(mK),
                         self._rows(mV), mPos, mFreq, self._rows(mOut), mC).launch(
-                grid=[cute.ceil_div(M, WARPS), 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL)
+                grid=[cute.ceil_div(M, WARPS), 1, 1], block=[THREADS, 1, 1], stream=stream)
 
         @cute.kernel
         def kernel(self, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor,
                    mV: cute.Tensor, mPos: cute.Tensor, mFreq: cute.Tensor, mOut: cute.Tensor, mC: cute.Tensor):
-            if cutlass.const_expr(PDL):  # coda.config.PDL: the previous kernel's writes visible from here on
-                cute.arch.griddepcontrol_wait()
-                cute.arch.griddepcontrol_launch_dependents()
             tidx, _, _ = cute.arch.thread_idx()
             bx, _, _ = cute.arch.block_idx()
             lane = tidx % 32

@@ -203,17 +203,12 @@ def kernel_source_hash(root: Optional[str] = None) -> str:
     return h.hexdigest()
 
 
-def _pdl() -> bool:
-    from coda.config import PDL
-    return PDL
-
-
 def kernel_key(arch: str, max_clusters: int, cfg: Any, epi: Any, in_dtype: Any, out_dtype: Any,
                arg_sig: tuple, source_hash: Optional[str] = None) -> str:
     """sha256 hex naming one compiled kernel on disk."""
     parts = (f"schema {SCHEMA}", arch, f"clusters {max_clusters}", repr(dataclasses.astuple(cfg)),
              epilogue_key(epi), dtype_name(in_dtype), dtype_name(out_dtype), repr(arg_sig),
-             f"cutlass-dsl {cutlass_dsl_version()}", f"coda {coda_version()}", f"pdl {_pdl()}",
+             f"cutlass-dsl {cutlass_dsl_version()}", f"coda {coda_version()}",
              source_hash if source_hash is not None else kernel_source_hash())
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
