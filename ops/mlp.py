@@ -59,7 +59,7 @@ from ._common import (IN_DTYPES, call, check_last_dim_contiguous, check_tensors,
 from .gated import check_x_weight_gu
 from .gated import fake_preact, forward_preact
 from .linear import backward_of, evaluate, saved_preact
-from .rmsnorm_linear import check_eps, check_norm_weight, check_sumsq, normed_operands, row_rsqrt
+from .rmsnorm_linear import check_eps, check_norm_weight, check_sumsq, normed_operands
 
 __all__ = ["mlp", "rmsnorm_swiglu", "rms_swiglu", "residual_add", "residual_add_sumsq"]
 
@@ -164,11 +164,8 @@ def _check(entry: str, named, eps) -> None:
 # ------------------------------------------------------------------------------------------------ custom ops (2-D)
 def _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm, hg=None, ss=None):
     """(a, g, u, r): the gate/up GEMM; g, u (the pre-activation, M x I each) empty unless ``save_preact``. ``hg``,
-    ``ss``: x * gamma and x's rows' sums of squares as x's producer wrote them (then no ``scale_sumsq`` pass)."""
-    if hg is not None and ss is not None:
-        a, b, r = hg, w_gate_up, row_rsqrt(ss, x.shape[1], eps)
-    else:
-        a, b, r = normed_operands(x, norm_weight, w_gate_up, eps, gemm)
+    ``ss``: x * gamma and x's rows' sums of squares as x's producer wrote them (``normed_operands``' ``normed``)."""
+    a, b, r = normed_operands(x, norm_weight, w_gate_up, eps, gemm, normed=None if hg is None else (hg, ss))
     return (*forward_preact(gemm, a, b, rms_swiglu, save_preact, r=r), r)
 
 
@@ -333,10 +330,7 @@ def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: 
             raise ValueError(f"coda.ops.mlp: normed[0] must be x * norm_weight: {tuple(x.shape)} {x.dtype} on "
                              f"{x.device}, got {getattr(hg, 'shape', type(hg).__name__)}")
         ss = check_sumsq("coda.ops.mlp (normed[1])", ss, x)
-        if 0 < M <= w_gate_up.shape[0]:
-            hg = hg.detach().reshape(M, H).contiguous()
-        else:  # the folded-weight branch reads x itself
-            hg = ss = None
+        hg = hg.detach().reshape(M, H).contiguous()
     save = save_preact_for("mlp", save_preact, x, norm_weight, w_gate_up, w_down)
     out = call("mlp", x.reshape(M, H), norm_weight, w_gate_up, w_down, float(eps), save, residual, return_sumsq,
                hg, ss)

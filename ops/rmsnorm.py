@@ -32,7 +32,7 @@ from coda.epilogues.rmsnorm import _dgrad
 
 from ._builder import backward_op, forward_op
 from ._common import IN_DTYPES, call, check_last_dim_contiguous, check_tensors, epilogue_pass, gemm_for
-from .rmsnorm_linear import check_eps, check_norm_weight, check_sumsq, row_rsqrt
+from .rmsnorm_linear import check_eps, check_norm_weight, check_sumsq, row_rsqrt, row_sumsq
 
 __all__ = ["rmsnorm", "rms_apply", "rms_row_dot", "rmsnorm_backward"]
 
@@ -124,8 +124,7 @@ def _rmsnorm_op(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                 sumsq: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) -> (n (M, K), r (M,) fp32); ``sumsq`` (M,) fp32: x's rows' sums of squares, or None."""
     M, K = x.shape
-    ss = sumsq if sumsq is not None else torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).square_()
-    r = row_rsqrt(ss, K, eps)
+    r = row_rsqrt(row_sumsq(x, sumsq), K, eps)
     if M == 0 or K == 0:
         return x.new_empty(x.shape), r
     gemm = gemm_for(x.device, _ENTRY)  # a non-Hopper GPU raises here, before anything runs

@@ -160,23 +160,32 @@ def row_rsqrt(ss: torch.Tensor, K: int, eps: float) -> torch.Tensor:
     return ss.mul(1.0 / max(K, 1)).add_(eps).rsqrt_()
 
 
+def row_sumsq(h: torch.Tensor, sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The rows' sums of squares of h (M, K) in fp32: ``sumsq`` when h's producer emitted them, else one torch
+    reduction over h."""
+    return sumsq if sumsq is not None else torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32).square_()
+
+
 def normed_operands(h: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: Optional[float], gemm,
-                    sumsq: Optional[torch.Tensor] = None):
+                    sumsq: Optional[torch.Tensor] = None, normed: Optional[tuple] = None):
     """(a, b, r) with diag(r) (a b^T) = RMSNorm(h) weight^T, r = rsqrt(mean(h^2, -1) + eps) (fp32, per row; None
     when ``eps`` is None: a backward that recomputes the product with the saved r).
 
     gamma scales whichever operand costs less memory traffic: the activation when M <= N (a = h * gamma and the
     sum of squares from one K = 0 launch, ``scale_sumsq``), else the weight (b = :func:`fold`, r from a torch
     reduction over h, or ``sumsq``: the rows' sums of squares of h as its producer's epilogue emitted them, e.g.
-    ``coda.ops.mlp(return_sumsq=True)``). Either product is rounded once to the operands' dtype."""
+    ``coda.ops.mlp(return_sumsq=True)``). Either product is rounded once to the operands' dtype. ``normed`` = (h *
+    gamma, sums of squares) as h's producer emitted them (``coda.ops.linear_residual(norm_weight=)``) stand in for
+    the M <= N branch's ``scale_sumsq`` pass (the other branch reads h itself and ignores them)."""
     M, K = h.shape
-    if 0 < M <= weight.shape[0]:
+    if 0 < M <= weight.shape[0] and normed is not None:
+        (a, ss), b = normed, weight
+    elif 0 < M <= weight.shape[0]:
         res = epilogue_pass(gemm, h, M, K, epilogue=scale_sumsq, out_dtype=h.dtype, h=h, gamma=norm_weight)
         a, b, ss = res["out"], weight, res["ss"]
     else:
         a, b = h, fold(weight, norm_weight, gemm)
-        ss = None if eps is None else sumsq if sumsq is not None else \
-            torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32).square()
+        ss = None if eps is None else row_sumsq(h, sumsq)
     return a, b, (None if eps is None else row_rsqrt(ss, K, eps))
 
 
