@@ -125,9 +125,9 @@ class FusedAttention(_NormConsumer):
     gqa_by_repeat = False
     # with add_residual: o_proj's epilogue also writes h * gamma of the next RMSNorm (the fused MLP's weight, which
     # coda.fuse's layer forward passes as ``next_norm_weight``) and h's rows' sums of squares, which the MLP's
-    # gate/up GEMM takes instead of its scale_sumsq pass (coda.nn.recall_normed; eager only). Off by default until
-    # measured in the step: CODA_O_NORM_CHAIN=1 turns it on.
-    emit_next_norm = os.environ.get("CODA_O_NORM_CHAIN", "0") == "1"
+    # gate/up GEMM takes instead of its scale_sumsq pass (coda.nn.recall_normed; eager only). CODA_O_NORM_CHAIN=0
+    # turns it off (H100 llama-1b, session 32: fused + graph 129.4 / 129.0 ms with it vs 129.3 / 129.8 without).
+    emit_next_norm = os.environ.get("CODA_O_NORM_CHAIN", "1") == "1"
 
     def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, inv_freq: Tensor,
                  eps: float = 1e-6, *, norm=None, hf_signature: bool = False, device=None, dtype=None):

@@ -468,11 +468,12 @@ def test_fused_layers_hand_the_streams_sumsq_on(monkeypatch):
 
 
 def test_o_projection_hands_the_mlp_its_normed_input(monkeypatch):
-    """FusedAttention.emit_next_norm (CODA_O_NORM_CHAIN=1): inside coda.fuse's layers the output projection's
-    epilogue also forms h * gamma of the MLP's norm and h's sums of squares, and the MLP's gate/up GEMM takes them
-    (no scale_sumsq pass); loss and gradients as without; off by default."""
+    """FusedAttention.emit_next_norm: inside coda.fuse's layers the output projection's epilogue also forms h *
+    gamma of the MLP's norm and h's sums of squares, and the MLP's gate/up GEMM takes them (no scale_sumsq pass);
+    loss and gradients as without; on by default, CODA_O_NORM_CHAIN=0 turns it off."""
+    import os
     from coda.nn_attention import FusedAttention
-    assert FusedAttention.emit_next_norm is False
+    assert FusedAttention.emit_next_norm is (os.environ.get("CODA_O_NORM_CHAIN", "1") == "1")
     ids = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(2))  # M 80 <= 2I: scale_sumsq
     results = []
     for on in (False, True):
