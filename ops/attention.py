@@ -18,7 +18,11 @@ Saved: h, gamma, W, r, y (alive anyway: attention's q, k, v are views of it), po
 ``rmsnorm_linear_rope_qkv`` (what ``FusedAttention`` runs): the same forward returning q, k, v (column blocks of
 y), whose backward takes their gradients as the attention backward gives them: steps 1-2 are then one pass of
 ``coda.kernels.rope_grad`` over dq, dk, dv and q, k, v (no cat of the three gradients into dy, no deinterleaving
-copies, one read of each: H100 llama-1b, the four passes it replaces took ~0.2 ms a layer).
+copies, one read of each: H100 llama-1b, the four passes it replaces took ~0.2 ms a layer). That pass forms the
+accumulator's gradient with r applied, r dacc, and r's gradient dr = sum_n dy y / r, so steps 3-4 need no
+normalised activation: dX = (r dacc) W gamma - r^3 dr h / K (``rms_radial``) and dW = ((r dacc)^T h) gamma with
+dgamma from the dW GEMM's epilogue (``fold_grads`` / ``adamw_fold``), as in the MLP's gate/up projection
+(``ops.mlp.rmsnorm_fold_grads``).
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from coda.kernels.rope_grad import rope_grad
 from ._builder import backward_op, forward_op
 from ._common import (call, check_inputs, check_last_dim_contiguous, epilogue_pass, gemm_for, grad_of, linear_grads,
                       weight_grad)
-from .mlp import residual_add, residual_add_sumsq
+from .mlp import residual_add, residual_add_sumsq, rmsnorm_fold_grads
 from .rmsnorm_linear import check_eps, check_norm_weight, check_sumsq, normed_operands
 from .rope import unrotate
 
@@ -177,12 +181,16 @@ def _fake_qkv_backward(dq, dk, dv, dres, h, norm_weight, weight, r, q, k, v, pos
 def _qkv_backward_op(dq: Tensor, dk: Tensor, dv: Tensor, dres: Optional[Tensor], h: Tensor, norm_weight: Tensor,
                      weight: Tensor, r: Tensor, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, freqs: Tensor,
                      need_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dh (+ dres), dgamma, dW; empty unless need_weight): steps 1-2 in one ``rope_grad`` pass, then 3-4."""
+    """(dh (+ dres), dgamma, dW; empty unless need_weight, or updated in place): one ``rope_grad`` pass gives the
+    gradients of the accumulator (r applied) and of r, then ``ops.mlp.rmsnorm_fold_grads``' dX and dW GEMMs (no
+    normalised activation written)."""
     if h.shape[0] == 0:
         return _no_rows(h, norm_weight, weight, need_weight)
     grads = [g.to(h.dtype) for g in (dq, dk, dv)]
-    dacc, c = rope_grad(grads, (q, k, v), positions, freqs, 1.0 / h.shape[1])
-    return _dx_dw(gemm_for(h.device, ENTRY), dacc, c, h, norm_weight, weight, r, need_weight, dres)
+    dacc, dr = rope_grad(grads, (q, k, v), positions, freqs, r)  # the accumulator's gradient (r applied) and r's
+    dh, dgamma, dw = rmsnorm_fold_grads(gemm_for(h.device, ENTRY), dacc, dr, h, norm_weight, weight, r,
+                                        (True, True, need_weight), dres, ENTRY)
+    return dh, dgamma, weight.new_empty(0) if dw is None else dw
 
 
 def rmsnorm_linear_rope_qkv(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor,

@@ -128,6 +128,40 @@ def fold_grads(acc, gamma: coda.VecN, w: coda.TileMN):
     return {"out": acc * gamma, "dgamma": coda.reduce_m(acc * w)}
 
 
+def rmsnorm_fold_grads(gemm, dacc: Tensor, dr: Optional[Tensor], h: Tensor, norm_weight: Tensor, weight: Tensor,
+                       r: Tensor, need: tuple, dres: Optional[Tensor], entry: str):
+    """The input RMSNorm's and the folded linear's gradients from the gradients of the GEMM accumulator acc = h (W
+    diag(gamma))^T, dacc (M x N, the row scale r applied), and of r, dr (M,): dh = (dacc W) gamma - r^3 dr h / H
+    (+ dres: the residual stream's gradient) by ``rms_radial[_residual]`` on the unfolded weight; dW = (dacc^T h)
+    gamma and dgamma_k = sum_n (dacc^T h)_nk W_nk from the dW GEMM's epilogue (``fold_grads``, or ``adamw_fold``
+    updating W in place under ``coda.optim``). No normalised activation is written. ``need`` = (dh, dgamma, dW);
+    returns those three, None where not needed (dW also None when updated in place). dX runs first: it reads the
+    weight that the dW GEMM may update."""
+    need_x, need_gamma, need_w = need
+    dh = dgamma = dw = None
+    if need_x:  # on the unfolded weight: gamma is a column scale of the epilogue
+        ops = dict(gamma=norm_weight, r=r, dr=dr, inv_h=1.0 / h.shape[1], h=h)
+        if dres is not None:
+            ops["dres"] = dres.to(h.dtype).contiguous()
+        dh = gemm(dacc, weight.t(), epilogue=rms_radial_residual if dres is not None else rms_radial,
+                  out_dtype=h.dtype, **ops)
+    if need_gamma or need_w:  # dW' = dacc^T h; its epilogue forms dW = dW' gamma and dgamma
+        upd = (update_in_backward(weight, dacc.t(), h.t(), entry, adamw_fold, gamma=norm_weight) if need_w
+               else None)
+        if upd is not None:  # coda.optim: the weight updated in place by the same epilogue (no dW)
+            dgamma = upd["dgamma"]
+        elif dacc.dtype in IN_DTYPES and kernel_aligned(dacc.t(), h.t()):
+            res = gemm(dacc.t(), h.t(), epilogue=fold_grads, out_dtype=weight.dtype, gamma=norm_weight, w=weight)
+            dw, dgamma = res["out"], res["dgamma"]
+        else:  # M not a multiple of 8 (the transposed views are not 16-byte aligned) or fp32 / fp64 (CPU): as
+            dw_fold = torch.matmul(dacc.t(), h)  # backward_gemm's rule
+            dw = torch.mul(dw_fold, norm_weight, out=torch.empty_like(weight))
+            dgamma = (dw_fold.float() * weight).sum(0)
+        dw = dw if need_w else None
+        dgamma = dgamma.to(norm_weight.dtype) if need_gamma else None
+    return dh, dgamma, dw
+
+
 @functools.lru_cache(maxsize=None)
 def dacc_on_da(which: tuple):
     """rms_swiglu's backward ``which`` on the saved pre-activation, fused into the GEMM da = dy W_down: the 1 -> 2
@@ -252,28 +286,10 @@ def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, 
         # the saved pre-activation (a K = 0 launch: one memory pass) or on a recomputed one (the forward's operands)
         a_op, b_op = (x, w_gate_up) if preact else normed_operands(x, norm_weight, w_gate_up, None, gemm)[:2]
         res = evaluate(rms_swiglu, which, a_op, b_op, dict(r=r, **{grad_name("out"): da}), preact, x.dtype)
-    dacc = res["out"]
-    if need_x:  # on the unfolded weight: gamma is a column scale of the epilogue
-        ops = dict(gamma=norm_weight, r=r, dr=res[DGRAD + "r"], inv_h=1.0 / x.shape[1], h=x)
-        if residual:
-            ops["dres"] = dy
-        grads[0] = gemm(dacc, w_gate_up.t(), epilogue=rms_radial_residual if residual else rms_radial,
-                        out_dtype=x.dtype, **ops)
-    if need_gamma or need_gu:  # dW' = dacc^T x; its epilogue forms dW = dW' gamma and dgamma
-        upd = (update_in_backward(w_gate_up, dacc.t(), x.t(), _ENTRY, adamw_fold, gamma=norm_weight) if need_gu
-               else None)
-        if upd is not None:  # coda.optim: w_gate_up updated in place by the same epilogue (no dW)
-            dw, dgamma = w_gate_up.new_empty(0), upd["dgamma"]
-        elif kernel_aligned(dacc.t(), x.t()):
-            res = gemm(dacc.t(), x.t(), epilogue=fold_grads, out_dtype=w_gate_up.dtype, gamma=norm_weight,
-                       w=w_gate_up)
-            dw, dgamma = res["out"], res["dgamma"]
-        else:  # M not a multiple of 8: the transposed views are not 16-byte aligned (backward_gemm's rule)
-            dw_fold = torch.matmul(dacc.t(), x)
-            dw = torch.mul(dw_fold, norm_weight, out=torch.empty_like(w_gate_up))
-            dgamma = (dw_fold.float() * w_gate_up).sum(0)
-        grads[2] = dw if need_gu else grads[2]
-        grads[1] = dgamma.to(norm_weight.dtype) if need_gamma else grads[1]
+    dx, dgamma, dw = rmsnorm_fold_grads(gemm, res["out"], res.get(DGRAD + "r"), x, norm_weight, w_gate_up, r,
+                                        (need_x, need_gamma, need_gu), dy if residual else None, _ENTRY)
+    for i, t in ((0, dx), (1, dgamma), (2, dw)):
+        grads[i] = grads[i] if t is None else t
     return tuple(grads)
 
 

@@ -75,20 +75,21 @@ def test_qkv_op_matches_float64(M, K, d, nh, nkv, parts):
 
 
 def test_rope_grad_reference_is_the_unrotation_and_row_dot():
-    """rope_grad's reference: dacc = R(-theta) [dq | dk | dv] per pair, c = inv_k * rowsum(dy * y), in float64."""
+    """rope_grad's reference: dacc = r R(-theta) [dq | dk | dv] per pair, dr = rowsum(dy * y) / r, in float64."""
     g = torch.Generator().manual_seed(3)
     M, widths = 9, (16, 8, 8)
     grads = [torch.randn(M, n, generator=g, dtype=torch.float64) for n in widths]
     ys = [torch.randn(M, n, generator=g, dtype=torch.float64) for n in widths]
     pos, fr = torch.arange(M, dtype=torch.float32) * 1000, rope_freqs(8, 4, rotary_heads=3)
-    dacc, c = rope_grad_reference(grads, ys, pos, fr, 0.25)
+    r = torch.rand(M, generator=g, dtype=torch.float64) + 0.5
+    dacc, dr = rope_grad_reference(grads, ys, pos, fr, r)
     dy, y = torch.cat(grads, 1), torch.cat(ys, 1)
     th = pos.double()[:, None] * fr.double()[None]
     e, o = dy[:, 0::2], dy[:, 1::2]
-    assert torch.allclose(dacc[:, 0::2], e * th.cos() + o * th.sin(), atol=1e-9)
-    assert torch.allclose(dacc[:, 1::2], o * th.cos() - e * th.sin(), atol=1e-9)
-    assert torch.equal(dacc[:, 24:], dy[:, 24:])  # v: frequency 0, unrotated
-    assert torch.allclose(c, (dy * y).sum(1) / 4)
+    assert torch.allclose(dacc[:, 0::2], r[:, None] * (e * th.cos() + o * th.sin()), atol=1e-9)
+    assert torch.allclose(dacc[:, 1::2], r[:, None] * (o * th.cos() - e * th.sin()), atol=1e-9)
+    assert torch.allclose(dacc[:, 24:], dy[:, 24:] * r[:, None])  # v: frequency 0, unrotated
+    assert torch.allclose(dr, (dy * y).sum(1) / r)
 
 
 def test_op_rejects_bad_arguments():

@@ -42,27 +42,31 @@ def test_launch_plan_matches_the_dsl_marshalling():
         N = sum(widths)
         big, y = torch.randn(M, N).bfloat16(), torch.randn(M, N).bfloat16()
         views = [rg._as_rows(t) for t in (*big.split(widths, 1), *y.split(widths, 1))]
-        views += [torch.zeros(M), torch.zeros(N // 2), rg._as_rows(torch.empty(M, N).bfloat16()), torch.empty(M)]
+        views += [torch.zeros(M), torch.zeros(N // 2), torch.ones(M), rg._as_rows(torch.empty(M, N).bfloat16()),
+                  torch.empty(M)]
         args = [from_dlpack(v, assumed_align=16).mark_layout_dynamic(leading_dim=1) for v in views[:6]]
         args += [from_dlpack(v, assumed_align=a).mark_layout_dynamic(leading_dim=ld)
-                 for v, a, ld in zip(views[6:], (4, 16, 16, 4), (0, 0, 1, 0))]
+                 for v, a, ld in zip(views[6:], (4, 16, 4, 16, 4), (0, 0, 0, 1, 0))]
         args.insert(3, cuda.CUstream(0))
-        fn = rg.compile_kernel(torch.bfloat16, 1 / 2048, fake=False, args=args)
+        fn = rg.compile_kernel(torch.bfloat16, fake=False, args=args)
         plan = _launch.Plan(fn, args, views, 0)
-        assert len(plan.descs) == 10
+        assert len(plan.descs) == 11
 
 
 def test_argument_errors_name_the_argument():
     g = [torch.randn(4, n) for n in (16, 8, 8)]
     y = [torch.randn(4, n) for n in (16, 8, 8)]
-    pos, fr = torch.zeros(4), torch.zeros(16)
+    pos, fr, r = torch.zeros(4), torch.zeros(16), torch.rand(4) + 0.5
     with pytest.raises(ValueError, match="dk"):
-        rg.rope_grad([g[0], torch.randn(4, 9), g[2]], y, pos, fr, 1.0)
+        rg.rope_grad([g[0], torch.randn(4, 9), g[2]], y, pos, fr, r)
     with pytest.raises(TypeError, match="dv"):
-        rg.rope_grad([g[0], g[1], g[2].double()], y, pos, fr, 1.0)
+        rg.rope_grad([g[0], g[1], g[2].double()], y, pos, fr, r)
     with pytest.raises(ValueError, match="freqs"):
-        rg.rope_grad(g, y, pos, fr[:-1], 1.0)
+        rg.rope_grad(g, y, pos, fr[:-1], r)
     with pytest.raises(ValueError, match="pos"):
-        rg.rope_grad(g, y, pos.double(), fr, 1.0)
-    dacc, c = rg.rope_grad(g, y, pos, fr, 0.5)  # zero angles: the identity; c the row dots
-    assert torch.allclose(dacc, torch.cat(g, 1)) and torch.allclose(c, (torch.cat(g, 1) * torch.cat(y, 1)).sum(1) / 2)
+        rg.rope_grad(g, y, pos.double(), fr, r)
+    with pytest.raises(ValueError, match="r must"):
+        rg.rope_grad(g, y, pos, fr, r[:3])
+    dacc, dr = rg.rope_grad(g, y, pos, fr, r)  # zero angles: dy scaled by r; dr the row dots over r
+    assert torch.allclose(dacc, torch.cat(g, 1) * r[:, None])
+    assert torch.allclose(dr, (torch.cat(g, 1) * torch.cat(y, 1)).sum(1) / r)

@@ -45,6 +45,7 @@ def bench(M=8192, widths=(2048, 512, 512), head_dim=64) -> dict:
     grads, ys = big.split(widths, 1), y.split(widths, 1)
     pos = torch.arange(M, device=dev, dtype=torch.float32) % 4096
     fr = rope_freqs(head_dim, N // head_dim, rotary_heads=(widths[0] + widths[1]) // head_dim, device=dev)
+    r = torch.rand(M, generator=g, device=dev) + 0.5
 
     def old():
         dy = torch.cat(grads, 1)
@@ -52,10 +53,10 @@ def bench(M=8192, widths=(2048, 512, 512), head_dim=64) -> dict:
 
     src = torch.empty(3 * M * N // 2, device=dev, dtype=torch.bfloat16)  # 3 M N bytes read and written: 6 M N
     dst = torch.empty_like(src)
-    res = dict(M=M, widths=widths, kernel_ms=do_bench(lambda: rope_grad(grads, ys, pos, fr, 1.0 / 2048)),
+    res = dict(M=M, widths=widths, kernel_ms=do_bench(lambda: rope_grad(grads, ys, pos, fr, r)),
                old_ms=do_bench(old), copy_ms=do_bench(lambda: dst.copy_(src)))
     res["gbps"] = 6 * M * N / res["kernel_ms"] / 1e6
-    res["host_us"] = host_us(lambda: rope_grad(grads, ys, pos, fr, 1.0 / 2048))
+    res["host_us"] = host_us(lambda: rope_grad(grads, ys, pos, fr, r))
     print(f"rope_grad {M} x {widths}: {res['kernel_ms']:.4f} ms ({res['gbps']:.0f} GB/s); the four passes "
           f"{res['old_ms']:.4f} ms; a copy of the same bytes {res['copy_ms']:.4f} ms; host {res['host_us']:.0f} us "
           "a call")
@@ -72,7 +73,8 @@ def main() -> int:
     grads, ys = big.split(widths, 1), y.split(widths, 1)
     pos = torch.arange(M, device=dev, dtype=torch.float32)
     fr = rope_freqs(64, N // 64, rotary_heads=40, device=dev)
-    call = lambda: rope_grad(grads, ys, pos, fr, 1.0 / 2048)  # noqa: E731
+    r = torch.rand(M, device=dev) + 0.5
+    call = lambda: rope_grad(grads, ys, pos, fr, r)  # noqa: E731
     e = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
     print(f"host us a call: rope_grad {host_us(call):.1f}, torch.empty {host_us(lambda: torch.empty_like(e)):.1f}, "
           f"a copy_ {host_us(lambda: e.copy_(big)):.1f}")

@@ -1,15 +1,18 @@
 """The attention QKV projection's backward prologue, one pass: RoPE un-rotation of the q, k, v gradients into one
-M x N gradient of the QKV GEMM's accumulator, and the RMSNorm backward's row dot products.
+M x N gradient of the QKV GEMM's accumulator, and the gradient of the RMSNorm's row scale r.
 
-The fused QKV GEMM (``ops.attention``) writes y = [q | k | v] (M x N, N = nq + nk + nv columns), q and k rotated by
-RoPE per column pair (2j, 2j + 1) at angle theta = pos[m] * freq[j] (``epilogues/rope.py``; freq = 0 for v). Its
-backward needs, from the gradients dq, dk, dv of the three parts (whatever row strides the attention backward gave
-them, 16-byte rows):
+The fused QKV GEMM (``ops.attention``) writes y = [q | k | v] = RoPE(r acc) (M x N, N = nq + nk + nv columns; acc =
+h (W diag(gamma))^T, r the norm's row scale), q and k rotated per column pair (2j, 2j + 1) at angle theta = pos[m] *
+freq[j] (``epilogues/rope.py``; freq = 0 for v). Its backward needs, from the gradients dq, dk, dv of the three
+parts (whatever row strides the attention backward gave them, 16-byte rows):
 
-    dacc[m, 2j], dacc[m, 2j+1] = R(-theta) (dy[m, 2j], dy[m, 2j+1])          dy = [dq | dk | dv]     (M x N)
-    c[m] = inv_k * sum_n dy[m, n] y[m, n]                                     (the ZdZ of the norm's backward)
+    dacc[m, 2j], dacc[m, 2j+1] = r[m] R(-theta) (dy[m, 2j], dy[m, 2j+1])     dy = [dq | dk | dv]     (M x N)
+    dr[m] = sum_n dy[m, n] y[m, n] / r[m]                                     (= sum_n R(-theta) dy acc: the ZdZ)
 
-(the rotation preserves each pair's dot product, so c can be formed from the rotated values). Before this kernel it
+(the rotation preserves each pair's dot product, so dr can be formed from the rotated values). dacc is the
+gradient of the accumulator itself (r applied): the dX GEMM then runs ``rms_radial`` on the unfolded weight and the
+dW GEMM the folded weight's ``fold_grads`` / ``adamw_fold`` (``ops.mlp.rmsnorm_fold_grads``), so no normalised
+activation is ever written. Before this kernel it
 took four passes: torch's cat of dq, dk, dv (split's backward), two deinterleaving copies, the K = 0 un-rotation
 GEMM pass and a K = 0 row-dot pass -- ~0.2 ms a layer at llama-1b's 8192 x 3072 (H100, session 23's step profile).
 This pass reads dq, dk, dv and y once and writes dacc once (150 MB there).
@@ -42,9 +45,9 @@ _plans: dict = {}
 _lock = threading.Lock()
 
 
-def check_args(grads, ys, pos, freqs, entry: str = "rope_grad") -> tuple:
+def check_args(grads, ys, pos, freqs, r, entry: str = "rope_grad") -> tuple:
     """Validate :func:`rope_grad`'s arguments; returns (M, widths). ``grads`` / ``ys``: three (M, n_i) tensors each
-    (dq, dk, dv; q, k, v), ``pos`` (M,) fp32, ``freqs`` (N/2,) fp32."""
+    (dq, dk, dv; q, k, v), ``pos`` (M,) fp32, ``freqs`` (N/2,) fp32, ``r`` (M,) fp32 (float64 with float64 parts)."""
     names = ("dq", "dk", "dv", "q", "k", "v")
     ts = (*grads, *ys)
     for name, t in zip(names, ts):
@@ -60,8 +63,9 @@ def check_args(grads, ys, pos, freqs, entry: str = "rope_grad") -> tuple:
                              f"and {tuple(y.shape)}")
         if g.dtype != ys[0].dtype or y.dtype != ys[0].dtype:
             raise TypeError(f"{entry}: {name}: expected dtype {ys[0].dtype}, got {g.dtype} / {y.dtype}")
-    for name, t, n in (("pos", pos, (M,)), ("freqs", freqs, (sum(widths) // 2,))):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != n:
+    for name, t, n in (("pos", pos, (M,)), ("freqs", freqs, (sum(widths) // 2,)), ("r", r, (M,))):
+        ok = (torch.float32, torch.float64) if name == "r" and ys[0].dtype == torch.float64 else (torch.float32,)
+        if not isinstance(t, torch.Tensor) or t.dtype not in ok or tuple(t.shape) != n:
             raise ValueError(f"{entry}: {name} must be a float32 tensor of shape {n}")
     return M, widths
 
@@ -72,23 +76,23 @@ def _angles(pos: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return p - 2 * math.pi * torch.round(p / (2 * math.pi))
 
 
-def rope_grad_reference(grads, ys, pos, freqs, inv_k: float):
+def rope_grad_reference(grads, ys, pos, freqs, r):
     """The torch reference of :func:`rope_grad` (any device; fp32 math -- float64 for float64 parts -- angles in
-    float64): (dacc (M, N) in the gradients' dtype, c (M,) fp32, float64 for float64 parts)."""
-    check_args(grads, ys, pos, freqs)
-    return _reference(grads, ys, pos, freqs, inv_k)
+    float64): (dacc (M, N) in the gradients' dtype, dr (M,) fp32, float64 for float64 parts)."""
+    check_args(grads, ys, pos, freqs, r)
+    return _reference(grads, ys, pos, freqs, r)
 
 
-def _reference(grads, ys, pos, freqs, inv_k: float):
+def _reference(grads, ys, pos, freqs, r):
     dt = torch.promote_types(grads[0].dtype, torch.float32)
     dy = torch.cat([g.to(dt) for g in grads], 1)
     y = torch.cat([t.to(dt) for t in ys], 1)
     th = _angles(pos, freqs)
     cs, sn = th.cos().to(dt), th.sin().to(dt)
     e, o = dy[:, 0::2], dy[:, 1::2]
-    dacc = torch.stack((e * cs + o * sn, o * cs - e * sn), -1).flatten(1)
-    c = (dy * y).sum(1) * inv_k
-    return dacc.to(grads[0].dtype), c
+    rr = r.to(dt)
+    dacc = torch.stack((e * cs + o * sn, o * cs - e * sn), -1).flatten(1) * rr[:, None]
+    return dacc.to(grads[0].dtype), (dy * y).sum(1) / rr
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -106,8 +110,8 @@ def _kernel_class():
     class RopeGradSm90:
         """One compiled variant per element type."""
 
-        def __init__(self, dtype, inv_k: float):
-            self.dtype, self.inv_k = dtype, inv_k
+        def __init__(self, dtype):
+            self.dtype = dtype
 
         @staticmethod
         def _rows(t):
@@ -118,22 +122,24 @@ def _kernel_class():
         @cute.jit
         def __call__(self, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, stream: cuda.CUstream,
                      mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mPos: cute.Tensor, mFreq: cute.Tensor,
-                     mOut: cute.Tensor, mC: cute.Tensor):
+                     mR: cute.Tensor, mOut: cute.Tensor, mC: cute.Tensor):
             # (the stream fourth, every other argument a tensor: the argument order of coda._launch.Plan)
             M = mDq.shape[0]
             self.kernel(self._rows(mDq), self._rows(mDk), self._rows(mDv), self._rows(mQ), self._rows(mK),
-                        self._rows(mV), mPos, mFreq, self._rows(mOut), mC).launch(
+                        self._rows(mV), mPos, mFreq, mR, self._rows(mOut), mC).launch(
                 grid=[cute.ceil_div(M, WARPS), 1, 1], block=[THREADS, 1, 1], stream=stream)
 
         @cute.kernel
         def kernel(self, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor,
-                   mV: cute.Tensor, mPos: cute.Tensor, mFreq: cute.Tensor, mOut: cute.Tensor, mC: cute.Tensor):
+                   mV: cute.Tensor, mPos: cute.Tensor, mFreq: cute.Tensor, mR: cute.Tensor, mOut: cute.Tensor,
+                   mC: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             bx, _, _ = cute.arch.block_idx()
             lane = tidx % 32
             m = bx * WARPS + tidx // 32
             if m < mDq.shape[0]:
                 pos = mPos[m]
+                rr = mR[m]
                 out = cute.zipped_divide(mOut[m, None], (VEC,))
                 freq = cute.zipped_divide(mFreq, (VEC // 2,))
                 dot = Float32(0.0)
@@ -149,17 +155,18 @@ def _kernel_class():
                         cute.autovec_copy(grow[None, c // VEC], gf)
                         cute.autovec_copy(yrow[None, c // VEC], yf)
                         cute.autovec_copy(freq[None, (off + c) // VEC], ff)
-                        dot = dot + self._chunk(gf, yf, ff, pos)
+                        dot = dot + self._chunk(gf, yf, ff, pos, rr)
                         cute.autovec_copy(gf, out[None, (off + c) // VEC])
                     off = off + n
                 for k in cutlass.range_constexpr(5):  # butterfly: every lane gets the row's sum
                     dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1 << k)
                 if lane == 0:
-                    mC[m] = dot * Float32(self.inv_k)
+                    mC[m] = dot / rr
 
         @cute.jit
-        def _chunk(self, gf: cute.Tensor, yf: cute.Tensor, ff: cute.Tensor, pos: Float32) -> Float32:
-            """Un-rotates the chunk's 4 pairs in ``gf`` (in place); returns sum(dy * y) of its 8 elements."""
+        def _chunk(self, gf: cute.Tensor, yf: cute.Tensor, ff: cute.Tensor, pos: Float32, rr: Float32) -> Float32:
+            """Un-rotates the chunk's 4 pairs in ``gf`` and scales them by the row's r (in place); returns sum(dy *
+            y) of its 8 elements."""
             B = CuteOps()
             g = gf.load().to(Float32)
             y = yf.load().to(Float32)
@@ -170,20 +177,20 @@ def _kernel_class():
                 dot = dot + e * y[2 * i] + o * y[2 * i + 1]
                 th = reduce_angle(B, 1.0, [pos, ff[i]])
                 cs, sn = B.cos_reduced(th), B.sin_reduced(th)
-                r[2 * i] = e * cs + o * sn
-                r[2 * i + 1] = o * cs - e * sn
+                r[2 * i] = (e * cs + o * sn) * rr
+                r[2 * i + 1] = (o * cs - e * sn) * rr
             gf.store(r.load().to(self.dtype))
             return dot
 
     return RopeGradSm90
 
 
-def compile_kernel(dtype=torch.bfloat16, inv_k: float = 1.0 / 2048, *, options=None, fake=True, args=None):
-    """``cute.compile`` one variant (element type, c's factor). ``fake``: shape-symbolic fake tensors (no GPU
+def compile_kernel(dtype=torch.bfloat16, *, options=None, fake=True, args=None):
+    """``cute.compile`` one variant (element type). ``fake``: shape-symbolic fake tensors (no GPU
     needed: the CPU tests); else ``args`` = the cute arguments of a real call."""
     import cutlass
     import cutlass.cute as cute
-    op = _kernel_class()(_cutlass_dtype(dtype), float(inv_k))
+    op = _kernel_class()(_cutlass_dtype(dtype))
     kw = {"options": options} if options else {}
     if fake:
         import cutlass.runtime as crt
@@ -193,7 +200,7 @@ def compile_kernel(dtype=torch.bfloat16, inv_k: float = 1.0 / 2048, *, options=N
                                  assumed_align=16) for _ in range(7)]
         f32 = make_fake_compact_tensor(cutlass.Float32, (M,), assumed_align=4)
         fr = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=16)
-        args = [*rows[:3], crt.make_fake_stream(), *rows[3:6], f32, fr, rows[6], f32]
+        args = [*rows[:3], crt.make_fake_stream(), *rows[3:6], f32, fr, f32, rows[6], f32]
     return cute.compile(op, *args, **kw)
 
 
@@ -212,15 +219,15 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _launch_kernel(views, inv_k: float) -> None:
-    """Run the kernel on ``views`` (dq, dk, dv, q, k, v, pos, freqs, dacc, c). The first call of a (shapes,
-    strides, dtype, inv_k) goes through the DSL's marshalling (``from_dlpack`` of ten tensors, ~100 us of host
+def _launch_kernel(views) -> None:
+    """Run the kernel on ``views`` (dq, dk, dv, q, k, v, pos, freqs, r, dacc, dr). The first call of a (shapes,
+    strides, dtype) goes through the DSL's marshalling (``from_dlpack`` of ten tensors, ~100 us of host
     time) and leaves a ``coda._launch.Plan``; later calls only write the data pointers and the stream."""
     from coda import _launch
     dev = views[0].device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     handle = _launch.stream_handle(index)
-    key = (inv_k, tuple(_launch.tensor_sig(v) for v in views))
+    key = tuple(_launch.tensor_sig(v) for v in views)
     dry = precompile.recorder() is not None  # a dry run (coda.runtime.precompile): no plan is used or made
     plan = None if dry else _plans.get(key)
     if plan is not None:
@@ -230,9 +237,9 @@ def _launch_kernel(views, inv_k: float) -> None:
     from cutlass.cute.runtime import from_dlpack
     cute_args = [from_dlpack(v, assumed_align=16).mark_layout_dynamic(leading_dim=1) for v in views[:6]]
     cute_args += [from_dlpack(v, assumed_align=a).mark_layout_dynamic(leading_dim=ld)
-                  for v, a, ld in zip(views[6:], (4, 16, 16, 4), (0, 0, 1, 0))]
+                  for v, a, ld in zip(views[6:], (4, 16, 4, 16, 4), (0, 0, 0, 1, 0))]
     cute_args.insert(3, cuda.CUstream(handle))
-    fn = precompile.compiled_variant("rope_grad", (views[8].dtype, inv_k), cute_args, dev, _compiled, _lock)
+    fn = precompile.compiled_variant("rope_grad", (views[9].dtype,), cute_args, dev, _compiled, _lock)
     with torch.cuda.device(dev):
         fn(*cute_args)
     if dry:
@@ -246,14 +253,14 @@ def _launch_kernel(views, inv_k: float) -> None:
     _plans[key] = plan
 
 
-def rope_grad(grads, ys, pos, freqs, inv_k: float):
-    """(dacc, c) of the module docstring. ``grads``: (dq, dk, dv), ``ys``: (q, k, v), each (M, n_i) bf16 / fp16 with
-    n_i a multiple of 8; ``pos`` (M,) fp32; ``freqs`` (N/2,) fp32, N = sum n_i; ``inv_k``: c's factor. Returns dacc
-    (M, N) in the gradients' dtype and c (M,) fp32. CUDA tensors run the kernel (Hopper), CPU tensors
-    :func:`rope_grad_reference`."""
-    M, widths = check_args(grads, ys, pos, freqs)
+def rope_grad(grads, ys, pos, freqs, r):
+    """(dacc, dr) of the module docstring. ``grads``: (dq, dk, dv), ``ys``: (q, k, v), each (M, n_i) bf16 / fp16
+    with n_i a multiple of 8; ``pos`` (M,) fp32; ``freqs`` (N/2,) fp32, N = sum n_i; ``r`` (M,) fp32, the rows'
+    scale (positive). Returns dacc (M, N) in the gradients' dtype and dr (M,) fp32. CUDA tensors run the kernel
+    (Hopper), CPU tensors :func:`rope_grad_reference`."""
+    M, widths = check_args(grads, ys, pos, freqs, r)
     if grads[0].device.type != "cuda":
-        return _reference(grads, ys, pos, freqs, inv_k)  # (arguments checked above)
+        return _reference(grads, ys, pos, freqs, r)  # (arguments checked above)
     if grads[0].dtype not in _DTYPES or any(w % VEC for w in widths):
         raise ValueError(f"rope_grad: bfloat16 / float16 parts with widths multiple of {VEC} expected, got "
                          f"{grads[0].dtype} {widths}")
@@ -265,7 +272,8 @@ def rope_grad(grads, ys, pos, freqs, inv_k: float):
     f = freqs.detach().contiguous()
     if f.data_ptr() % 16:
         f = f.clone()
-    views = [*(_as_rows(t.detach()) for t in (*grads, *ys)), pos.detach().contiguous(), f, out, c]
-    _launch_kernel(views, float(inv_k))
+    views = [*(_as_rows(t.detach()) for t in (*grads, *ys)), pos.detach().contiguous(), f, r.detach().contiguous(),
+             out, c]
+    _launch_kernel(views)
     return out, c
 
