@@ -103,6 +103,35 @@ def test_graphs_captured_on_one_stream_replay_concurrently():
             assert torch.equal(o, r)
 
 
+def test_captured_launches_take_pool_counters_and_no_memset():
+    """A dynamic launch captured into a CUDA graph takes its own pair of the pool allocated outside captures
+    (``coda.gemm.GRAPH_COUNTERS``; the kernel leaves it at zero): two captured launches, two distinct pairs of the
+    pool, the graph replays correctly and runs no fill kernel."""
+    gemm_mod = importlib.import_module("coda.gemm")
+    a, b = _inputs(1024, 2048, 512)
+    ref = coda.gemm(a, b, config=STATIC)
+    outs = [torch.empty_like(ref) for _ in range(2)]
+    coda.gemm(a, b, out=outs[0], config=DYN)  # compile (and make the pool) outside the capture
+    torch.cuda.synchronize()
+    pool, before = gemm_mod._graph_pools[a.device.index]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for o in outs:
+            coda.gemm(a, b, out=o, config=DYN)
+    assert gemm_mod._graph_pools[a.device.index][1] == before + 2
+    for _ in range(3):
+        for o in outs:
+            o.fill_(float("nan"))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            g.replay()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert sum("cutlass" in n for n in names) == 2, names  # the profiler sees the graph's kernels
+        assert not [n for n in names if "Fill" in n or "Memset" in n], names
+        assert all(torch.equal(o, ref) for o in outs)
+    assert torch.equal(pool[2 * before:2 * before + 4].cpu(), torch.zeros(4, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("cluster", CLUSTERS)
 def test_cuda_graph_replay(cluster):
     a, b = _inputs(2048, 4096, 512)
