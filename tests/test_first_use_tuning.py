@@ -187,9 +187,10 @@ def test_shipped_h100_file_schema_and_provenance():
     store28 = "docs/tune_h100/llama1b_l2_prefetch_s28.json"  # session 28: l2_prefetch on the MLP dX, measured
     store30 = "docs/tune_h100/llama1b_epi_wg_s30.json"  # session 30: two problems in the epilogue warps, measured
     store31 = "docs/tune_h100/llama1b_sumsq_s31.json"  # session 31: the down projection emitting the sum of squares
-    stores = (store, store25, store28, store30, store31)
+    store32 = "docs/tune_h100/llama1b_s32.json"  # session 32: the O projection's norm link, the QKV dX unfolded
+    stores = (store, store25, store28, store30, store31, store32)
     dates = {store: "2026-11-26", store25: "2026-11-26", store28: "2026-11-27", store30: "2026-11-27",
-             store31: "2026-11-27"}
+             store31: "2026-11-27", store32: "2026-11-27"}
     assert files == {"docs/tune_h100/tuned_gemm.json", "docs/tune_h100/tuned_fused.json", *stores}
     rows = {}
     for s in prov["sources"]:
@@ -213,8 +214,8 @@ def test_shipped_h100_file_schema_and_provenance():
         assert e["name"] in (row["tuned"], row["default"]) and e["default"] == row["default"]
         assert ship.resolve_ref(e["epilogue"]["ref"]).name == row["epilogue"]
     # session 30's five: four replace near-level entries, one is the CE logits epilogue's new id; session 31's one
-    # is a new epilogue id
-    assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == 15 + 4 + 1 + 1
+    # is a new epilogue id, session 32's two as well
+    assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == 15 + 4 + 1 + 1 + 2
     assert 'shipped/*.json' in (ROOT / "pyproject.toml").read_text()
 
 
