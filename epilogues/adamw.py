@@ -13,12 +13,10 @@ hyper-parameters are run-time ``Scalar`` operands (device fp32, one launch per s
 is rounded to the parameter dtype first) and 12 bytes move instead of the 2-byte gradient store of the GEMM plus the
 optimizer's 14-byte pass.
 
-Four programs share :func:`update`: :func:`adamw` (a plain dW GEMM), :func:`adamw_fold` (the MLP's folded
+Three programs share :func:`update`: :func:`adamw` (a plain dW GEMM), :func:`adamw_fold` (the MLP's folded
 gate/up weight, ``ops.mlp.fold_grads`` plus the update: g = acc gamma and dgamma's per-column partials over the
 weight before its update), :func:`adamw_scaled` (a K = 0 pass over a gradient formed earlier, times a scalar: the
-cross entropy's fast mode, whose dW exists before the backward knows grad_output) and :func:`adamw_accumulate`
-(that mode's last dW chunk, deferred to the backward: its GEMM adds the earlier chunks' sum, scales by
-grad_output and updates, instead of the K = 0 pass).
+cross entropy's fast mode, whose dW exists before the backward knows grad_output).
 """
 import coda
 from coda import Scalar, TileMN
@@ -54,11 +52,3 @@ def adamw_scaled(acc, t: TileMN, s: Scalar, p: TileMN, m: TileMN, v: TileMN, b1:
                  b2c: Scalar, c2: Scalar, eps: Scalar, step_size: Scalar, decay: Scalar):
     """K = 0 pass: dW = t s (a gradient formed earlier, times the upstream scalar)."""
     return update(t * s, p, m, v, b1, b1c, b2, b2c, c2, eps, step_size, decay)
-
-
-@coda.epilogue
-def adamw_accumulate(acc, prev: TileMN, s: Scalar, p: TileMN, m: TileMN, v: TileMN, b1: Scalar, b1c: Scalar,
-                     b2: Scalar, b2c: Scalar, c2: Scalar, eps: Scalar, step_size: Scalar, decay: Scalar):
-    """dW = (acc + prev) s: the fast cross entropy's last dW chunk plus the earlier chunks' sum, times the upstream
-    gradient, updating the LM head in the same GEMM (no dW written, no K = 0 pass)."""
-    return update((acc + prev) * s, p, m, v, b1, b1c, b2, b2c, c2, eps, step_size, decay)

@@ -129,13 +129,6 @@ def ce_forward_logits(dtype, smooth: bool = False, cap: bool = False):
 
 
 @coda.epilogue
-def accumulate_scaled(acc, prev: coda.TileMN, s: coda.Scalar):
-    """(acc + prev) * s: the fast mode's last dW chunk, run in the backward once the upstream gradient s is known,
-    adds the earlier chunks' sum (``out=`` may be ``prev``) and scales the total (fp32 math, rounded once)."""
-    return (acc + prev) * s
-
-
-@coda.epilogue
 def scale_by(acc, t: coda.TileMN, s: coda.Scalar):
     """t * s, run as a K = 0 pass with ``out=t`` (in place): the fast mode's gradients times the upstream gradient
     (a device scalar, fp32 math; torch's ``t.mul_(s)`` of a bf16 ``t`` by an fp32 0-dim CUDA tensor runs an

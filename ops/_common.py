@@ -93,13 +93,12 @@ def linear_grads(dacc: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need
 
 
 def update_in_backward(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, entry: str, epilogue=adamw,
-                       config=None, **operands):
+                       **operands):
     """The optimizer step of ``weight`` in the epilogue of its gradient's GEMM ``a @ b.T`` (``coda.optim``), when
     this is an eager backward, an optimizer registered ``weight`` and the GEMM runs on CODA's kernel (or the CPU
     reference): returns the epilogue's results, else None (the caller forms dW). ``epilogue``: ``epilogues.adamw``'s
     ``adamw``, or a variant with its extra ``operands`` (``adamw_fold``: gamma; ``adamw_scaled`` over a K = 0 pass:
-    t, s). ``config``: the GEMM's, instead of :func:`coda.optim.update_config`'s. The weight's caller must have
-    finished every product that reads it (dX)."""
+    t, s). The weight's caller must have finished every product that reads it (dX)."""
     if not (weight.device.type == "cpu" or (a.dtype in IN_DTYPES and weight.dtype in IN_DTYPES
                                             and kernel_aligned(a, b))):
         return None
@@ -107,7 +106,7 @@ def update_in_backward(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, e
     if ops is None:
         return None
     # the reference path takes no config
-    cfg = {"config": config or update_config(a.shape[-1] == 0, weight.shape, _device.sm_count(weight.device))
+    cfg = {"config": update_config(a.shape[-1] == 0, weight.shape, _device.sm_count(weight.device))
            } if weight.is_cuda else {}
     return gemm_for(weight.device, entry)(a, b, epilogue=epilogue, out=ops["p"], **cfg, **operands, **ops)
 

@@ -61,10 +61,9 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from coda.config import GemmConfig
-from coda.epilogues.adamw import adamw_accumulate, adamw_scaled
-from coda.epilogues.cross_entropy import (accumulate, accumulate_scaled, ce_backward, ce_backward_cap,
-                                          ce_backward_general, ce_forward, ce_forward_cap, ce_forward_smooth, scale_by)
+from coda.epilogues.adamw import adamw_scaled
+from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_cap, ce_backward_general, ce_forward,
+                                          ce_forward_cap, ce_forward_smooth, scale_by)
 from coda.optim import eager_backward
 
 from ._builder import backward_op, forward_op
@@ -366,7 +365,7 @@ def _op(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction:
 def _op_fast_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, softcap, rows, check, need_x,
                   need_w):
     return (x.new_empty((), dtype=torch.float32), x.new_empty(x.shape) if need_x else x.new_empty((0,)),
-            weight.new_empty(weight.shape) if need_w else weight.new_empty((0,)), x.new_empty((0,)))
+            weight.new_empty(weight.shape) if need_w else weight.new_empty((0,)))
 
 
 def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -379,84 +378,51 @@ def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return t.mul_(g)
 
 
-# the deferred last dW chunk with the update (adamw_accumulate: four TileMN operands, which spill in the epilogue
-# warps of update_config's dW config, 24 bytes at 128 x 256): 128 x 256 cooperative tiles, the epilogue after the
-# mainloop
-LAST_CHUNK_UPDATE = GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, sched="dynamic")
-
-
-def _update_in_backward(weight: torch.Tensor, dw: torch.Tensor, g: torch.Tensor, last=None) -> bool:
+def _update_in_backward(weight: torch.Tensor, dw: torch.Tensor, g: torch.Tensor) -> bool:
     """``coda.optim``'s AdamW step of ``weight`` on the gradient dw * g, as one K = 0 pass (``adamw_scaled``)
-    instead of the scaling pass plus the optimizer's, or with ``last`` = (dz, x_c) the deferred last chunk (dw the
-    earlier chunks' sum): its GEMM dz^T x_c with ``adamw_accumulate``, the gradient (acc + dw) g; False where it
-    does not apply (the caller scales dw)."""
+    instead of the scaling pass plus the optimizer's; False where it does not apply (the caller scales dw)."""
     if not (dw.device.type == "cpu" or (dw.dim() == 2 and dw.dtype in IN_DTYPES and dw.is_contiguous()
                                          and dw.shape[1] % 8 == 0)):
         return False
     with eager_backward():  # (this backward is the op's own autograd function, not a backward op)
         V, H = dw.shape
-        if last is not None:
-            z, xc = last
-            return update_in_backward(weight, z.t(), xc.t(), ENTRY, adamw_accumulate, config=LAST_CHUNK_UPDATE,
-                                      prev=dw, s=g) is not None
         return update_in_backward(weight, dw.new_empty(V, 0), dw.new_empty(H, 0), ENTRY, adamw_scaled, t=dw,
                                   s=g) is not None
 
 
-def _backward_fast(ctx, grad_loss, grad_dx, grad_dw, grad_z):
+def _backward_fast(ctx, grad_loss, grad_dx, grad_dw):
     """The gradients formed by the forward, times the upstream gradient: in place in eager mode (the saved tensors
-    are this call's own and are released after this node; no second V x H buffer), where the last chunk's dW GEMM
-    also runs here if the forward deferred it (``forward_with_grads``' ``defer_last``: z, the last chunk's softmax
-    gradient); out of place under torch.compile (its graphs are functional; nothing deferred)."""
-    dx, dw, z, weight, x = ctx.saved_tensors
+    are this call's own and are released after this node; no second V x H buffer), out of place under
+    torch.compile (its graphs are functional)."""
+    dx, dw, weight = ctx.saved_tensors
     g = grad_loss.to(torch.float32)
     if getattr(ctx, "coda_eager", False):
         # a second backward through this graph (retain_graph=True) then fails autograd's version check of the
         # saved tensors (tests/test_cross_entropy.py): an error, never g1 * g2 * grad; mode="lean" allows it
         need_x, need_w = ctx.coda_extra
-        last = (z, x[x.shape[0] - z.shape[0]:]) if need_w and z.numel() else None
-        if need_w and _update_in_backward(weight, dw, g, last):
+        if need_w and _update_in_backward(weight, dw, g):
             need_w, dw = False, None  # coda.optim updated the weight: no gradient
-        elif last is not None:  # dw = (dz^T x_c + dw) g, in place: the scaling done with it
-            gemm_for(dw.device, ENTRY)(last[0].t(), last[1].t(), epilogue=accumulate_scaled, out=dw, prev=dw, s=g)
-            return (_scale_in_place(dx, g) if need_x else None, dw, *(None,) * 10)
         grads = [_scale_in_place(t, g) if need else None for t, need in zip((dx, dw), (need_x, need_w))]
     else:
         grads = [(t * g).to(t.dtype) if need else None for t, need in zip((dx, dw), ctx.coda_extra)]
     return (*grads, None, None, None, None, None, None, None, None, None, None)
 
 
-def _op_fast_eager(*args) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The eager forward: the last chunk's dW GEMM deferred to the backward (see :func:`_backward_fast`)."""
-    return _fast(*args, defer_last=True)
-
-
-def _fast(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, softcap, rows, check, need_x, need_w,
-          defer_last=False):
+# saved: the forward's dx, dw (non-differentiable outputs), the weight (coda.optim); extra: need_x, need_w
+@forward_op("linear_cross_entropy_fast", fake=_op_fast_fake, backward=_backward_fast,
+            saved=lambda i, out: (*out[1:], i[1]), extra=lambda i: i[-2:])
+def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
+             z_loss: float, softcap: Optional[float], rows: int, check: str, need_x: bool,
+             need_w: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(loss, dx, dw) with dx, dw the gradients for an upstream gradient of 1 (empty where not needed); see
+    ``ops/cross_entropy_fast.py``."""
     V = weight.shape[0]
     _check_target_range(target, V, ignore_index, check)
     valid, tcol = _target_columns(target, ignore_index)
-    res = forward_with_grads(x, weight, target, valid, tcol, reduction, label_smoothing, z_loss, rows, need_x,
-                             need_w, ENTRY, tail_logits, softcap, defer_last=defer_last)
-    lse, stats, dx, dw = res[:4]
-    z = res[4] if defer_last else None
+    lse, stats, dx, dw = forward_with_grads(x, weight, target, valid, tcol, reduction, label_smoothing, z_loss,
+                                            rows, need_x, need_w, ENTRY, tail_logits, softcap)
     loss = finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss)
-    return (loss, (dx if need_x else x.new_empty((0,))), (dw if need_w else weight.new_empty((0,))),
-            x.new_empty((0,)) if z is None else z)
-
-
-# saved: the forward's dx, dw and the deferred last chunk (non-differentiable outputs), the weight (coda.optim), x
-# (the deferred chunk's rows); extra: need_x, need_w
-@forward_op("linear_cross_entropy_fast", fake=_op_fast_fake, backward=_backward_fast, eager=_op_fast_eager,
-            saved=lambda i, out: (*out[1:], i[1], i[0]), extra=lambda i: i[-2:])
-def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-             z_loss: float, softcap: Optional[float], rows: int, check: str, need_x: bool,
-             need_w: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(loss, dx, dw, an empty tensor) with dx, dw the gradients for an upstream gradient of 1 (empty where not
-    needed); see ``ops/cross_entropy_fast.py``. (The eager forward, :func:`_op_fast_eager`, returns the deferred
-    last chunk's softmax gradient as the fourth.)"""
-    return _fast(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, softcap, rows, check, need_x,
-                 need_w)
+    return loss, (dx if need_x else x.new_empty((0,))), (dw if need_w else weight.new_empty((0,)))
 
 
 MEMORY_BUDGET = int(os.environ.get("CODA_CE_MEMORY_BUDGET", 10 ** 9))  # bytes of the fast mode's logits chunk
@@ -512,8 +478,9 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
     rows = _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget)
     if rows is not None:
         need_x, need_w = x.requires_grad, weight.requires_grad
-        return call("linear_cross_entropy_fast", x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
-                    reduction, float(label_smoothing), float(z_loss), softcap, rows, check, need_x, need_w)[0]
+        loss, _, _ = call("linear_cross_entropy_fast", x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
+                          reduction, float(label_smoothing), float(z_loss), softcap, rows, check, need_x, need_w)
+        return loss
     loss, _ = call("linear_cross_entropy", x.reshape(-1, H), weight, target.reshape(-1), ignore_index, reduction,
                    float(label_smoothing), float(z_loss), softcap, chunk_size, check)
     return loss.reshape(target.shape) if reduction == "none" else loss

@@ -11,11 +11,7 @@ chunk of ``rows`` rows [m0, m1) (phases):
    ("mean") or 1 ("sum"), 0 on ignored rows (``coda.kernels.ce_grad``: one memory-bound pass over the chunk);
 3. dX_c = dz W (GEMM 2, written straight into dx's rows);
 4. dW (+)= dz^T x_c (GEMM 3; the first chunk writes dW, later ones add to it through the ``accumulate``
-   epilogue: dW is rounded to its dtype once per chunk). In eager mode the last chunk's GEMM 3 waits for the
-   backward (the chunk buffer stays alive until then; the loss is the step's last op, so its backward comes next):
-   there its epilogue adds the earlier chunks' sum and scales by g (``accumulate_scaled``), or under ``coda.optim``
-   also updates the weight (``adamw_accumulate``) -- no K = 0 pass over dW (H100 llama-1b: 1.5 ms, the update
-   pass alone).
+   epilogue: dW is rounded to its dtype once per chunk).
 
 Cost: the three GEMMs of torch's LM head + one read and write of the logits in x's dtype (torch.compile's CE makes
 the same pass, plus the logits' float32 upcast), against the lean mode's four GEMMs. Memory: the chunk buffer
@@ -71,11 +67,8 @@ def target_logit(z: Tensor, tgt: Tensor) -> Tensor:
 
 def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, tcol: Tensor, reduction: str,
                        eps: float, zl: float, rows: int, need_x: bool, need_w: bool, entry: str, tail_logits,
-                       softcap: Optional[float] = None, combine=None, defer_last: bool = False):
-    """(lse, stats, dx, dw) for g = 1; see the module docstring. ``defer_last`` (the eager op, whose backward
-    finishes it): with two chunks or more, no vocabulary tail and aligned operands, the last chunk's phase 4 is left
-    to the backward -- dw then holds the earlier chunks' sum and a fifth value is the last chunk's softmax gradient
-    (rows x V, the chunk buffer kept alive; its rows are x's last ones), else None. ``combine(lse_c, zt_c)`` (``coda.distributed``'s
+                       softcap: Optional[float] = None, combine=None):
+    """(lse, stats, dx, dw) for g = 1; see the module docstring. ``combine(lse_c, zt_c)`` (``coda.distributed``'s
     vocabulary-parallel CE, ``weight`` one rank's shard and ``target`` shifted into it): a chunk's per-row
     statistics over every shard, (lse_c, zt_c), between phases 1 and 2 (no label smoothing there).
     ``tail_logits(x_c, weight, v8)`` gives the fp32 logits of the last V % 8 columns (label smoothing with such a tail takes the lean mode: the in-place pass
@@ -99,7 +92,6 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
     cap = {} if softcap is None else {"cap": softcap}
     buf = x.new_empty((rows * v8,))
     w8 = weight[:v8]
-    deferred = None
     for m0 in range(0, M, rows):
         m1 = min(M, m0 + rows)
         xc, z = x[m0:m1], buf[:(m1 - m0) * v8].view(m1 - m0, v8)
@@ -132,9 +124,7 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
                 dx[m0:m1] = acc
         if need_w:                                                         # phase 4
             first = m0 == 0
-            if defer_last and m1 == M and not first and v8 == V and kernel_aligned(z.t(), xc.t()):
-                deferred = z  # (the backward's GEMM adds dz^T x_c, once it knows g)
-            elif v8 and kernel_aligned(z.t(), xc.t()):
+            if v8 and kernel_aligned(z.t(), xc.t()):
                 if first:
                     gemm(z.t(), xc.t(), out=dw[:v8])
                 else:
@@ -153,7 +143,7 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
             dx.zero_()
         if need_w:
             dw.zero_()
-    return (lse, stats, dx, dw, deferred) if defer_last else (lse, stats, dx, dw)
+    return lse, stats, dx, dw
 
 
 __all__ = ["plan_rows", "forward_with_grads", "target_logit", "MIN_ROWS"]

@@ -7,7 +7,7 @@ import torch
 
 import coda
 import coda.ops._common as common
-from coda.epilogues.adamw import HYPER, adamw, adamw_fold, adamw_accumulate, adamw_scaled
+from coda.epilogues.adamw import HYPER, adamw, adamw_fold, adamw_scaled
 from coda.reference import gemm as ref_gemm
 from test_fuse_families import _fuse, fp32_ops  # noqa: F401 (fixture)
 from test_first_use import _tiny_hf
@@ -31,7 +31,7 @@ def _torch_adamw(g, p, m, v, t=3, lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, wd=0.1):
     return p, m, v
 
 
-@pytest.mark.parametrize("kind", ["plain", "fold", "scaled", "accumulate"])
+@pytest.mark.parametrize("kind", ["plain", "fold", "scaled"])
 def test_epilogues_are_torch_adamw(kind):
     """Each program writes p, m, v in place (out=p, m and v in-place outputs) and equals torch's AdamW step on the
     gradient it forms (float64 reference; fresh random data)."""
@@ -41,15 +41,13 @@ def test_epilogues_are_torch_adamw(kind):
     p, m = torch.randn(M, N, dtype=torch.float64), torch.randn(M, N, dtype=torch.float64) * 0.1
     v = torch.rand(M, N, dtype=torch.float64) * 0.01
     gamma, t, s = torch.rand(N, dtype=torch.float64) + 0.5, torch.randn(M, N, dtype=torch.float64), 0.37
-    g = {"plain": a @ b.T, "fold": (a @ b.T) * gamma, "scaled": t * s, "accumulate": (a @ b.T + t) * s}[kind]
+    g = {"plain": a @ b.T, "fold": (a @ b.T) * gamma, "scaled": t * s}[kind]
     want = _torch_adamw(g, p, m, v)
     ops = dict(p=p, m=m, v=v, **_hyper())
     if kind == "plain":
         res = common.gemm_for(p.device)(a, b, epilogue=adamw, out=p, **ops)
     elif kind == "fold":
         res = common.gemm_for(p.device)(a, b, epilogue=adamw_fold, out=p, gamma=gamma, **ops)
-    elif kind == "accumulate":
-        res = common.gemm_for(p.device)(a, b, epilogue=adamw_accumulate, out=p, prev=t, s=s, **ops)
     else:
         res = common.gemm_for(p.device)(a[:, :0], b[:, :0], epilogue=adamw_scaled, out=p, t=t, s=s, **ops)
     assert res["out"] is p and res["m"] is m and res["v"] is v  # in place
@@ -215,17 +213,6 @@ def test_capturable_hyper_parameters_from_the_device_step(t):
     host = opt._hyper_tensor(0, group, t, p.device)
     torch.testing.assert_close(dev, host, rtol=2e-6, atol=0)
     assert opt._hyper_on_device(0, group, torch.tensor(0.0), p.device) is dev  # once per group and step
-
-
-def test_last_chunk_update_compiles_for_sm90_without_spills():
-    """The fast cross entropy's deferred last dW chunk with the update (four TileMN operands) under its config,
-    ``ops.cross_entropy.LAST_CHUNK_UPDATE``: WGMMA issued, no spills (in update_config's epilogue warps it
-    spills 24 bytes, hence the config of its own)."""
-    pytest.importorskip("cutlass")
-    from coda.check import compile_variant
-    from coda.ops.cross_entropy import LAST_CHUNK_UPDATE
-    row = compile_variant(LAST_CHUNK_UPDATE, adamw_accumulate, majors=("mn", "mn"))
-    assert row["ok"], row
 
 
 @pytest.mark.parametrize("name", ["adamw", "adamw_fold", "adamw_scaled"])
