@@ -57,6 +57,9 @@ KERNELS = {
     "void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, unsigned int, unsigned int)": "attention",
     "void cudnn::fusion::fmha_reduce_head<true>(void const*, void*, unsigned int, unsigned int)": "attention",
     "kernel_cutlass_softmax_grad_kernel_coda_kernels_ce_grad": "other",
+    # the QKV backward's RoPE pass (H100 profile, session 32): memory-bound, not a GEMM
+    "kernel_cutlass_kernel_codakernelsrope_grad_kernel_classlocalsRopeGradSm90_object_at__tensorptrbf16gmemalign16o":
+        "other",
     # cuBLAS SGEMV finishing the epilogues' column partials (kernels.epilogue._sum_tiles; H100 profile, session 31)
     "std::enable_if<!(false), void>::type internal::gemvx::kernel<int, int, float, float, float, float, false, true, "
     "false, false, 6, false, cublasGemvParamsEx<int, cublasGemvTensorStridedBatched<float const>, "

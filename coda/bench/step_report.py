@@ -22,7 +22,7 @@ DATASHEET_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "GH200": 989.4}
 # (class, pattern): matched in order against the kernel name (case-insensitive). The exceptions come first: our own
 # memory-bound CuTeDSL kernels carry "cutlass" in their names but are not GEMMs.
 RULES = (
-    ("other", r"ce_grad|softmax_grad"),
+    ("other", r"ce_grad|softmax_grad|rope_grad"),  # the CE's softmax-gradient pass, the QKV backward's RoPE pass
     # cuBLAS matrix-vector products: the finishing sums of the epilogues' tile partials (kernels.epilogue's
     # _sum_tiles), memory-bound; the model's own GEMMs never run as gemv at training shapes
     ("other", r"gemv"),
