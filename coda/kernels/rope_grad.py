@@ -221,7 +221,7 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 def _launch_kernel(views) -> None:
     """Run the kernel on ``views`` (dq, dk, dv, q, k, v, pos, freqs, r, dacc, dr). The first call of a (shapes,
-    strides, dtype) goes through the DSL's marshalling (``from_dlpack`` of ten tensors, ~100 us of host
+    strides, dtype) goes through the DSL's marshalling (``from_dlpack`` of eleven tensors, ~100 us of host
     time) and leaves a ``coda._launch.Plan``; later calls only write the data pointers and the stream."""
     from coda import _launch
     dev = views[0].device
