@@ -81,29 +81,24 @@ def residual_add(acc, res: coda.TileMN):
     return acc + res
 
 
-_SUMSQ = {}
-
-
+@functools.lru_cache(maxsize=None)
 def residual_add_sumsq(dtype, scaled: bool = False):
     """``acc + res`` rounded to ``dtype`` (the stored value h) and its per-row sum of squares (fp32 partials per
     N-tile): the next RMSNorm's r from the producer's epilogue instead of a pass over the residual stream
     (``coda.nn``: the down projection's output feeds the next layer's QKV GEMM). ``scaled``: also the extra output
     ``hg`` = h * gamma (a VecN operand ``gamma``; the product rounded once, as ``scale_sumsq`` writes it), the next
     GEMM's A operand (the O projection's output feeds the MLP's gate/up GEMM). One epilogue per dtype and form."""
-    key = (str(dtype).replace("torch.", ""), scaled)
-    if key not in _SUMSQ:
-        if scaled:
-            def residual_add_sumsq(acc, res: coda.TileMN, gamma: coda.VecN):
-                h = coda.cast(acc + res, dtype)
-                return {"out": h, "hg": h * gamma, "ss": coda.reduce_n(h * h)}
-        else:
-            def residual_add_sumsq(acc, res: coda.TileMN):
-                h = coda.cast(acc + res, dtype)
-                return {"out": h, "ss": coda.reduce_n(h * h)}
-        name = f"residual_add_sumsq_{key[0]}{'_gamma' if scaled else ''}"
-        residual_add_sumsq.__name__ = residual_add_sumsq.__qualname__ = name
-        _SUMSQ[key] = coda.epilogue(residual_add_sumsq)
-    return _SUMSQ[key]
+    if scaled:
+        def residual_add_sumsq(acc, res: coda.TileMN, gamma: coda.VecN):
+            h = coda.cast(acc + res, dtype)
+            return {"out": h, "hg": h * gamma, "ss": coda.reduce_n(h * h)}
+    else:
+        def residual_add_sumsq(acc, res: coda.TileMN):
+            h = coda.cast(acc + res, dtype)
+            return {"out": h, "ss": coda.reduce_n(h * h)}
+    name = f"residual_add_sumsq_{str(dtype).replace('torch.', '')}{'_gamma' if scaled else ''}"
+    residual_add_sumsq.__name__ = residual_add_sumsq.__qualname__ = name
+    return coda.epilogue(residual_add_sumsq)
 
 
 @coda.epilogue
