@@ -437,6 +437,10 @@ def test_step_gaps_analyse_finds_idle_time_and_the_syncing_op():
     assert got["kernels"] == 4 and abs(got["span_ms"] - 0.05) < 1e-12
     assert abs(got["busy_ms"] - 0.03) < 1e-12 and abs(got["idle_ms"] - 0.02) < 1e-12
     assert got["gaps"] == [{"next_kernel": "b", "count": 2, "ms": 0.02}]
+    # the idle time by the kernel that ended before it (c ends at 35, after b's 30) and by its length
+    assert got["gaps_after"] == [{"previous_kernel": "a", "count": 1, "ms": 0.01},
+                                 {"previous_kernel": "c", "count": 1, "ms": 0.01}]
+    assert got["idle_by_length"] == [{"length": "<16 us", "count": 2, "ms": 0.02}]
     assert got["syncs"] == [{"call": "cudaStreamSynchronize", "op": "aten::_local_scalar_dense", "count": 1,
                              "ms": 0.03}]
 

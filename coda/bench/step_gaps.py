@@ -23,18 +23,30 @@ def analyse(trace: dict, top: int = 15, min_gap_us: float = 3.0) -> dict:
     if not kern:
         return out
     busy, gaps, end = 0.0, defaultdict(lambda: [0, 0.0]), kern[0]["ts"]
+    after = defaultdict(lambda: [0, 0.0])  # the same idle time grouped by the kernel that ended before it
+    sizes = defaultdict(lambda: [0, 0.0])  # every idle interval (also those under min_gap_us), by its length
+    prev = kern[0]["name"]
     for e in kern:
         t0, t1 = e["ts"], e["ts"] + e.get("dur", 0)
+        if t0 > end:
+            b = next(f"<{u} us" for u in (1, 2, 4, 8, 16, 32, 64, 10 ** 9) if t0 - end < u)
+            sizes[b][0] += 1
+            sizes[b][1] += t0 - end
         if t0 > end + min_gap_us:
-            g = gaps[e["name"][:90]]
-            g[0] += 1
-            g[1] += t0 - end
+            for table, key in ((gaps, e["name"][:90]), (after, prev[:90])):
+                table[key][0] += 1
+                table[key][1] += t0 - end
         busy += max(0.0, t1 - max(t0, end))
-        end = max(end, t1)
+        if t1 >= end:
+            end, prev = t1, e["name"]
     span = end - kern[0]["ts"]
+
+    def rows(table, key):
+        return [{key: k, "count": c, "ms": us / 1e3}
+                for k, (c, us) in sorted(table.items(), key=lambda kv: -kv[1][1])[:top]]
     out.update(span_ms=span / 1e3, busy_ms=busy / 1e3, idle_ms=(span - busy) / 1e3,
-               gaps=[{"next_kernel": k, "count": c, "ms": us / 1e3}
-                     for k, (c, us) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:top]])
+               gaps=rows(gaps, "next_kernel"), gaps_after=rows(after, "previous_kernel"),
+               idle_by_length=[{"length": k, "count": c, "ms": us / 1e3} for k, (c, us) in sizes.items()])
     ops = sorted((e for e in evs if e.get("cat") in ("cpu_op", "user_annotation")), key=lambda e: e["ts"])
     syncs = defaultdict(lambda: [0, 0.0])
     for e in evs:
@@ -58,6 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's)")
     ap.add_argument("--stock", action="store_true", help="the stock model (default: coda.fuse)")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--graph", action="store_true", help="the step captured whole in one CUDA graph (the report's "
+                    "+graph modes), a replay profiled")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--optimizer", default="adamw-fused", choices=["adamw-fused", "coda-adamw"])
     ap.add_argument("--trace", default=None, help="also keep the chrome trace here (gzip if it ends in .gz)")
@@ -67,7 +81,7 @@ def main(argv=None) -> int:
 
     from .step_ops import one_step
     step = one_step(args.model, args.layers, args.batch, args.seq, stock=args.stock, compile=args.compile,
-                    optimizer=args.optimizer)
+                    optimizer=args.optimizer, graph=args.graph)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -84,7 +98,7 @@ def main(argv=None) -> int:
         with (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "wt") as f:
             json.dump(trace, f)
     res.update(device=torch.cuda.get_device_name(), mode=("stock" if args.stock else "fused")
-               + ("+compile" if args.compile else ""), model=args.model,
+               + ("+compile" if args.compile else "") + ("+graph" if args.graph else ""), model=args.model,
                layers=args.layers or "the preset's")
     print(json.dumps(res, indent=1))
     return 0

@@ -9,12 +9,14 @@ import sys
 
 
 def one_step(model: str, layers, batch: int, seq: int, *, stock: bool = False, compile: bool = False,
-             device: str = "cuda", optimizer: str = "adamw-fused"):
+             device: str = "cuda", optimizer: str = "adamw-fused", graph: bool = False):
     """A function running one training step (forward with the loss, backward, fused AdamW) of a preset of
     :mod:`coda.bench.step` on the GPU in bf16 (``layers``: fewer decoder layers; None: the preset's), stock or
     ``coda.fuse``'d, optionally under torch.compile; shared by the step benchmarks that profile one step.
     ``optimizer``: "adamw-fused" (torch's), or "coda-adamw" (``coda.optim.AdamW``, fused models only: the step
-    report's fused modes with ``--optimizer coda-adamw``)."""
+    report's fused modes with ``--optimizer coda-adamw``). ``graph``: the step (forward, backward, update) captured
+    whole in one CUDA graph after two eager steps on a side stream, as the step report's +graph modes; each call
+    replays it."""
     import torch
 
     from .step import PRESETS, build_model, make_batches
@@ -30,15 +32,27 @@ def one_step(model: str, layers, batch: int, seq: int, *, stock: bool = False, c
     fn = torch.compile(m) if compile else m
     if optimizer == "coda-adamw" and not stock:
         import coda.optim
-        opt = coda.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+        opt = coda.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.0, fused=True, capturable=graph)
     else:
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True, capturable=graph)
     ids = make_batches(cfg["vocab"], batch, seq, 1, 1)[0].to(device)
 
     def step():
         fn(ids, labels=ids).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(ids, labels=ids).backward()
+            opt.step()
+        step = g.replay
     step.forward = lambda: fn(ids, labels=ids)  # the forward alone (coda.bench.step_host --forward)
     return step
 
