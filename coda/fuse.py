@@ -16,6 +16,9 @@ What is swapped (duck-typed on class names, so it works on Hugging Face ``LlamaF
   norm becomes a ``DeferredRMSNorm`` and the attention a
   :class:`coda.nn_attention.FusedAttention` (norm + QKV + RoPE in one GEMM, SDPA with grouped-query heads as they
   are, ``o_proj`` shared);
+- the input embedding (``model.model.embed_tokens``, a plain ``nn.Embedding``; ``embedding=False``: not): its
+  ``forward`` is patched to ``coda.ops.embedding`` (torch's lookup; under ``coda.optim.AdamW`` its backward updates
+  the weight in place, one pass, instead of forming the V x H gradient);
 - the final norm (``model.norm``) + ``lm_head`` + loss of the top module (it has ``lm_head`` and ``model.norm``): the
   norm becomes a ``DeferredRMSNorm``, ``lm_head`` a :class:`coda.nn.LMHeadCrossEntropy` (same weight Parameter, so
   tied embeddings stay tied), and the top module's ``forward`` is patched (an instance attribute): with ``labels``
@@ -88,7 +91,8 @@ def _names(names: list) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def fuse(model: nn.Module, *, mlp: bool = True, attention: bool = True, lm_head: bool = True) -> nn.Module:
+def fuse(model: nn.Module, *, mlp: bool = True, attention: bool = True, lm_head: bool = True,
+         embedding: bool = True) -> nn.Module:
     """Swap the RMSNorm + MLP of every decoder layer and the final norm + LM head + loss (see the module docstring).
     In place; returns ``model``. Layers that do not match (other classes, activation, biases, sizes not multiples
     of 8) are left stock with a warning naming them; when nothing matched, the model is not marked fused. Fusing
@@ -127,6 +131,8 @@ def fuse(model: nn.Module, *, mlp: bool = True, attention: bool = True, lm_head:
         warnings.warn(f"coda.fuse: nothing fused in {_cls(model)}; the model is left stock and not marked fused "
                       "(coda.fuse knows Llama-style models: Hugging Face LlamaForCausalLM, examples/llama_model.py)")
         return model
+    if embedding:
+        _fuse_embedding(model)
     model._coda_fused = True
     return model
 
@@ -196,6 +202,24 @@ def _fuse_head(model: nn.Module) -> bool:
     backbone.norm, model.lm_head = deferred, fused
     model.forward = types.MethodType(_causal_lm_forward, model)
     return True
+
+
+def _fuse_embedding(model: nn.Module) -> None:
+    """The input embedding (``model.model.embed_tokens``, a plain ``nn.Embedding``) through
+    ``coda.ops.embedding``: its forward patched (an instance attribute); the lookup is torch's, the backward under
+    ``coda.optim.AdamW`` updates the weight in place in one pass (``coda.kernels.embedding_adamw``)."""
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if type(emb) is not nn.Embedding or emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
+        return
+    if any(p is emb.weight for m in model.modules() if m is not emb for p in m.parameters(recurse=False)):
+        # shared (a tied LM head, fused or not): its gradient has two parts, so coda.optim never updates it in backward
+        emb.weight._coda_no_in_backward = True
+    emb.forward = types.MethodType(_embedding_forward, emb)
+
+
+def _embedding_forward(self, ids):
+    from coda.ops import embedding
+    return embedding(ids, self.weight, self.padding_idx)
 
 
 def _fuse_residuals(model: nn.Module) -> None:
@@ -297,6 +321,9 @@ def unfuse(model: nn.Module) -> nn.Module:
         lin.weight = head.weight
         model.lm_head, model.model.norm = lin, norm
         model.__dict__.pop("forward", None)
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if isinstance(emb, nn.Module):
+        emb.__dict__.pop("forward", None)
     model._coda_fused = False
     return model
 

@@ -59,6 +59,8 @@ def _cases():
     yield ("rmsnorm_linear", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32), _rnd(I, H, scale=0.1)),
            lambda x, g, w: coda.ops.rmsnorm_linear(x, g, w, 1e-6))
     yield "rmsnorm", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32)), coda.ops.rmsnorm
+    yield ("embedding", lambda: (torch.randint(0, V, (2, M // 2)), _rnd(V, H)),
+           lambda ids, w: coda.ops.embedding(ids, w, padding_idx=3))
 
 
 @coda.epilogue
@@ -109,7 +111,8 @@ def test_every_custom_op_with_autograd_has_an_eager_entry():
     assert {n for n in common._impls if n not in common._eager} == {
         "linear_gated_backward", "linear_cross_entropy_backward", "mlp_backward", "linear_rope_backward",
         "rmsnorm_linear_backward", "linear_backward", "rmsnorm_linear_rope_backward",
-        "rmsnorm_linear_rope_qkv_backward", "linear_residual_backward", "rmsnorm_backward"}
+        "rmsnorm_linear_rope_qkv_backward", "linear_residual_backward", "rmsnorm_backward",
+        "embedding_backward"}
 
 
 @pytest.mark.parametrize("name", ["mlp", "linear_rope", "linear"])

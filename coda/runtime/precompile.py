@@ -169,7 +169,8 @@ def _named(name: str):
 # kind -> (key(params, arch, specs), build(params, args, arch, specs, options) -> (fn, how)): the compile points'
 # own paths (``specs``: the ArgSpecs of the runtime's arguments, ``args`` may be their fake stand-ins; options
 # None: the runtime's, the arch then comes from the device or CUTE_DSL_ARCH)
-KINDS: dict = {"gemm": (_gemm_key, _gemm_build), "ce_grad": _named("ce_grad"), "rope_grad": _named("rope_grad")}
+KINDS: dict = {"gemm": (_gemm_key, _gemm_build), "ce_grad": _named("ce_grad"), "rope_grad": _named("rope_grad"),
+         "embedding_adamw": _named("embedding_adamw")}
 
 
 def load_or_compile(kind: str, params: tuple, args: list, arch: str) -> tuple:
