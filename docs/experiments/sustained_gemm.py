@@ -1,0 +1,68 @@
+"""GEMM throughput and power under sustained load: cuBLAS vs coda.gemm (shipped config or heuristic).
+
+The training step is power-capped on the H100 (700 W; the SM clock falls from 1980 to 1400-1700 MHz within a few
+back-to-back steps: docs/experiments/step_clocks.py), so a kernel's energy per FLOP sets its speed in the step,
+not its time in a short do_bench. Each (shape, kernel) runs back to back for --secs seconds; TFLOP/s over the
+second half, mean power and SM clock over the same window (nvidia-smi sampled every 50 ms).
+Usage on the GPU: python docs/experiments/sustained_gemm.py [--secs 3]."""
+import argparse
+import subprocess
+import threading
+import time
+
+import torch
+
+import coda
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--secs", type=float, default=3.0)
+args = ap.parse_args()
+
+samples = []  # (time, MHz, W)
+
+
+def sample():
+    p = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                          "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        mhz, w = line.strip().split(", ")
+        samples.append((time.time(), float(mhz), float(w)))
+
+
+threading.Thread(target=sample, daemon=True).start()
+SHAPES = [(8192, 16384, 2048), (8192, 2048, 8192), (8192, 8192, 8192), (8192, 128256, 2048)]
+
+
+def run(fn, flops):
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.time()
+    n, half = 0, None
+    while time.time() - t0 < args.secs:
+        for _ in range(5):
+            fn()
+        n += 5
+        torch.cuda.synchronize()
+        if half is None and time.time() - t0 > args.secs / 2:
+            half, n, th = time.time(), 0, time.time()
+    dt = time.time() - th
+    win = [s for s in samples if th <= s[0] <= time.time()]
+    mhz = sum(s[1] for s in win) / max(1, len(win))
+    w = sum(s[2] for s in win) / max(1, len(win))
+    return n * flops / dt / 1e12, mhz, w
+
+
+time.sleep(1.0)
+print(f"{torch.cuda.get_device_name()}: sustained {args.secs} s per kernel (TFLOP/s, MHz, W over the second half)")
+for M, N, K in SHAPES:
+    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * M * N * K
+    res = {}
+    for name, fn in (("cublas", lambda: torch.mm(a, b.t(), out=out)), ("coda", lambda: coda.gemm(a, b, out=out)),
+                     ("cublas2", lambda: torch.mm(a, b.t(), out=out)), ("coda2", lambda: coda.gemm(a, b, out=out))):
+        time.sleep(1.0)  # cool down between kernels
+        res[name] = run(fn, flops)
+    print(f"{M}x{N}x{K}: " + "  ".join(f"{k} {t:.0f} TF/s {mhz:.0f} MHz {w:.0f} W" for k, (t, mhz, w) in res.items())
+          + f"  coda/cublas {res['coda'][0] / res['cublas'][0]:.3f} {res['coda2'][0] / res['cublas2'][0]:.3f}")
