@@ -75,6 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated problem names (default: the step's four; also "
                     "adamw_wide (the down projection's update), adamw_plain (adamw's dW GEMM without the update), da_nored, da_simple, da_plain, da_stores, da_loads: the fused da without its row partials / with trivial "
                     "math / the plain GEMM / its stores alone / its loads alone)")
+    ap.add_argument("--no-ewg", action="store_true", help="only --variants (not the four epilogue-warp configs)")
     ap.add_argument("--variants", default="", help="more epi_wg configs: ';'-separated GemmConfig fields, e.g. "
                     "'raster=n;cluster_m=1,swizzle=1'")
     args = ap.parse_args(argv)
@@ -84,11 +85,12 @@ def main(argv=None) -> int:
     import coda
     from coda.config import GemmConfig
 
-    variants = {f"ewg {tn} c{cm}": GemmConfig(tile_n=tn, cluster_m=cm, epi_wg=True)
-                for tn in (256, 128) for cm in (1, 2)}
+    variants = {} if args.no_ewg else {f"ewg {tn} c{cm}": GemmConfig(tile_n=tn, cluster_m=cm, epi_wg=True)
+                                      for tn in (256, 128) for cm in (1, 2)}
     for spec in filter(None, args.variants.split(";")):  # e.g. "raster=n,swizzle=1"
-        kw = {k: (v if k == "raster" else int(v)) for k, v in (f.split("=") for f in spec.split(","))}
-        variants[f"ewg {spec}"] = GemmConfig(epi_wg=True, **kw)
+        kw = {k: (v if k in ("raster", "sched") else bool(int(v)) if k in ("epi_wg", "pingpong") else int(v))
+              for k, v in (f.split("=") for f in spec.split(","))}  # (epi_wg=0: the consumer warps' epilogue)
+        variants[f"{'ewg ' if kw.get('epi_wg', True) else ''}{spec}"] = GemmConfig(**{"epi_wg": True, **kw})
     only = set(filter(None, args.only.split(","))) or {"fused_da", "swiglu_fwd", "radial", "adamw"}
     print(f"{torch.cuda.get_device_name()}: ms (median), / cuBLAS plain GEMM; err vs the default config")
     for name, (make, epi) in problems().items():
