@@ -32,7 +32,6 @@ Phase 3 (consumer warpgroups; registers raised to 232):
 from __future__ import annotations
 
 import math
-import os
 
 import cutlass
 import cutlass.cute as cute
@@ -51,10 +50,6 @@ from .operand_kinds import TILE
 from .sub_tile import SubTile, column_pair
 
 WG_THREADS = 128
-# experiment (session 33): odd clusters of a static cooperative kernel start their first mainloop this many
-# hundredths of a tile's mainloop later (SM clocks), so that the clusters' epilogues -- memory traffic -- do not
-# all fall at the same time; 0: off. Read when the module is imported (a compile-time constant).
-STAGGER = int(os.environ.get("CODA_STAGGER", "0"))
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
 # named barriers (0 is __syncthreads): epilogue of the cooperative pair, or of ping-pong warpgroup w (1 + w);
 # ping-pong mainloop ordering: warpgroup w waits on 3 + w.
@@ -349,13 +344,6 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
         k_blocks = cute.size(tCrA, mode=[2])
 
         w = self._work(mD)
-        if cutlass.const_expr(STAGGER > 0 and not pp and not self.ewg and not self.dynamic):
-            if w["cluster"] % 2 == 1:  # (STAGGER) ~ a k-tile of tile_m x tile_n x 64 takes tile_m * tile_n / 32 clk
-                t0 = cute.arch.clock64()
-                wait = cutlass.Int64(k_tiles) * (STAGGER * cfg.tile_m * cfg.tile_n // 3200)
-                now = cute.arch.clock64()
-                while now - t0 < wait:
-                    now = cute.arch.clock64()
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         tile_step = 1
