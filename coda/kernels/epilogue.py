@@ -24,7 +24,6 @@ The identity epilogue (``Epilogue()``) is the plain GEMM.
 from __future__ import annotations
 
 import dataclasses
-import os
 import math
 from typing import Any, Callable, Mapping, Optional
 
@@ -209,9 +208,6 @@ def tile_ring(epi: Epilogue, cfg, tile_bytes, out_bytes, in_bytes: int = 2) -> i
         return 2
     def stages(ring):
         return cfg.fit_stages(out_bytes, staged_smem_bytes(epi, cfg, tile_bytes, ring), in_bytes)
-    forced = int(os.environ.get("CODA_TILE_RING", "0"))  # experiment (session 33): this depth where it fits
-    if forced in (2, 4, 8) and forced <= cfg.tile_n // cfg.epi_n and stages(forced):
-        return forced
     base = stages(2)
     for ring in (8, 4):
         if base and ring <= cfg.tile_n // cfg.epi_n and stages(ring) == base:
