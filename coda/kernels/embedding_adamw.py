@@ -24,22 +24,17 @@ rows, 16-byte stores), 256 columns a warp step.
 math; float64 for float64 weights) on CPU tensors.
 """
 
-import threading
-
 import torch
 
-from coda.runtime import precompile
-
 from .ce_grad import _cutlass_dtype  # (the 16-bit element types, one table)
+from .row_kernel import VEC, Launcher, rows
 
 THREADS = 256
 WARPS = THREADS // 32
-VEC = 8  # 16-bit elements per 16-byte access
 N_HYPER = 8  # b1, b1c, b2, b2c, c2, eps, step_size, decay (epilogues.adamw.HYPER)
 _DTYPES = (torch.bfloat16, torch.float16)
-_compiled: dict = {}
-_plans: dict = {}
-_lock = threading.Lock()
+# dy (16-byte rows), perm, start, p, m, v (16-byte rows), hyper
+_launcher = Launcher("embedding_adamw", ((16, 1), (4, 0), (4, 0), (16, 1), (16, 1), (16, 1), (16, 0)))
 
 
 def check_args(dy, ids, p, m, v, hyper, entry: str = "embedding_adamw") -> None:
@@ -98,19 +93,12 @@ def _kernel_class():
         def __init__(self, dtype):
             self.dtype = dtype
 
-        @staticmethod
-        def _rows(t):
-            """(R, C) with a row stride the compiler knows to be a multiple of 8 (16-byte chunks)."""
-            ld = cute.assume(t.stride[0], divby=VEC)
-            return cute.make_tensor(t.iterator, cute.make_layout((t.shape[0], t.shape[1]), stride=(ld, 1)))
-
         @cute.jit
         def __call__(self, mDy: cute.Tensor, mPerm: cute.Tensor, mStart: cute.Tensor, stream: cuda.CUstream,
                      mP: cute.Tensor, mM: cute.Tensor, mV: cute.Tensor, mHyper: cute.Tensor):
             # (the stream fourth, every other argument a tensor: the argument order of coda._launch.Plan)
             V = mP.shape[0]
-            self.kernel(self._rows(mDy), mPerm, mStart, self._rows(mP), self._rows(mM), self._rows(mV),
-                        mHyper).launch(grid=[cute.ceil_div(V, WARPS), 1, 1], block=[THREADS, 1, 1], stream=stream)
+            self.kernel(rows(mDy), mPerm, mStart, rows(mP), rows(mM), rows(mV), mHyper).launch(grid=[cute.ceil_div(V, WARPS), 1, 1], block=[THREADS, 1, 1], stream=stream)
 
         @cute.kernel
         def kernel(self, mDy: cute.Tensor, mPerm: cute.Tensor, mStart: cute.Tensor, mP: cute.Tensor,
@@ -191,40 +179,6 @@ def compile_kernel(dtype=torch.bfloat16, *, options=None, fake=True, args=None):
     return cute.compile(op, *args, **kw)
 
 
-def _launch_kernel(views) -> None:
-    """Run the kernel on ``views`` (dy, perm, start, p, m, v, hyper); the first call of a (shapes, strides, dtype)
-    goes through the DSL's marshalling and leaves a ``coda._launch.Plan``, later calls only write the pointers."""
-    from coda import _launch
-    dev = views[0].device
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    handle = _launch.stream_handle(index)
-    key = tuple(_launch.tensor_sig(v) for v in views)
-    dry = precompile.recorder() is not None  # a dry run (coda.runtime.precompile): no plan is used or made
-    plan = None if dry else _plans.get(key)
-    if plan is not None:
-        plan.launch([v.data_ptr() for v in views], handle)
-        return
-    import cuda.bindings.driver as cuda
-    from cutlass.cute.runtime import from_dlpack
-    ld = (1, 0, 0, 1, 1, 1, 0)
-    align = (16, 4, 4, 16, 16, 16, 16)
-    cute_args = [from_dlpack(v, assumed_align=a).mark_layout_dynamic(leading_dim=d)
-                 for v, a, d in zip(views, align, ld)]
-    cute_args.insert(3, cuda.CUstream(handle))
-    fn = precompile.compiled_variant("embedding_adamw", (views[3].dtype,), cute_args, dev, _compiled, _lock)
-    with torch.cuda.device(dev):
-        fn(*cute_args)
-    if dry:
-        return
-    try:
-        plan = _launch.Plan(fn, cute_args, views, handle)
-    except _launch.PlanError:
-        return  # the DSL marshals differently: every call takes the path above
-    if len(_plans) >= 64:
-        _plans.clear()
-    _plans[key] = plan
-
-
 def segments(ids: torch.Tensor, V: int, padding_idx=None) -> tuple:
     """(perm, start): the tokens in the order of their ids (int32) and, for each row v, ``start[v] .. start[v+1]``
     its tokens in that order (V + 1 int32 offsets); tokens of ``padding_idx`` belong to no row. Fixed shapes, no
@@ -256,5 +210,5 @@ def embedding_adamw(dy, ids, p, m, v, hyper, padding_idx=None) -> None:
         return None
     perm, start = segments(ids, V, padding_idx)
     dy = dy if (dy.stride(1) == 1 and dy.stride(0) % VEC == 0 and dy.data_ptr() % 16 == 0) else dy.contiguous()
-    _launch_kernel([dy, perm, start, p, m, v, hyper.contiguous()])
+    _launcher([dy, perm, start, p, m, v, hyper.contiguous()], (p.dtype,))
     return None

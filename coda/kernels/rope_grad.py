@@ -28,21 +28,17 @@ angles in float64, the CPU reference path) on CPU tensors. ``python -m coda.benc
 """
 
 import math
-import threading
 
 import torch
 
-from coda.runtime import precompile
-
 from .ce_grad import _cutlass_dtype  # (the 16-bit element types, one table)
+from .row_kernel import VEC, Launcher, rows
 
 THREADS = 256
 WARPS = THREADS // 32
-VEC = 8  # 16-bit elements per 16-byte access
 _DTYPES = (torch.bfloat16, torch.float16)
-_compiled: dict = {}
-_plans: dict = {}
-_lock = threading.Lock()
+# dq, dk, dv, q, k, v as 16-byte rows; pos, freqs, r, dacc, dr
+_launcher = Launcher("rope_grad", ((16, 1),) * 6 + ((4, 0), (16, 0), (4, 0), (16, 1), (4, 0)))
 
 
 def check_args(grads, ys, pos, freqs, r, entry: str = "rope_grad") -> tuple:
@@ -113,20 +109,14 @@ def _kernel_class():
         def __init__(self, dtype):
             self.dtype = dtype
 
-        @staticmethod
-        def _rows(t):
-            """(R, C) with a row stride the compiler knows to be a multiple of 8 (16-byte chunks)."""
-            ld = cute.assume(t.stride[0], divby=VEC)
-            return cute.make_tensor(t.iterator, cute.make_layout((t.shape[0], t.shape[1]), stride=(ld, 1)))
-
         @cute.jit
         def __call__(self, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, stream: cuda.CUstream,
                      mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mPos: cute.Tensor, mFreq: cute.Tensor,
                      mR: cute.Tensor, mOut: cute.Tensor, mC: cute.Tensor):
             # (the stream fourth, every other argument a tensor: the argument order of coda._launch.Plan)
             M = mDq.shape[0]
-            self.kernel(self._rows(mDq), self._rows(mDk), self._rows(mDv), self._rows(mQ), self._rows(mK),
-                        self._rows(mV), mPos, mFreq, mR, self._rows(mOut), mC).launch(
+            self.kernel(rows(mDq), rows(mDk), rows(mDv), rows(mQ), rows(mK), rows(mV), mPos, mFreq, mR, rows(mOut),
+                        mC).launch(
                 grid=[cute.ceil_div(M, WARPS), 1, 1], block=[THREADS, 1, 1], stream=stream)
 
         @cute.kernel
@@ -219,40 +209,6 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _launch_kernel(views) -> None:
-    """Run the kernel on ``views`` (dq, dk, dv, q, k, v, pos, freqs, r, dacc, dr). The first call of a (shapes,
-    strides, dtype) goes through the DSL's marshalling (``from_dlpack`` of eleven tensors, ~100 us of host
-    time) and leaves a ``coda._launch.Plan``; later calls only write the data pointers and the stream."""
-    from coda import _launch
-    dev = views[0].device
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    handle = _launch.stream_handle(index)
-    key = tuple(_launch.tensor_sig(v) for v in views)
-    dry = precompile.recorder() is not None  # a dry run (coda.runtime.precompile): no plan is used or made
-    plan = None if dry else _plans.get(key)
-    if plan is not None:
-        plan.launch([v.data_ptr() for v in views], handle)
-        return
-    import cuda.bindings.driver as cuda
-    from cutlass.cute.runtime import from_dlpack
-    cute_args = [from_dlpack(v, assumed_align=16).mark_layout_dynamic(leading_dim=1) for v in views[:6]]
-    cute_args += [from_dlpack(v, assumed_align=a).mark_layout_dynamic(leading_dim=ld)
-                  for v, a, ld in zip(views[6:], (4, 16, 4, 16, 4), (0, 0, 0, 1, 0))]
-    cute_args.insert(3, cuda.CUstream(handle))
-    fn = precompile.compiled_variant("rope_grad", (views[9].dtype,), cute_args, dev, _compiled, _lock)
-    with torch.cuda.device(dev):
-        fn(*cute_args)
-    if dry:
-        return
-    try:
-        plan = _launch.Plan(fn, cute_args, views, handle)
-    except _launch.PlanError:
-        return  # the DSL marshals differently: every call takes the path above
-    if len(_plans) >= 64:  # shapes that change every call (e.g. varying sequence lengths): keep the table small
-        _plans.clear()
-    _plans[key] = plan
-
-
 def rope_grad(grads, ys, pos, freqs, r):
     """(dacc, dr) of the module docstring. ``grads``: (dq, dk, dv), ``ys``: (q, k, v), each (M, n_i) bf16 / fp16
     with n_i a multiple of 8; ``pos`` (M,) fp32; ``freqs`` (N/2,) fp32, N = sum n_i; ``r`` (M,) fp32, the rows'
@@ -274,6 +230,6 @@ def rope_grad(grads, ys, pos, freqs, r):
         f = f.clone()
     views = [*(_as_rows(t.detach()) for t in (*grads, *ys)), pos.detach().contiguous(), f, r.detach().contiguous(),
              out, c]
-    _launch_kernel(views)
+    _launcher(views, (out.dtype,))
     return out, c
 
