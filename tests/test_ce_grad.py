@@ -210,6 +210,19 @@ def _cutlass():
 needs_cutlass = pytest.mark.skipif(not _cutlass(), reason="nvidia-cutlass-dsl not importable")
 
 
+def sm90a_ptx(compile_kernel, *params) -> tuple:
+    """(PTX text, ``ptxas -v`` output or None) of a kernel module's ``compile_kernel(*params)`` for sm_90a (the row
+    kernels' compile tests: rope_grad, embedding_adamw)."""
+    import os
+    import tempfile
+
+    from coda.kernels.ce_grad import _ptxas_v
+    with tempfile.TemporaryDirectory() as d:
+        compile_kernel(*params, options=f"--gpu-arch=sm_90a --keep-ptx --dump-dir={d}")
+        ptx = next(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".ptx"))
+        return open(ptx).read(), _ptxas_v(ptx, "sm_90a")
+
+
 @needs_cutlass
 @pytest.mark.parametrize("variant", [(torch.bfloat16, 0.0, 0.0, None), (torch.float16, 0.1, 1e-4, 30.0)],
                          ids=["bf16-plain", "fp16-all-options"])

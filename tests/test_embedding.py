@@ -8,7 +8,6 @@ import copy
 import os
 import re
 import sys
-import tempfile
 import warnings
 
 import pytest
@@ -20,7 +19,7 @@ import coda.ops
 from coda.epilogues.adamw import HYPER
 from coda.kernels import embedding_adamw as ea
 from coda.ops import embedding
-from test_ce_grad import needs_cutlass
+from test_ce_grad import needs_cutlass, sm90a_ptx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -48,12 +47,7 @@ def _ids(T, V, g, pad=None):
 @needs_cutlass
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_compiles_for_sm90a_with_vector_accesses(dtype):
-    from coda.kernels.ce_grad import _ptxas_v
-    with tempfile.TemporaryDirectory() as d:
-        ea.compile_kernel(dtype, options=f"--gpu-arch=sm_90a --keep-ptx --dump-dir={d}")
-        ptx = next(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".ptx"))
-        text = open(ptx).read()
-        out = _ptxas_v(ptx, "sm_90a")
+    text, out = sm90a_ptx(ea.compile_kernel, dtype)
     # 16-byte loads of the dy rows and of p, m, v (and the hyper-parameters); p, m, v stored as 16-byte vectors,
     # nothing else stored
     assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", text)) >= 4

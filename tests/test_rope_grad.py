@@ -1,26 +1,19 @@
 """CPU (CI): ``coda.kernels.rope_grad`` -- the kernel compiles for sm_90a with 16-byte accesses and no spills, its
 launch plan reproduces the DSL's marshalling, bad arguments are refused by name; the reference is tested in
 tests/test_attention.py and the kernel against it in tests/test_attention_gpu.py."""
-import os
 import re
-import tempfile
 
 import pytest
 import torch
 
 from coda.kernels import rope_grad as rg
-from test_ce_grad import needs_cutlass
+from test_ce_grad import needs_cutlass, sm90a_ptx
 
 
 @needs_cutlass
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_compiles_for_sm90a_with_vector_accesses(dtype):
-    from coda.kernels.ce_grad import _ptxas_v
-    with tempfile.TemporaryDirectory() as d:
-        rg.compile_kernel(dtype, options=f"--gpu-arch=sm_90a --keep-ptx --dump-dir={d}")
-        ptx = next(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".ptx"))
-        text = open(ptx).read()
-        out = _ptxas_v(ptx, "sm_90a")
+    text, out = sm90a_ptx(rg.compile_kernel, dtype)
     # per part: dy, y and 4 frequencies as 16-byte loads, dacc as a 16-byte store
     assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", text)) == 9
     assert len(re.findall(r"st\.global[.a-z0-9]*\.v4", text)) == 3
