@@ -60,9 +60,9 @@ def test_compiles_for_sm90a_with_vector_accesses(dtype):
 
 @needs_cutlass
 def test_launch_plan_matches_the_dsl_marshalling():
-    """The argument order (stream fourth, tensors otherwise) and ``_launch_kernel``'s from_dlpack alignments and
-    leading dims are what coda._launch.Plan reproduces: a plan is built from a real call's arguments without
-    PlanError (one descriptor per tensor)."""
+    """The argument order (stream fourth, tensors otherwise) and the launcher's from_dlpack alignments and leading
+    dims (``_launcher.layout``) are what coda._launch.Plan reproduces: a plan is built from a real call's arguments
+    without PlanError (one descriptor per tensor)."""
     import cuda.bindings.driver as cuda
     from cutlass.cute.runtime import from_dlpack
 
@@ -75,7 +75,7 @@ def test_launch_plan_matches_the_dsl_marshalling():
                  torch.rand(V, H, **bf), _hyper(1, dtype=torch.float32)]
         assert [v.dtype for v in views[1:3]] == [torch.int32, torch.int32] and start.shape == (V + 1,)
         args = [from_dlpack(v, assumed_align=a).mark_layout_dynamic(leading_dim=d)
-                for v, a, d in zip(views, (16, 4, 4, 16, 16, 16, 16), (1, 0, 0, 1, 1, 1, 0))]
+                for v, (a, d) in zip(views, ea._launcher.layout)]
         args.insert(3, cuda.CUstream(0))
         fn = ea.compile_kernel(torch.bfloat16, fake=False, args=args)
         plan = _launch.Plan(fn, args, views, 0)

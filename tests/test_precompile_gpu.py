@@ -18,10 +18,12 @@ pytestmark = pytest.mark.gpu
 gemm_mod = importlib.import_module("coda.gemm")
 ce_grad = importlib.import_module("coda.kernels.ce_grad")
 rope_grad = importlib.import_module("coda.kernels.rope_grad")
+embedding_adamw = importlib.import_module("coda.kernels.embedding_adamw")
 
 
 def _forget_compiled():
-    for d in (gemm_mod._cache, gemm_mod._plans, ce_grad._compiled, rope_grad._compiled, rope_grad._plans,
+    for d in (gemm_mod._cache, gemm_mod._plans, ce_grad._compiled, rope_grad._launcher.compiled,
+              rope_grad._launcher.plans, embedding_adamw._launcher.compiled, embedding_adamw._launcher.plans,
               compile_cache._modules):
         d.clear()
 
@@ -45,6 +47,7 @@ def test_precompile_then_the_first_step_compiles_nothing(cache, monkeypatch):
     s = coda.precompile(lambda ids: a(ids, labels=ids).loss.backward(), batches[0], workers=2)
     assert s.found > 10 and s.failed == 0 and s.compiled == s.found and s.workers == 2, str(s)
     assert s.kinds.get("gemm", 0) > 10 and s.kinds.get("rope_grad", 0) >= 1, s.kinds
+    assert s.kinds.get("embedding_adamw", 0) == 1, s.kinds  # the embedding's backward + update (coda.optim)
     assert all(p.grad is None for p in a.parameters()) and not opt_a._done and not opt_a.state
     assert not gemm_mod._cache and not gemm_mod._plans
 

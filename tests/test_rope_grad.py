@@ -37,9 +37,8 @@ def test_launch_plan_matches_the_dsl_marshalling():
         views = [rg._as_rows(t) for t in (*big.split(widths, 1), *y.split(widths, 1))]
         views += [torch.zeros(M), torch.zeros(N // 2), torch.ones(M), rg._as_rows(torch.empty(M, N).bfloat16()),
                   torch.empty(M)]
-        args = [from_dlpack(v, assumed_align=16).mark_layout_dynamic(leading_dim=1) for v in views[:6]]
-        args += [from_dlpack(v, assumed_align=a).mark_layout_dynamic(leading_dim=ld)
-                 for v, a, ld in zip(views[6:], (4, 16, 4, 16, 4), (0, 0, 0, 1, 0))]
+        args = [from_dlpack(v, assumed_align=a).mark_layout_dynamic(leading_dim=ld)
+                for v, (a, ld) in zip(views, rg._launcher.layout)]
         args.insert(3, cuda.CUstream(0))
         fn = rg.compile_kernel(torch.bfloat16, fake=False, args=args)
         plan = _launch.Plan(fn, args, views, 0)

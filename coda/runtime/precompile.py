@@ -2,7 +2,7 @@
 
 Design: a *dry run* -> *recipes* -> *spawned workers* -> *the disk cache* -> *the real step loads*. Under
 :func:`recording` (what ``coda.precompile`` runs the user's step in) every kernel-compile point -- ``coda.gemm``'s
-``_compiled``, ``coda.kernels.ce_grad`` and ``coda.kernels.rope_grad`` -- compiles and launches nothing: it records a
+``_compiled``, ``coda.kernels.ce_grad`` and the row kernels (``coda.kernels.row_kernel``) -- compiles and launches nothing: it records a
 :class:`Recipe` and returns a no-op callable, so the step runs its host code (argument checks, config choice, torch
 ops on unwritten outputs: shapes never depend on values) and meets every kernel it needs. A recipe is what another
 process needs to compile exactly the same kernel and store it under exactly the same key: the kind of kernel, its
