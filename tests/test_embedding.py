@@ -63,9 +63,6 @@ def test_launch_plan_matches_the_dsl_marshalling():
     """The argument order (stream fourth, tensors otherwise) and the launcher's from_dlpack alignments and leading
     dims (``_launcher.layout``) are what coda._launch.Plan reproduces: a plan is built from a real call's arguments
     without PlanError (one descriptor per tensor)."""
-    import cuda.bindings.driver as cuda
-    from cutlass.cute.runtime import from_dlpack
-
     from coda import _launch
     for T, V, H in ((37, 50, 24), (1, 3, 8)):
         ids = torch.randint(0, V, (T,))
@@ -74,9 +71,7 @@ def test_launch_plan_matches_the_dsl_marshalling():
         views = [torch.randn(T, H, **bf), perm, start, torch.randn(V, H, **bf), torch.randn(V, H, **bf),
                  torch.rand(V, H, **bf), _hyper(1, dtype=torch.float32)]
         assert [v.dtype for v in views[1:3]] == [torch.int32, torch.int32] and start.shape == (V + 1,)
-        args = [from_dlpack(v, assumed_align=a).mark_layout_dynamic(leading_dim=d)
-                for v, (a, d) in zip(views, ea._launcher.layout)]
-        args.insert(3, cuda.CUstream(0))
+        args = ea._launcher.cute_args(views, 0)
         fn = ea.compile_kernel(torch.bfloat16, fake=False, args=args)
         plan = _launch.Plan(fn, args, views, 0)
         assert len(plan.descs) == 7

@@ -26,9 +26,6 @@ def test_compiles_for_sm90a_with_vector_accesses(dtype):
 def test_launch_plan_matches_the_dsl_marshalling():
     """The argument order (stream fourth, tensors otherwise) is what coda._launch.Plan reproduces: a plan is built
     from a real call's arguments (column blocks of one buffer, a single row padded view) without PlanError."""
-    import cuda.bindings.driver as cuda
-    from cutlass.cute.runtime import from_dlpack
-
     from coda import _launch
     for M in (64, 1):
         widths = (128, 32, 32)
@@ -37,9 +34,7 @@ def test_launch_plan_matches_the_dsl_marshalling():
         views = [rg._as_rows(t) for t in (*big.split(widths, 1), *y.split(widths, 1))]
         views += [torch.zeros(M), torch.zeros(N // 2), torch.ones(M), rg._as_rows(torch.empty(M, N).bfloat16()),
                   torch.empty(M)]
-        args = [from_dlpack(v, assumed_align=a).mark_layout_dynamic(leading_dim=ld)
-                for v, (a, ld) in zip(views, rg._launcher.layout)]
-        args.insert(3, cuda.CUstream(0))
+        args = rg._launcher.cute_args(views, 0)
         fn = rg.compile_kernel(torch.bfloat16, fake=False, args=args)
         plan = _launch.Plan(fn, args, views, 0)
         assert len(plan.descs) == 11

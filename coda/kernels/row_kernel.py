@@ -34,6 +34,16 @@ class Launcher:
         self.plans: dict = {}
         self.lock = threading.Lock()
 
+    def cute_args(self, views: list, handle: int) -> list:
+        """The DSL arguments of a call on ``views``: each marked with its ``layout`` entry, the stream fourth (the
+        argument order of ``coda._launch.Plan``)."""
+        import cuda.bindings.driver as cuda
+        from cutlass.cute.runtime import from_dlpack
+        args = [from_dlpack(v, assumed_align=a).mark_layout_dynamic(leading_dim=ld)
+                for v, (a, ld) in zip(views, self.layout)]
+        args.insert(3, cuda.CUstream(handle))
+        return args
+
     def __call__(self, views: list, params: tuple) -> None:
         """Run the variant ``params`` (e.g. the element type) on ``views``: the first call of a (shapes, strides,
         dtypes) goes through the DSL's marshalling and leaves a plan, later calls only write the pointers."""
@@ -47,11 +57,7 @@ class Launcher:
         if plan is not None:
             plan.launch([v.data_ptr() for v in views], handle)
             return
-        import cuda.bindings.driver as cuda
-        from cutlass.cute.runtime import from_dlpack
-        cute_args = [from_dlpack(v, assumed_align=a).mark_layout_dynamic(leading_dim=ld)
-                     for v, (a, ld) in zip(views, self.layout)]
-        cute_args.insert(3, cuda.CUstream(handle))
+        cute_args = self.cute_args(views, handle)
         fn = precompile.compiled_variant(self.kind, params, cute_args, dev, self.compiled, self.lock)
         with torch.cuda.device(dev):
             fn(*cute_args)
