@@ -62,18 +62,20 @@ def check_args(dy, ids, p, m, v, hyper, entry: str = "embedding_adamw") -> None:
 
 
 def _reference(dy, ids, p, m, v, hyper, padding_idx) -> None:
-    """The rows' gradients summed in fp32 (float64 for float64 weights), then the update as the library's AdamW
-    epilogue evaluates it in torch (``epilogues.adamw.adamw``'s reference), rounded into p, m, v."""
-    from coda.epilogues.adamw import HYPER, adamw
+    """The rows' gradients summed in fp32 (float64 for float64 weights), then ``epilogues.adamw.update``'s
+    arithmetic in the same order (restated: the core does not import the epilogues package, tests/test_package.py),
+    rounded into p, m, v."""
     dt = torch.promote_types(p.dtype, torch.float32)
     g = torch.zeros(p.shape, dtype=dt, device=p.device)
     g.index_add_(0, ids.long(), dy.to(dt))
     if padding_idx is not None:
         g[padding_idx] = 0
-    res = adamw.reference(g, p=p, m=m, v=v, **{name: hyper[i] for i, name in enumerate(HYPER)})
-    p.copy_(res["out"])
-    m.copy_(res["m"])
-    v.copy_(res["v"])
+    b1, b1c, b2, b2c, c2, eps, step_size, decay = hyper.to(dt).unbind()
+    m2 = b1 * m.to(dt) + b1c * g
+    v2 = b2 * v.to(dt) + b2c * g * g
+    p.copy_(p.to(dt) * decay - step_size * m2 / (v2.sqrt() * c2 + eps))
+    m.copy_(m2)
+    v.copy_(v2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
