@@ -219,9 +219,9 @@ class _VocabParallelCEFast(torch.autograd.Function):
             ranges.append(rng)
             return lse_g, zt_g
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        lse, stats, dx, dw = forward_with_grads(x, weight, shifted, valid, shifted.to(torch.float32), reduction, 0.0,
-                                                0.0, rows, need_x, need_w, ENTRY, tail_logits, softcap,
-                                                combine=combine)
+        lse, stats, dx, dw, _ = forward_with_grads(x, weight, shifted, valid, shifted.to(torch.float32), reduction,
+                                                   0.0, 0.0, rows, need_x, need_w, ENTRY, tail_logits, softcap,
+                                                   combine=combine)
         V = _check_layout(ranges[0], target, valid, check_targets)
         ctx.save_for_backward(dx if need_x else None, dw if need_w else None)
         ctx.group = group

@@ -45,7 +45,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["AdamW", "in_backward_operands", "eager_backward"]
+__all__ = ["AdamW", "in_backward_operands", "updates_in_backward", "eager_backward"]
 
 _local = threading.local()
 _registry: dict = {}  # (data_ptr, shape) -> (weakref to the Parameter, optimizer weakref, group index)
@@ -81,6 +81,18 @@ def in_backward_operands(weight: torch.Tensor) -> Optional[dict]:
     if p is None or opt is None or p.data_ptr() != weight.data_ptr():
         return None
     return opt._in_backward(p, group)
+
+
+def updates_in_backward(weight: torch.Tensor) -> bool:
+    """Whether an :class:`AdamW` with ``in_backward=True`` holds ``weight`` (as :func:`in_backward_operands` would
+    find it in an eager backward), without committing to the update: the cross entropy's fast mode asks in its
+    forward whether to leave its last dW chunk for the backward, where the update then runs in that chunk's GEMM.
+    The backward still asks :func:`in_backward_operands`, and forms the gradient when that declines."""
+    entry = _registry.get(_key(weight)) if _registry else None
+    if entry is None:
+        return False
+    p, opt = entry[0](), entry[1]()
+    return p is not None and opt is not None and p.data_ptr() == weight.data_ptr() and id(p) not in opt._done
 
 
 # the configs of the update's launches (coda.bench.optim, H100 / H200, llama-1b shapes): the dW GEMMs with the AdamW

@@ -13,10 +13,12 @@ hyper-parameters are run-time ``Scalar`` operands (device fp32, one launch per s
 is rounded to the parameter dtype first) and 12 bytes move instead of the 2-byte gradient store of the GEMM plus the
 optimizer's 14-byte pass.
 
-Three programs share :func:`update`: :func:`adamw` (a plain dW GEMM), :func:`adamw_fold` (the MLP's folded
+Four programs share :func:`update`: :func:`adamw` (a plain dW GEMM), :func:`adamw_fold` (the MLP's folded
 gate/up weight, ``ops.mlp.fold_grads`` plus the update: g = acc gamma and dgamma's per-column partials over the
 weight before its update), :func:`adamw_scaled` (a K = 0 pass over a gradient formed earlier, times a scalar: the
-cross entropy's fast mode, whose dW exists before the backward knows grad_output).
+cross entropy's fast mode, whose dW exists before the backward knows grad_output) and :func:`adamw_times` (that
+mode's dW GEMM when it waits for the backward: g = acc s). (g = (acc + t) s, for a dW GEMM over the last of several
+chunks, spills 24 bytes in the epilogue warps on sm_90a: not used.)
 """
 import coda
 from coda import Scalar, TileMN
@@ -52,3 +54,11 @@ def adamw_scaled(acc, t: TileMN, s: Scalar, p: TileMN, m: TileMN, v: TileMN, b1:
                  b2c: Scalar, c2: Scalar, eps: Scalar, step_size: Scalar, decay: Scalar):
     """K = 0 pass: dW = t s (a gradient formed earlier, times the upstream scalar)."""
     return update(t * s, p, m, v, b1, b1c, b2, b2c, c2, eps, step_size, decay)
+
+
+@coda.epilogue
+def adamw_times(acc, s: Scalar, p: TileMN, m: TileMN, v: TileMN, b1: Scalar, b1c: Scalar, b2: Scalar, b2c: Scalar,
+                c2: Scalar, eps: Scalar, step_size: Scalar, decay: Scalar):
+    """dW = acc s (the upstream scalar s: the fast cross entropy's dW GEMM run in its backward)."""
+    return update(acc * s, p, m, v, b1, b1c, b2, b2c, c2, eps, step_size, decay)
+

@@ -231,14 +231,19 @@ def _function(name: str, spec: tuple):
                 {"forward": staticmethod(forward), "backward": staticmethod(eager_backward)})
 
 
+def eager_call() -> bool:
+    """Whether :func:`call` would run an op outside the dispatcher now (no torch.compile / export tracing, no
+    ``coda.precompile(..., dispatcher=True)`` dry run, ``EAGER_FUNCTIONS``)."""
+    rec = _precompile.recorder()
+    return EAGER_FUNCTIONS and not torch.compiler.is_compiling() and not (rec is not None and rec.dispatcher)
+
+
 def call(name: str, *args, ctx=None):
     """Run ``torch.ops.coda.<name>(*args)``: through the dispatcher under torch.compile / export (and in the
     backward of a call that went through it: ``ctx`` without ``coda_eager``; and in a ``coda.precompile(...,
     dispatcher=True)`` dry run); otherwise the op's implementation,
     through its eager autograd.Function when it has one (:func:`register_autograd`)."""
-    rec = _precompile.recorder()
-    if (not EAGER_FUNCTIONS or torch.compiler.is_compiling() or (rec is not None and rec.dispatcher)
-            or (ctx is not None and not getattr(ctx, "coda_eager", False))):
+    if not eager_call() or (ctx is not None and not getattr(ctx, "coda_eager", False)):
         return getattr(torch.ops.coda, name)(*args)
     if name not in _eager:
         if ctx is not None:  # an eager backward: weights may be updated in place (coda.optim)

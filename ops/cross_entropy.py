@@ -61,15 +61,15 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from coda.epilogues.adamw import adamw_scaled
+from coda.epilogues.adamw import adamw_scaled, adamw_times
 from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_cap, ce_backward_general, ce_forward,
                                           ce_forward_cap, ce_forward_smooth, scale_by)
-from coda.optim import eager_backward
+from coda.optim import eager_backward, updates_in_backward
 
 from ._builder import backward_op, forward_op
-from ._common import (IN_DTYPES, call, check_inputs, check_tensors, epilogue_pass, gemm_for, kernel_aligned,
-                      update_in_backward)
-from .cross_entropy_fast import plan_rows, forward_with_grads
+from ._common import (IN_DTYPES, call, check_inputs, check_tensors, eager_call, epilogue_pass, gemm_for,
+                      kernel_aligned, update_in_backward)
+from .cross_entropy_fast import deferred_dw, forward_with_grads, plan_rows
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES", "MEMORY_BUDGET"]
 # also used by coda.distributed (vocabulary-parallel CE): tail_logits, chunk_columns, finish_loss, lean_backward,
@@ -363,9 +363,10 @@ def _op(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction:
 
 # ------------------------------------------------------------------------------------------------ fast mode
 def _op_fast_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, softcap, rows, check, need_x,
-                  need_w):
+                  need_w, defer):
+    # (defer is passed only by eager calls, which do not trace this)
     return (x.new_empty((), dtype=torch.float32), x.new_empty(x.shape) if need_x else x.new_empty((0,)),
-            weight.new_empty(weight.shape) if need_w else weight.new_empty((0,)))
+            weight.new_empty(weight.shape) if need_w else weight.new_empty((0,)), x.new_empty((0,)))
 
 
 def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -378,60 +379,77 @@ def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return t.mul_(g)
 
 
-def _update_in_backward(weight: torch.Tensor, dw: torch.Tensor, g: torch.Tensor) -> bool:
+def _update_in_backward(weight: torch.Tensor, dw: torch.Tensor, g: torch.Tensor, dz: torch.Tensor,
+                        x: torch.Tensor) -> bool:
     """``coda.optim``'s AdamW step of ``weight`` on the gradient dw * g, as one K = 0 pass (``adamw_scaled``)
-    instead of the scaling pass plus the optimizer's; False where it does not apply (the caller scales dw)."""
-    if not (dw.device.type == "cpu" or (dw.dim() == 2 and dw.dtype in IN_DTYPES and dw.is_contiguous()
-                                         and dw.shape[1] % 8 == 0)):
-        return False
+    instead of the scaling pass plus the optimizer's, or, with a deferred dW (dz non-empty), in the epilogue of its
+    GEMM dz^T x on g dz^T x (``adamw_times``); False where it does not apply (the caller forms and scales dw)."""
     with eager_backward():  # (this backward is the op's own autograd function, not a backward op)
+        if dz.numel():
+            return update_in_backward(weight, dz.t(), x.t(), ENTRY, adamw_times, s=g) is not None
+        if not (dw.device.type == "cpu" or (dw.dim() == 2 and dw.dtype in IN_DTYPES and dw.is_contiguous()
+                                             and dw.shape[1] % 8 == 0)):
+            return False
         V, H = dw.shape
         return update_in_backward(weight, dw.new_empty(V, 0), dw.new_empty(H, 0), ENTRY, adamw_scaled, t=dw,
                                   s=g) is not None
 
 
-def _backward_fast(ctx, grad_loss, grad_dx, grad_dw):
+def _backward_fast(ctx, grad_loss, *_):
     """The gradients formed by the forward, times the upstream gradient: in place in eager mode (the saved tensors
     are this call's own and are released after this node; no second V x H buffer), out of place under
-    torch.compile (its graphs are functional)."""
-    dx, dw, weight = ctx.saved_tensors
+    torch.compile (its graphs are functional). A deferred dW (eager only: dz non-empty) is formed here, its GEMM
+    carrying coda.optim's update, else dW = dz^T x before the scale."""
+    dx, dw, dz, weight, x = ctx.saved_tensors
     g = grad_loss.to(torch.float32)
     if getattr(ctx, "coda_eager", False):
         # a second backward through this graph (retain_graph=True) then fails autograd's version check of the
         # saved tensors (tests/test_cross_entropy.py): an error, never g1 * g2 * grad; mode="lean" allows it
         need_x, need_w = ctx.coda_extra
-        if need_w and _update_in_backward(weight, dw, g):
+        if need_w and _update_in_backward(weight, dw, g, dz, x):
             need_w, dw = False, None  # coda.optim updated the weight: no gradient
+        elif need_w and dz.numel():
+            dw = deferred_dw(gemm_for(dz.device, ENTRY), dz, x)
         grads = [_scale_in_place(t, g) if need else None for t, need in zip((dx, dw), (need_x, need_w))]
     else:
+        if ctx.coda_extra[1] and dz.numel():  # (not deferred under the dispatcher)
+            dw = deferred_dw(gemm_for(dz.device, ENTRY), dz, x)
         grads = [(t * g).to(t.dtype) if need else None for t, need in zip((dx, dw), ctx.coda_extra)]
-    return (*grads, None, None, None, None, None, None, None, None, None, None)
+    return (*grads, *[None] * 11)
 
 
-# saved: the forward's dx, dw (non-differentiable outputs), the weight (coda.optim); extra: need_x, need_w
+# saved: the forward's dx, dw, dz (non-differentiable outputs), the weight (coda.optim), x where dW was deferred;
+# extra: need_x, need_w
 @forward_op("linear_cross_entropy_fast", fake=_op_fast_fake, backward=_backward_fast,
-            saved=lambda i, out: (*out[1:], i[1]), extra=lambda i: i[-2:])
+            saved=lambda i, out: (*out[1:], i[1], i[0] if out[3].numel() else None), extra=lambda i: i[-3:-1])
 def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
              z_loss: float, softcap: Optional[float], rows: int, check: str, need_x: bool,
-             need_w: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """(loss, dx, dw) with dx, dw the gradients for an upstream gradient of 1 (empty where not needed); see
-    ``ops/cross_entropy_fast.py``."""
+             need_w: bool, defer: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, dx, dw, dz) with dx, dw the gradients for an upstream gradient of 1 (empty where not needed);
+    ``defer`` (eager calls with ``rows`` >= M only): dW's GEMM is left to the backward, dz is the logits' gradient
+    it reads (dw then empty; dz empty where not deferred); see ``ops/cross_entropy_fast.py``."""
     V = weight.shape[0]
     _check_target_range(target, V, ignore_index, check)
     valid, tcol = _target_columns(target, ignore_index)
-    lse, stats, dx, dw = forward_with_grads(x, weight, target, valid, tcol, reduction, label_smoothing, z_loss,
-                                            rows, need_x, need_w, ENTRY, tail_logits, softcap)
+    lse, stats, dx, dw, dz = forward_with_grads(x, weight, target, valid, tcol, reduction, label_smoothing, z_loss,
+                                                rows, need_x, need_w, ENTRY, tail_logits, softcap, defer=defer)
     loss = finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss)
-    return loss, (dx if need_x else x.new_empty((0,))), (dw if need_w else weight.new_empty((0,)))
+    return (loss, (dx if need_x else x.new_empty((0,))), (dw if dw is not None else weight.new_empty((0,))),
+            (dz if dz is not None else x.new_empty((0,))))
 
 
 MEMORY_BUDGET = int(os.environ.get("CODA_CE_MEMORY_BUDGET", 10 ** 9))  # bytes of the fast mode's logits chunk
+# bytes of the whole logits gradient the fast mode may keep for the backward when coda.optim updates the weight
+# there (dW's GEMM deferred, see ops/cross_entropy_fast.py); 0: never. An explicit memory_budget bounds it instead.
+DEFER_BUDGET = int(os.environ.get("CODA_CE_DEFER_BUDGET", 4 * 10 ** 9))
 MODES = ("auto", "fast", "lean")
 
 
-def _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget, width=None) -> Optional[int]:
+def _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget, width=None, defer=False) -> Optional[int]:
     """Rows per chunk of the fast mode, or None for the lean mode (see ``linear_cross_entropy``). ``width()``: the
-    chunk buffer's column count when it is not ``weight``'s rows (``coda.distributed``: the widest shard)."""
+    chunk buffer's column count when it is not ``weight``'s rows (``coda.distributed``: the widest shard).
+    ``defer`` (coda.optim updates the weight in the backward): all rows in one chunk when that fits
+    ``DEFER_BUDGET`` (the default budget only)."""
     mode = os.environ.get("CODA_CE_MODE", mode) if mode == "auto" else mode  # the global override
     if mode == "lean" or reduction == "none":
         return None
@@ -442,6 +460,9 @@ def _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget, width
         return None
     budget = MEMORY_BUDGET if memory_budget is None else memory_budget
     M = x.numel() // max(1, x.shape[-1])
+    if defer and memory_budget is None:
+        budget = max(budget, DEFER_BUDGET if M * max(V // ALIGN * ALIGN, ALIGN) * x.element_size() <= DEFER_BUDGET
+                     else 0)
     return plan_rows(M, V, x.element_size(), budget, force=mode == "fast")
 
 
@@ -475,11 +496,14 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
                                       or memory_budget <= 0):
         raise ValueError(f"linear_cross_entropy: memory_budget must be a positive int (bytes), got {memory_budget!r}")
     H = x.shape[-1]
-    rows = _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget)
+    # coda.optim's update in dW's GEMM, run by the backward over all rows (ops/cross_entropy_fast.py)
+    defer = weight.requires_grad and DEFER_BUDGET > 0 and eager_call() and updates_in_backward(weight)
+    rows = _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget, defer=defer)
     if rows is not None:
         need_x, need_w = x.requires_grad, weight.requires_grad
-        loss, _, _ = call("linear_cross_entropy_fast", x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
-                          reduction, float(label_smoothing), float(z_loss), softcap, rows, check, need_x, need_w)
+        defer = defer and rows * H >= x.numel()
+        loss, *_ = call("linear_cross_entropy_fast", x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
+                        reduction, float(label_smoothing), float(z_loss), softcap, rows, check, need_x, need_w, defer)
         return loss
     loss, _ = call("linear_cross_entropy", x.reshape(-1, H), weight, target.reshape(-1), ignore_index, reduction,
                    float(label_smoothing), float(z_loss), softcap, chunk_size, check)

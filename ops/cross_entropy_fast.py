@@ -13,6 +13,13 @@ chunk of ``rows`` rows [m0, m1) (phases):
 4. dW (+)= dz^T x_c (GEMM 3; the first chunk writes dW, later ones add to it through the ``accumulate``
    epilogue: dW is rounded to its dtype once per chunk).
 
+Deferred dW (``defer``, when ``coda.optim.AdamW`` updates the weight in the backward and all M rows are one
+chunk): GEMM 4 is left for the backward, which runs it once over all rows (K = M) with the AdamW update of the
+weight in its epilogue (``epilogues.adamw.adamw_times``: g = acc grad_output) -- no dW is stored, accumulated over
+chunks or read back by a K = 0 update pass. The price is memory: the whole dz (M x V in x's dtype) lives until the
+backward instead of a chunk until the end of the forward (``cross_entropy.DEFER_BUDGET``), less the V x H dW the
+mode no longer stores. Measured in docs/NOTES.md (session 34).
+
 Cost: the three GEMMs of torch's LM head + one read and write of the logits in x's dtype (torch.compile's CE makes
 the same pass, plus the logits' float32 upcast), against the lean mode's four GEMMs. Memory: the chunk buffer
 (``rows x V x 2`` bytes, at most the budget: 1 GB by default, see ``cross_entropy.MEMORY_BUDGET``), and dx, dW from
@@ -67,13 +74,16 @@ def target_logit(z: Tensor, tgt: Tensor) -> Tensor:
 
 def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, tcol: Tensor, reduction: str,
                        eps: float, zl: float, rows: int, need_x: bool, need_w: bool, entry: str, tail_logits,
-                       softcap: Optional[float] = None, combine=None):
-    """(lse, stats, dx, dw) for g = 1; see the module docstring. ``combine(lse_c, zt_c)`` (``coda.distributed``'s
+                       softcap: Optional[float] = None, combine=None, defer: bool = False):
+    """(lse, stats, dx, dw, dz_last) for g = 1; see the module docstring. ``combine(lse_c, zt_c)`` (``coda.distributed``'s
     vocabulary-parallel CE, ``weight`` one rank's shard and ``target`` shifted into it): a chunk's per-row
     statistics over every shard, (lse_c, zt_c), between phases 1 and 2 (no label smoothing there).
     ``tail_logits(x_c, weight, v8)`` gives the fp32 logits of the last V % 8 columns (label smoothing with such a tail takes the lean mode: the in-place pass
     would divide eps by the chunk's width). ``softcap``: the stored logits are capped (``softcap * tanh(z /
-    softcap)``, in the epilogue) and phase 2 multiplies by their derivative."""
+    softcap)``, in the epilogue) and phase 2 multiplies by their derivative. ``defer``: leave GEMM 4 to the
+    caller (:func:`deferred_dw`), returning dz as dz_last and no dw; taken only where the weight gradient is
+    needed, all rows are one chunk (``rows >= M > 0``), V % 8 == 0 and the kernel reads dz^T, x^T as they are
+    (dz_last None otherwise)."""
     M, H = x.shape
     V = weight.shape[0]
     v8 = V // ALIGN * ALIGN
@@ -82,16 +92,18 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
     scale = valid.to(torch.float32)
     if reduction == "mean":
         scale = scale / n_valid.clamp_min(1).to(torch.float32)
+    buf = x.new_empty((rows * v8,))
+    defer = defer and need_w and rows >= M > 0 and v8 == V and kernel_aligned(buf[:M * v8].view(M, v8).t(), x.t())
     dx = x.new_empty((M, H)) if need_x else None
-    dw = torch.empty((V, H), dtype=weight.dtype, device=weight.device) if need_w else None
+    dw = torch.empty((V, H), dtype=weight.dtype, device=weight.device) if need_w and not defer else None
     lse = torch.empty((M,), dtype=torch.float32, device=x.device)
     stats = {"zt": torch.empty_like(lse)}
     if eps > 0:
         stats["zsum"] = torch.empty_like(lse)
     epi = ce_forward_logits(x.dtype, eps > 0, softcap is not None)
     cap = {} if softcap is None else {"cap": softcap}
-    buf = x.new_empty((rows * v8,))
     w8 = weight[:v8]
+    dz_last = None
     for m0 in range(0, M, rows):
         m1 = min(M, m0 + rows)
         xc, z = x[m0:m1], buf[:(m1 - m0) * v8].view(m1 - m0, v8)
@@ -122,7 +134,9 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
                 acc = gemm(z, w8.t(), out_dtype=torch.float32) if v8 else dz_tail.new_zeros((m1 - m0, H))
                 acc.addmm_(dz_tail, weight[v8:].float())
                 dx[m0:m1] = acc
-        if need_w:                                                         # phase 4
+        if defer:
+            dz_last = z                                                    # phase 4: the backward's
+        elif need_w:                                                       # phase 4
             first = m0 == 0
             if v8 and kernel_aligned(z.t(), xc.t()):
                 if first:
@@ -143,7 +157,12 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
             dx.zero_()
         if need_w:
             dw.zero_()
-    return lse, stats, dx, dw
+    return lse, stats, dx, dw, dz_last
 
 
-__all__ = ["plan_rows", "forward_with_grads", "target_logit", "MIN_ROWS"]
+def deferred_dw(gemm, dz: Tensor, x: Tensor) -> Tensor:
+    """dW = dz^T x, the deferred GEMM 4 (where the weight is not updated in it)."""
+    return gemm(dz.t(), x.t())
+
+
+__all__ = ["plan_rows", "forward_with_grads", "deferred_dw", "target_logit", "MIN_ROWS"]

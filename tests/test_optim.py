@@ -7,7 +7,7 @@ import torch
 
 import coda
 import coda.ops._common as common
-from coda.epilogues.adamw import HYPER, adamw, adamw_fold, adamw_scaled
+from coda.epilogues.adamw import HYPER, adamw, adamw_fold, adamw_scaled, adamw_times
 from coda.reference import gemm as ref_gemm
 from test_fuse_families import _fuse, fp32_ops  # noqa: F401 (fixture)
 from test_first_use import _tiny_hf
@@ -32,7 +32,7 @@ def _torch_adamw(g, p, m, v, t=3, lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, wd=0.1):
     return p, m, v
 
 
-@pytest.mark.parametrize("kind", ["plain", "fold", "scaled"])
+@pytest.mark.parametrize("kind", ["plain", "fold", "scaled", "times"])
 def test_epilogues_are_torch_adamw(kind):
     """Each program writes p, m, v in place (out=p, m and v in-place outputs) and equals torch's AdamW step on the
     gradient it forms (float64 reference; fresh random data)."""
@@ -42,13 +42,15 @@ def test_epilogues_are_torch_adamw(kind):
     p, m = torch.randn(M, N, dtype=torch.float64), torch.randn(M, N, dtype=torch.float64) * 0.1
     v = torch.rand(M, N, dtype=torch.float64) * 0.01
     gamma, t, s = torch.rand(N, dtype=torch.float64) + 0.5, torch.randn(M, N, dtype=torch.float64), 0.37
-    g = {"plain": a @ b.T, "fold": (a @ b.T) * gamma, "scaled": t * s}[kind]
+    g = {"plain": a @ b.T, "fold": (a @ b.T) * gamma, "scaled": t * s, "times": (a @ b.T) * s}[kind]
     want = _torch_adamw(g, p, m, v)
     ops = dict(p=p, m=m, v=v, **_hyper())
     if kind == "plain":
         res = common.gemm_for(p.device)(a, b, epilogue=adamw, out=p, **ops)
     elif kind == "fold":
         res = common.gemm_for(p.device)(a, b, epilogue=adamw_fold, out=p, gamma=gamma, **ops)
+    elif kind == "times":
+        res = common.gemm_for(p.device)(a, b, epilogue=adamw_times, out=p, s=s, **ops)
     else:
         res = common.gemm_for(p.device)(a[:, :0], b[:, :0], epilogue=adamw_scaled, out=p, t=t, s=s, **ops)
     assert res["out"] is p and res["m"] is m and res["v"] is v  # in place
@@ -216,9 +218,9 @@ def test_capturable_hyper_parameters_from_the_device_step(t):
     assert opt._hyper_on_device(0, group, torch.tensor(0.0), p.device) is dev  # once per group and step
 
 
-@pytest.mark.parametrize("name", ["adamw", "adamw_fold", "adamw_scaled"])
+@pytest.mark.parametrize("name", ["adamw", "adamw_fold", "adamw_scaled", "adamw_times"])
 def test_adamw_epilogues_compile_for_sm90(name):
-    """The three programs under coda.optim's config (the dW GEMMs read MN-major operands; the K = 0 pass K-major
+    """The four programs under coda.optim's config (the dW GEMMs read MN-major operands; the K = 0 pass K-major
     zeros) compile for sm_90a on this CPU: WGMMA issued, no register spills."""
     pytest.importorskip("cutlass")
     from coda.check import compile_variant
@@ -239,9 +241,9 @@ def test_kernel_names_carry_the_epilogue():
     from coda.kernels.gemm_sm90 import GemmSm90
     from coda.optim import update_config
     names = {n: "kernel_cutlass_kernel_" + str(GemmSm90(update_config(), e)).replace(".", "") + "_tensorptrbf16"
-             for n, e in (("scaled", adamw_scaled), ("fold", adamw_fold), ("plain", adamw))}
+             for n, e in (("scaled", adamw_scaled), ("fold", adamw_fold), ("plain", adamw), ("times", adamw_times))}
     assert all(f"GemmSm90_adamw" in v for v in names.values())
-    assert [classify(names[k]) for k in ("scaled", "fold", "plain")] == ["optimizer", "gemm", "gemm"]
+    assert [classify(names[k]) for k in ("scaled", "fold", "plain", "times")] == ["optimizer", "gemm", "gemm", "gemm"]
 
 
 def test_bench_optim_config_fields():
@@ -249,3 +251,50 @@ def test_bench_optim_config_fields():
     cfg = parse("128,128,coop,2,dynamic,32,-")
     assert (cfg.tile_m, cfg.tile_n, cfg.pingpong, cfg.cluster_m, cfg.sched, cfg.epi_n, cfg.stages) == \
         (128, 128, False, 2, "dynamic", 32, None)
+
+
+@pytest.mark.parametrize("M,budget,defer_budget,epilogue", [
+    (40, None, None, "adamw_times"),      # all rows fit DEFER_BUDGET: dW's GEMM runs in the backward with the update
+    (40, 8 * 96 * 2, None, "adamw_scaled"),  # an explicit budget of 8 rows: chunks, then the K = 0 update pass
+    (40, None, 0, "adamw_scaled"),        # deferral off
+    (37, None, None, "adamw_scaled"),     # M % 8 != 0: dz^T is not a kernel operand (dW on torch.matmul)
+])
+def test_fast_cross_entropy_defers_dw_into_the_update(fp32_ops, monkeypatch, M, budget, defer_budget, epilogue):
+    """Under coda.optim the fast cross entropy keeps the whole logits gradient dz (when it fits DEFER_BUDGET) and
+    the backward runs dW = dz^T x once, with the AdamW step on g dW in its epilogue (adamw_times); otherwise dW is
+    formed in the forward and updated by the K = 0 pass (adamw_scaled). Either way the weight and its moments equal
+    torch's AdamW on the fast mode's own gradient; where the backward's update declines, the deferred GEMM forms
+    the gradient instead."""
+    import coda.ops.cross_entropy as ce
+    from coda.ops import linear_cross_entropy as lce
+    if defer_budget is not None:
+        monkeypatch.setattr(ce, "DEFER_BUDGET", defer_budget)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    V, H = 96, 16
+    x = torch.randn(M, H, generator=g)
+    w0 = torch.randn(V, H, generator=g) / 4
+    t = torch.randint(0, V, (M,), generator=g)
+    t[3] = -100
+    up = 1.0 + torch.rand((), generator=g).item()
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    wb = torch.nn.Parameter(w0.clone())
+    (lce(x, wb, t, mode="fast", memory_budget=budget) * up).backward()
+    grad = wb.grad.clone()
+    opt_b = torch.optim.AdamW([wb], **kw)
+    opt_b.step()
+    used = []
+    real = ce.update_in_backward
+    monkeypatch.setattr(ce, "update_in_backward", lambda *a, **k: used.append(a[4].name) or real(*a, **k))
+    wa = torch.nn.Parameter(w0.clone())
+    opt_a = coda.optim.AdamW([wa], **kw)
+    (lce(x, wa, t, mode="fast", memory_budget=budget) * up).backward()
+    assert wa.grad is None and used == [epilogue]
+    opt_a.step()
+    torch.testing.assert_close(wa, wb, rtol=1e-5, atol=1e-6)
+    for k in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(opt_a.state[wa][k], opt_b.state[wb][k], rtol=1e-5, atol=1e-9)
+    monkeypatch.setattr(ce, "_update_in_backward", lambda *a: False)  # declined: the gradient instead
+    wc = torch.nn.Parameter(w0.clone())
+    opt_c = coda.optim.AdamW([wc], **kw)  # noqa: F841 (held: registers wc)
+    (lce(x, wc, t, mode="fast", memory_budget=budget) * up).backward()
+    torch.testing.assert_close(wc.grad, grad, rtol=1e-5, atol=1e-7)
