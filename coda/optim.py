@@ -3,8 +3,10 @@ weight's gradient is formed, so that the gradient is never stored (the optimizer
 
 A weight's gradient dW = dY^T X is a GEMM of CODA's kernel; its epilogue holds a dW tile in registers. There the
 epilogue (``epilogues/adamw.py``) reads the weight and its two moments, applies torch's fused AdamW update in fp32
-and writes them back in place; the cross entropy's fast mode, which forms the LM head's dW in the forward, applies the
-update in the K = 0 pass that scales dW by the upstream gradient. Parameters whose gradient no CODA op forms
+and writes them back in place; the cross entropy's fast mode keeps the logits' gradient for the backward and runs the
+LM head's dW GEMM there with the update in its epilogue (``ops/cross_entropy_fast.py``: when it fits
+``DEFER_BUDGET``), else forms dW in the forward and applies the update in the K = 0 pass that scales dW by the
+upstream gradient. Parameters whose gradient no CODA op forms
 (embeddings, norm weights, anything stock) are updated by ``step()`` exactly as ``torch.optim.AdamW`` (same
 ``fused`` / ``foreach`` options); with ``kernel_step=True`` a large 16-bit matrix (at least ``KERNEL_STEP_MIN``
 elements, rows of a multiple of 8, moments of its dtype: the input embedding; under torch.compile every weight) takes
