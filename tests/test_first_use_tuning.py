@@ -188,9 +188,10 @@ def test_shipped_h100_file_schema_and_provenance():
     store30 = "docs/tune_h100/llama1b_epi_wg_s30.json"  # session 30: two problems in the epilogue warps, measured
     store31 = "docs/tune_h100/llama1b_sumsq_s31.json"  # session 31: the down projection emitting the sum of squares
     store32 = "docs/tune_h100/llama1b_s32.json"  # session 32: the O projection's norm link, the QKV dX unfolded
-    stores = (store, store25, store28, store30, store31, store32)
+    store34 = "docs/tune_h100/llama1b_s34.json"  # session 34: the O projection and QKV forwards, quick level
+    stores = (store, store25, store28, store30, store31, store32, store34)
     dates = {store: "2026-11-26", store25: "2026-11-26", store28: "2026-11-27", store30: "2026-11-27",
-             store31: "2026-11-27", store32: "2026-11-27"}
+             store31: "2026-11-27", store32: "2026-11-27", store34: "2026-11-27"}
     assert files == {"docs/tune_h100/tuned_gemm.json", "docs/tune_h100/tuned_fused.json", *stores}
     rows = {}
     for s in prov["sources"]:
@@ -205,7 +206,7 @@ def test_shipped_h100_file_schema_and_provenance():
         if src is not None:
             kept = [v for v in rows[src]["entries"].values() if v["problem"] == e["problem"]
                     and v["epilogue"]["id"] == e["epilogue"]["id"]]
-            level = {store28: {"l2_prefetch"}, store30: {"epi_wg", "near"}}.get(src, {"near"})
+            level = {store28: {"l2_prefetch"}, store30: {"epi_wg", "near"}, store34: {"quick"}}.get(src, {"near"})
             assert len(kept) == 1 and kept[0]["name"] == e["name"] and kept[0]["level"] in level, e
             continue
         f, i = e["source"].rsplit(" row ", 1)
@@ -214,7 +215,7 @@ def test_shipped_h100_file_schema_and_provenance():
         assert e["name"] in (row["tuned"], row["default"]) and e["default"] == row["default"]
         assert ship.resolve_ref(e["epilogue"]["ref"]).name == row["epilogue"]
     # session 30's five: four replace near-level entries, one is the CE logits epilogue's new id; session 31's one
-    # is a new epilogue id, session 32's two as well
+    # is a new epilogue id, session 32's two as well; session 34's two replace a session 21 and a session 32 entry
     assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == 15 + 4 + 1 + 1 + 2
     assert 'shipped/*.json' in (ROOT / "pyproject.toml").read_text()
 
