@@ -4,7 +4,9 @@ The training step is power-capped on the H100 (700 W; the SM clock falls from 19
 back-to-back steps: docs/experiments/step_clocks.py), so a kernel's energy per FLOP sets its speed in the step,
 not its time in a short do_bench. Each (shape, kernel) runs back to back for --secs seconds; TFLOP/s over the
 second half, mean power and SM clock over the same window (nvidia-smi sampled every 50 ms).
-Usage on the GPU: python docs/experiments/sustained_gemm.py [--secs 3]."""
+Usage on the GPU: python docs/experiments/sustained_gemm.py [--secs 3] [--shapes M,N,K ...] [--configs CFG ...]
+(``--configs``: coda.gemm under each config, fields as ``coda.bench.ncu``'s ``--config``, instead of the shipped
+one; cuBLAS runs before each, so the ratios are paired)."""
 import argparse
 import subprocess
 import threading
@@ -16,6 +18,8 @@ import coda
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--secs", type=float, default=3.0)
+ap.add_argument("--shapes", nargs="*", default=[])
+ap.add_argument("--configs", nargs="*", default=[])
 args = ap.parse_args()
 
 samples = []  # (time, MHz, W)
@@ -30,7 +34,8 @@ def sample():
 
 
 threading.Thread(target=sample, daemon=True).start()
-SHAPES = [(8192, 16384, 2048), (8192, 2048, 8192), (8192, 8192, 8192), (8192, 128256, 2048)]
+SHAPES = ([tuple(int(v) for v in s.split(",")) for s in args.shapes]
+          or [(8192, 16384, 2048), (8192, 2048, 8192), (8192, 8192, 8192), (8192, 128256, 2048)])
 
 
 def run(fn, flops):
@@ -60,6 +65,17 @@ for M, N, K in SHAPES:
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     flops = 2 * M * N * K
     res = {}
+    if args.configs:
+        from coda.bench.expand_ncu import parse_variant
+        for c in args.configs:
+            time.sleep(1.0)
+            base = run(lambda: torch.mm(a, b.t(), out=out), flops)
+            time.sleep(1.0)
+            cfg = parse_variant(c)
+            t, mhz, w = run(lambda: coda.gemm(a, b, out=out, config=cfg), flops)
+            print(f"{M}x{N}x{K} {c}: {t:.0f} TF/s {mhz:.0f} MHz {w:.0f} W; cuBLAS before it {base[0]:.0f} TF/s "
+                  f"{base[1]:.0f} MHz {base[2]:.0f} W; ratio {t / base[0]:.3f}", flush=True)
+        continue
     for name, fn in (("cublas", lambda: torch.mm(a, b.t(), out=out)), ("coda", lambda: coda.gemm(a, b, out=out)),
                      ("cublas2", lambda: torch.mm(a, b.t(), out=out)), ("coda2", lambda: coda.gemm(a, b, out=out))):
         time.sleep(1.0)  # cool down between kernels
