@@ -253,13 +253,15 @@ def test_bench_optim_config_fields():
         (128, 128, False, 2, "dynamic", 32, None)
 
 
-@pytest.mark.parametrize("M,budget,defer_budget,epilogue", [
-    (40, None, None, "adamw_times"),      # all rows fit DEFER_BUDGET: dW's GEMM runs in the backward with the update
-    (40, 8 * 96 * 2, None, "adamw_scaled"),  # an explicit budget of 8 rows: chunks, then the K = 0 update pass
-    (40, None, 0, "adamw_scaled"),        # deferral off
-    (37, None, None, "adamw_scaled"),     # M % 8 != 0: dz^T is not a kernel operand (dW on torch.matmul)
+@pytest.mark.parametrize("M,budget,defer_budget,epilogue,opts", [
+    (40, None, None, "adamw_times", {}),  # all rows fit DEFER_BUDGET: dW's GEMM runs in the backward with the update
+    (40, None, None, "adamw_times", dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0, reduction="sum")),
+    (40, 8 * 96 * 2, None, "adamw_scaled", {}),  # an explicit budget of 8 rows: chunks, then the K = 0 update pass
+    (40, None, 0, "adamw_scaled", {}),    # deferral off
+    (37, None, None, "adamw_scaled", {}),  # M % 8 != 0: dz^T is not a kernel operand (dW on torch.matmul)
 ])
-def test_fast_cross_entropy_defers_dw_into_the_update(fp32_ops, monkeypatch, M, budget, defer_budget, epilogue):
+def test_fast_cross_entropy_defers_dw_into_the_update(fp32_ops, monkeypatch, M, budget, defer_budget, epilogue,
+                                                      opts):
     """Under coda.optim the fast cross entropy keeps the whole logits gradient dz (when it fits DEFER_BUDGET) and
     the backward runs dW = dz^T x once, with the AdamW step on g dW in its epilogue (adamw_times); otherwise dW is
     formed in the forward and updated by the K = 0 pass (adamw_scaled). Either way the weight and its moments equal
@@ -278,7 +280,7 @@ def test_fast_cross_entropy_defers_dw_into_the_update(fp32_ops, monkeypatch, M, 
     up = 1.0 + torch.rand((), generator=g).item()
     kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     wb = torch.nn.Parameter(w0.clone())
-    (lce(x, wb, t, mode="fast", memory_budget=budget) * up).backward()
+    (lce(x, wb, t, mode="fast", memory_budget=budget, **opts) * up).backward()
     grad = wb.grad.clone()
     opt_b = torch.optim.AdamW([wb], **kw)
     opt_b.step()
@@ -287,7 +289,7 @@ def test_fast_cross_entropy_defers_dw_into_the_update(fp32_ops, monkeypatch, M, 
     monkeypatch.setattr(ce, "update_in_backward", lambda *a, **k: used.append(a[4].name) or real(*a, **k))
     wa = torch.nn.Parameter(w0.clone())
     opt_a = coda.optim.AdamW([wa], **kw)
-    (lce(x, wa, t, mode="fast", memory_budget=budget) * up).backward()
+    (lce(x, wa, t, mode="fast", memory_budget=budget, **opts) * up).backward()
     assert wa.grad is None and used == [epilogue]
     opt_a.step()
     torch.testing.assert_close(wa, wb, rtol=1e-5, atol=1e-6)
@@ -296,5 +298,5 @@ def test_fast_cross_entropy_defers_dw_into_the_update(fp32_ops, monkeypatch, M, 
     monkeypatch.setattr(ce, "_update_in_backward", lambda *a: False)  # declined: the gradient instead
     wc = torch.nn.Parameter(w0.clone())
     opt_c = coda.optim.AdamW([wc], **kw)  # noqa: F841 (held: registers wc)
-    (lce(x, wc, t, mode="fast", memory_budget=budget) * up).backward()
+    (lce(x, wc, t, mode="fast", memory_budget=budget, **opts) * up).backward()
     torch.testing.assert_close(wc.grad, grad, rtol=1e-5, atol=1e-7)
