@@ -190,3 +190,30 @@ def test_fast_cross_entropy_deferred_update_matches_float64(monkeypatch):
             got, theirs, want = got.double() - p0, theirs.double() - p0, want - p0
         e_ours, e_torch = _err(got, want), _err(theirs, want)
         assert e_ours <= 2 * e_torch + 1e-3, (name, e_ours, e_torch)
+
+
+def test_fast_cross_entropy_deferred_memory():
+    """The deferral's documented trade: between forward and backward the fast CE holds the whole logits gradient
+    (M x V in x's dtype) and dx, and no V x H dW is ever allocated (the update runs in the dW GEMM's epilogue)."""
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    M, V, H = 4096, 32000, 1024
+    x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter((torch.randn(V, H, device="cuda") / H ** 0.5).to(torch.bfloat16))
+    t = torch.randint(0, V, (M,), device="cuda")
+    opt = coda.optim.AdamW([w], lr=1e-3, fused=True)
+    for step in range(2):  # the first creates the moments
+        x.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = coda.ops.linear_cross_entropy(x, w, t)
+        held = torch.cuda.memory_allocated() - base
+        loss.backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        opt.step()
+        dz, dx, dw = M * V * 2, M * H * 2, V * H * 2
+        assert w.grad is None and x.grad is not None
+        if step:
+            assert dz <= held <= dz + dx + (4 << 20), (held, dz, dx)
+            assert peak <= dz + dx + dw // 2, (peak, dz, dx, dw)  # no V x H gradient beside them
