@@ -68,33 +68,37 @@ def _key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.device)
 
 
+def _registered(weight: torch.Tensor) -> Optional[tuple]:
+    """(Parameter, optimizer, group index) of a live :class:`AdamW` with ``in_backward=True`` holding ``weight``
+    (or a detached view of the same memory), else None."""
+    entry = _registry.get(_key(weight)) if _registry else None
+    if entry is None:
+        return None
+    p, opt = entry[0](), entry[1]()
+    if p is None or opt is None or p.data_ptr() != weight.data_ptr():
+        return None
+    return p, opt, entry[2]
+
+
 def in_backward_operands(weight: torch.Tensor) -> Optional[dict]:
     """The epilogue operands of an in-backward AdamW step of ``weight`` (p, m, v and the hyper-parameters, as
     ``epilogues.adamw`` takes them), or None: not in an eager CODA backward, or no :class:`AdamW` with
     ``in_backward=True`` registered the weight. ``weight`` may be a detached view of the Parameter (same memory). A
     non-None result commits to the update: the optimizer counts it."""
-    if not getattr(_local, "on", False) or not _registry:
+    found = _registered(weight) if getattr(_local, "on", False) else None
+    if found is None:
         return None
-    entry = _registry.get(_key(weight))
-    if entry is None:
-        return None
-    pref, oref, group = entry
-    p, opt = pref(), oref()
-    if p is None or opt is None or p.data_ptr() != weight.data_ptr():
-        return None
+    p, opt, group = found
     return opt._in_backward(p, group)
 
 
 def updates_in_backward(weight: torch.Tensor) -> bool:
     """Whether an :class:`AdamW` with ``in_backward=True`` holds ``weight`` (as :func:`in_backward_operands` would
     find it in an eager backward), without committing to the update: the cross entropy's fast mode asks in its
-    forward whether to leave its last dW chunk for the backward, where the update then runs in that chunk's GEMM.
+    forward whether to leave its dW GEMM for the backward, where the update then runs in that GEMM's epilogue.
     The backward still asks :func:`in_backward_operands`, and forms the gradient when that declines."""
-    entry = _registry.get(_key(weight)) if _registry else None
-    if entry is None:
-        return False
-    p, opt = entry[0](), entry[1]()
-    return p is not None and opt is not None and p.data_ptr() == weight.data_ptr() and id(p) not in opt._done
+    found = _registered(weight)
+    return found is not None and id(found[0]) not in found[1]._done
 
 
 # the configs of the update's launches (coda.bench.optim, H100 / H200, llama-1b shapes): the dW GEMMs with the AdamW

@@ -67,9 +67,9 @@ from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_c
 from coda.optim import eager_backward, updates_in_backward
 
 from ._builder import backward_op, forward_op
-from ._common import (IN_DTYPES, call, check_inputs, check_tensors, eager_call, epilogue_pass, gemm_for,
-                      kernel_aligned, update_in_backward)
-from .cross_entropy_fast import deferred_dw, forward_with_grads, plan_rows
+from ._common import (IN_DTYPES, backward_gemm, call, check_inputs, check_tensors, eager_call, epilogue_pass,
+                      gemm_for, kernel_aligned, update_in_backward)
+from .cross_entropy_fast import forward_with_grads, plan_rows
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES", "MEMORY_BUDGET"]
 # also used by coda.distributed (vocabulary-parallel CE): tail_logits, chunk_columns, finish_loss, lean_backward,
@@ -402,19 +402,18 @@ def _backward_fast(ctx, grad_loss, *_):
     carrying coda.optim's update, else dW = dz^T x before the scale."""
     dx, dw, dz, weight, x = ctx.saved_tensors
     g = grad_loss.to(torch.float32)
-    if getattr(ctx, "coda_eager", False):
+    need_x, need_w = ctx.coda_extra
+    eager = getattr(ctx, "coda_eager", False)
+    if eager and need_w and _update_in_backward(weight, dw, g, dz, x):
+        need_w, dw = False, None  # coda.optim updated the weight: no gradient
+    elif need_w and dz.numel():
+        dw = backward_gemm(dz.t(), x.t(), ENTRY)  # the deferred dW, not updated in its GEMM
+    if eager:
         # a second backward through this graph (retain_graph=True) then fails autograd's version check of the
         # saved tensors (tests/test_cross_entropy.py): an error, never g1 * g2 * grad; mode="lean" allows it
-        need_x, need_w = ctx.coda_extra
-        if need_w and _update_in_backward(weight, dw, g, dz, x):
-            need_w, dw = False, None  # coda.optim updated the weight: no gradient
-        elif need_w and dz.numel():
-            dw = deferred_dw(gemm_for(dz.device, ENTRY), dz, x)
         grads = [_scale_in_place(t, g) if need else None for t, need in zip((dx, dw), (need_x, need_w))]
     else:
-        if ctx.coda_extra[1] and dz.numel():  # (not deferred under the dispatcher)
-            dw = deferred_dw(gemm_for(dz.device, ENTRY), dz, x)
-        grads = [(t * g).to(t.dtype) if need else None for t, need in zip((dx, dw), ctx.coda_extra)]
+        grads = [(t * g).to(t.dtype) if need else None for t, need in zip((dx, dw), (need_x, need_w))]
     return (*grads, *[None] * 11)
 
 
@@ -426,8 +425,9 @@ def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduc
              z_loss: float, softcap: Optional[float], rows: int, check: str, need_x: bool,
              need_w: bool, defer: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, dx, dw, dz) with dx, dw the gradients for an upstream gradient of 1 (empty where not needed);
-    ``defer`` (eager calls with ``rows`` >= M only): dW's GEMM is left to the backward, dz is the logits' gradient
-    it reads (dw then empty; dz empty where not deferred); see ``ops/cross_entropy_fast.py``."""
+    ``defer`` (eager calls only): dW's GEMM is left to the backward where ``forward_with_grads`` can (one chunk),
+    dz is the logits' gradient it reads (dw then empty; dz empty where not deferred); see
+    ``ops/cross_entropy_fast.py``."""
     V = weight.shape[0]
     _check_target_range(target, V, ignore_index, check)
     valid, tcol = _target_columns(target, ignore_index)
@@ -461,8 +461,9 @@ def _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget, width
     budget = MEMORY_BUDGET if memory_budget is None else memory_budget
     M = x.numel() // max(1, x.shape[-1])
     if defer and memory_budget is None:
-        budget = max(budget, DEFER_BUDGET if M * max(V // ALIGN * ALIGN, ALIGN) * x.element_size() <= DEFER_BUDGET
-                     else 0)
+        whole = plan_rows(M, V, x.element_size(), DEFER_BUDGET)
+        if whole is not None and whole >= M:  # every row in one chunk
+            return whole
     return plan_rows(M, V, x.element_size(), budget, force=mode == "fast")
 
 
@@ -505,7 +506,6 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
     rows = _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget, defer=defer)
     if rows is not None:
         need_x, need_w = x.requires_grad, weight.requires_grad
-        defer = defer and rows * H >= x.numel()
         loss, *_ = call("linear_cross_entropy_fast", x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
                         reduction, float(label_smoothing), float(z_loss), softcap, rows, check, need_x, need_w, defer)
         return loss

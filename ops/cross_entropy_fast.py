@@ -75,15 +75,15 @@ def target_logit(z: Tensor, tgt: Tensor) -> Tensor:
 def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, tcol: Tensor, reduction: str,
                        eps: float, zl: float, rows: int, need_x: bool, need_w: bool, entry: str, tail_logits,
                        softcap: Optional[float] = None, combine=None, defer: bool = False):
-    """(lse, stats, dx, dw, dz_last) for g = 1; see the module docstring. ``combine(lse_c, zt_c)`` (``coda.distributed``'s
-    vocabulary-parallel CE, ``weight`` one rank's shard and ``target`` shifted into it): a chunk's per-row
+    """(lse, stats, dx, dw, dz) for g = 1; see the module docstring. ``combine(lse_c, zt_c)``
+    (``coda.distributed``'s vocabulary-parallel CE, ``weight`` one rank's shard and ``target`` shifted into it): a chunk's per-row
     statistics over every shard, (lse_c, zt_c), between phases 1 and 2 (no label smoothing there).
     ``tail_logits(x_c, weight, v8)`` gives the fp32 logits of the last V % 8 columns (label smoothing with such a tail takes the lean mode: the in-place pass
     would divide eps by the chunk's width). ``softcap``: the stored logits are capped (``softcap * tanh(z /
     softcap)``, in the epilogue) and phase 2 multiplies by their derivative. ``defer``: leave GEMM 4 to the
-    caller (:func:`deferred_dw`), returning dz as dz_last and no dw; taken only where the weight gradient is
-    needed, all rows are one chunk (``rows >= M > 0``), V % 8 == 0 and the kernel reads dz^T, x^T as they are
-    (dz_last None otherwise)."""
+    caller (dz^T x), returning dz and no dw; taken only where the weight gradient is needed, all rows
+    are one chunk (``rows >= M > 0``), V % 8 == 0 and the kernel reads dz^T, x^T as they are (dz None
+    otherwise)."""
     M, H = x.shape
     V = weight.shape[0]
     v8 = V // ALIGN * ALIGN
@@ -103,7 +103,7 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
     epi = ce_forward_logits(x.dtype, eps > 0, softcap is not None)
     cap = {} if softcap is None else {"cap": softcap}
     w8 = weight[:v8]
-    dz_last = None
+    dz = None
     for m0 in range(0, M, rows):
         m1 = min(M, m0 + rows)
         xc, z = x[m0:m1], buf[:(m1 - m0) * v8].view(m1 - m0, v8)
@@ -135,7 +135,7 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
                 acc.addmm_(dz_tail, weight[v8:].float())
                 dx[m0:m1] = acc
         if defer:
-            dz_last = z                                                    # phase 4: the backward's
+            dz = z                                                         # phase 4: the backward's
         elif need_w:                                                       # phase 4
             first = m0 == 0
             if v8 and kernel_aligned(z.t(), xc.t()):
@@ -157,12 +157,7 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
             dx.zero_()
         if need_w:
             dw.zero_()
-    return lse, stats, dx, dw, dz_last
+    return lse, stats, dx, dw, dz
 
 
-def deferred_dw(gemm, dz: Tensor, x: Tensor) -> Tensor:
-    """dW = dz^T x, the deferred GEMM 4 (where the weight is not updated in it)."""
-    return gemm(dz.t(), x.t())
-
-
-__all__ = ["plan_rows", "forward_with_grads", "deferred_dw", "target_logit", "MIN_ROWS"]
+__all__ = ["plan_rows", "forward_with_grads", "target_logit", "MIN_ROWS"]
