@@ -50,9 +50,6 @@ class GemmConfig:
     # (prefetch.global.L2, one 128-byte line a lane and instruction) over the last ``l2_prefetch`` k-tiles of the
     # tile's mainloop, so that the epilogue's loads hit L2 (kernels/gemm_sm90.py, ``_l2_prefetch``); 0: none
     l2_prefetch: int = 0
-    # at most this many SMs run the persistent grid (clusters = sms / cluster size), 0: every SM; for two GEMMs
-    # launched side by side on two streams, each on its share of the SMs (coda.gemm_pair)
-    sms: int = 0
 
     # -- derived ---------------------------------------------------------------------------------------------------
     @property
@@ -76,7 +73,7 @@ class GemmConfig:
         dyn = "_dyn" if self.sched == "dynamic" else ""
         return (f"{self.tile_m}x{self.tile_n}_{sched}_c{self.cluster_m}x{self.cluster_n}"
                 f"_r{self.raster}{self.swizzle}{st}{dyn}" + ("_ewg" if self.epi_wg else "")
-                + (f"_pf{self.l2_prefetch}" if self.l2_prefetch else "") + (f"_sm{self.sms}" if self.sms else ""))
+                + (f"_pf{self.l2_prefetch}" if self.l2_prefetch else ""))
 
     def problems(self) -> list[str]:
         """Reasons this config cannot be built (empty list: valid)."""
@@ -107,9 +104,6 @@ class GemmConfig:
             out.append("sched='dynamic' is built for the cooperative schedule only")
         if self.l2_prefetch < 0 or self.l2_prefetch & (self.l2_prefetch - 1) or self.l2_prefetch > self.tile_m:
             out.append(f"l2_prefetch must be 0 or a power of two <= tile_m={self.tile_m}, got {self.l2_prefetch}")
-        if self.sms < 0 or self.sms % (self.cluster_m * self.cluster_n):
-            out.append(f"sms must be 0 or a positive multiple of the cluster size {self.cluster_m * self.cluster_n}, "
-                       f"got {self.sms}")
         if self.epi_wg and (self.pingpong or self.tile_m != 128 or self.sched != "static"):
             out.append("epi_wg=True is built for cooperative 128-row tiles with sched='static'")
         return out

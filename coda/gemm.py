@@ -79,13 +79,6 @@ def _cute(t: torch.Tensor, leading: int):
     return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=leading)
 
 
-def _grid_clusters(cfg: GemmConfig, device=None) -> int:
-    """The persistent grid's cap in clusters: what fits on the GPU at once, within ``cfg.sms`` SMs if set."""
-    size = cfg.cluster_m * cfg.cluster_n
-    n = _max_active_clusters(size, device)
-    return min(n, cfg.sms // size) if cfg.sms else n
-
-
 def _max_active_clusters(size: int, device=None) -> int:
     if size not in _max_clusters:
         from coda.runtime import compile_cache
@@ -354,7 +347,8 @@ def _compiled(key, cfg: GemmConfig, epi: Epilogue, prob, cute_args):
     rec = _precompile.recorder()
     if rec is not None:
         from coda.runtime.keys import device_info
-        params = (cfg, epi, prob.in_dtype, prob.out_dtype, key[-1], _grid_clusters(cfg, prob.device))
+        params = (cfg, epi, prob.in_dtype, prob.out_dtype, key[-1],
+                  _max_active_clusters(cfg.cluster_m * cfg.cluster_n, prob.device))
         return rec.add("gemm", params, cute_args, device_info(prob.device).arch, in_memory=key in _cache,
                        label=f"gemm {epi.name} {cfg.name}")
     fn = _cache.get(key)
@@ -365,7 +359,9 @@ def _compiled(key, cfg: GemmConfig, epi: Epilogue, prob, cute_args):
                 from coda.runtime import compile_cache
                 from coda.runtime.keys import device_info
                 fn, _ = compile_cache.compile_kernel(cfg, epi, prob.in_dtype, prob.out_dtype, key[-1], cute_args,
-                                                     _grid_clusters(cfg, prob.device), device_info(prob.device).arch)
+                                                     _max_active_clusters(cfg.cluster_m * cfg.cluster_n,
+                                                                          prob.device),
+                                                     device_info(prob.device).arch)
                 _cache[key] = fn
     return fn
 
