@@ -88,8 +88,8 @@ class GemmConfig:
         if self.wg_tile_m * self.tile_n // 128 > MAX_ACC_PER_THREAD:
             out.append(f"a warpgroup would hold {self.wg_tile_m}x{self.tile_n} fp32 accumulators "
                        f"({self.wg_tile_m * self.tile_n // 128} registers/thread > {MAX_ACC_PER_THREAD})")
-        if (self.cluster_m, self.cluster_n) not in ((1, 1), (2, 1), (1, 2), (4, 1), (1, 4)):
-            out.append(f"cluster shape must be 1x1, 2x1, 1x2, 4x1 or 1x4, got {self.cluster_m}x{self.cluster_n}")
+        if (self.cluster_m, self.cluster_n) not in ((1, 1), (2, 1), (1, 2)):
+            out.append(f"cluster shape must be 1x1, 2x1 or 1x2, got {self.cluster_m}x{self.cluster_n}")
         if self.raster not in ("m", "n"):
             out.append(f"raster must be 'm' or 'n', got {self.raster!r}")
         if self.swizzle < 1:
