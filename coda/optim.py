@@ -112,17 +112,27 @@ KERNEL_STEP_MIN = 1 << 20
 def update_config(k_zero: bool = False, mn=None, sm_count: int = 132):
     """The config of an in-backward update's dW GEMM (``mn``: its M x N, the weight's shape): 128 x 256 tiles whose
     epilogue runs in the epilogue warps (``epi_wg``, hidden under the next tile's mainloop); with fewer 128 x 256
-    tiles than two waves of ``sm_count`` SMs, and for a K = 0 pass (``k_zero``: nothing to hide under), 128 x 128
-    cooperative tiles, dynamic schedule, every consumer warp on the epilogue. Measured (``python -m
-    coda.bench.optim``, ms): H100, session 23: gate/up 16384 x 2048 (with dgamma) 0.887 vs 0.995 at 128 x 128;
-    down 2048 x 8192 0.433 vs 0.600 heuristic (cuBLAS dW 0.387); H200, session 26: qkv 3072 x 2048 (192 tiles)
-    0.188 at 128 x 128 vs 0.211 in the epilogue warps, o 2048 x 2048 0.129 vs 0.130, down 0.421 vs 0.502, gate/up
-    0.855 vs 0.988."""
+    tiles than two waves of ``sm_count`` SMs, and for a K = 0 pass (``k_zero``: nothing to hide under), cooperative
+    tiles with every consumer warp on the epilogue: 128 x 192 (static schedule) where they fill the waves as well
+    as 128 x 128 do, else 128 x 128 (dynamic schedule). Measured (``python -m coda.bench.optim``, ms): H100,
+    session 23: gate/up 16384 x 2048 (with dgamma) 0.887 vs 0.995 at 128 x 128; down 2048 x 8192 0.433 vs 0.600
+    heuristic (cuBLAS dW 0.387); H200, session 26: qkv 3072 x 2048 (192 tiles) 0.188 at 128 x 128 vs 0.211 in the
+    epilogue warps, o 2048 x 2048 0.129 vs 0.130, down 0.421 vs 0.502, gate/up 0.855 vs 0.988; H100, session 35:
+    qkv 0.184 at 128 x 192 static (264 tiles: two full waves) vs 0.196 at 128 x 128 dynamic (o: 128 x 192 leaves
+    a third of its second wave empty, 0.173 vs 0.133)."""
     from coda.config import GemmConfig, epi_wg_config
-    few = mn is not None and -(-mn[0] // 128) * -(-mn[1] // 256) < 2 * sm_count
-    if k_zero or few:
-        return GemmConfig(tile_m=128, tile_n=128, cluster_m=2, sched="dynamic", epi_n=32)
-    return epi_wg_config()
+    if k_zero or mn is None:
+        return GemmConfig(tile_m=128, tile_n=128, cluster_m=2, sched="dynamic", epi_n=32) if k_zero \
+            else epi_wg_config()
+    tiles = {n: -(-mn[0] // 128) * -(-mn[1] // n) for n in (256, 192, 128)}
+    if tiles[256] >= 2 * sm_count:
+        return epi_wg_config()
+
+    def filled(n):  # the output's share of the waves' tile slots (ragged edge tiles count as whole slots)
+        return mn[0] * mn[1] / (-(-tiles[n] // sm_count) * sm_count * 128 * n)
+    if filled(192) >= filled(128):
+        return GemmConfig(tile_m=128, tile_n=192, cluster_m=2, epi_n=32)
+    return GemmConfig(tile_m=128, tile_n=128, cluster_m=2, sched="dynamic", epi_n=32)
 
 
 class AdamW(torch.optim.AdamW):

@@ -19,7 +19,7 @@ BF = dict(device="cuda", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("shape", [(1000, 776, 520), (3072, 2048, 4096)])
-@pytest.mark.parametrize("few", [True, False], ids=["128x128_dyn", "epi_wg"])
+@pytest.mark.parametrize("few", [True, False], ids=["few_tiles", "epi_wg"])
 def test_adamw_update_bitwise_with_prefetch(shape, few):
     torch.manual_seed(0)
     N, K, T = shape

@@ -195,12 +195,16 @@ def test_bad_arguments():
 
 def test_update_config_by_tile_count():
     """The dW GEMMs with the update: in the epilogue warps when 128 x 256 tiles make two waves or more, else (and
-    for a K = 0 pass) 128 x 128 cooperative tiles with every warp on the epilogue."""
+    for a K = 0 pass) cooperative tiles with every warp on the epilogue: 128 x 192 where they fill the waves as
+    well as 128 x 128 (qkv: 264 tiles, two full waves of 132 SMs), else 128 x 128."""
     from coda.optim import update_config
     assert update_config(mn=(16384, 2048)).epi_wg and update_config(mn=(2048, 8192)).epi_wg  # 1024, 512 tiles
-    for mn in ((3072, 2048), (2048, 2048), (100, 100)):  # 192, 128, 1 tiles
-        cfg = update_config(mn=mn)
-        assert not cfg.epi_wg and (cfg.tile_m, cfg.tile_n) == (128, 128) and cfg == update_config(k_zero=True)
+    small = update_config(k_zero=True)
+    assert (small.tile_m, small.tile_n, small.sched, small.epi_wg) == (128, 128, "dynamic", False)
+    for mn in ((2048, 2048), (100, 100), (4096, 2048)):  # 128 x 256: 128, 1, 256 tiles; 128 x 192 fills less
+        assert update_config(mn=mn) == small, mn
+    qkv = update_config(mn=(3072, 2048))
+    assert (qkv.tile_m, qkv.tile_n, qkv.sched, qkv.epi_wg) == (128, 192, "static", False) and not qkv.problems()
     assert update_config(mn=(3072, 2048), sm_count=78).epi_wg  # 192 tiles >= two waves of 78 SMs
     assert update_config() == update_config(mn=None) and update_config().epi_wg
 

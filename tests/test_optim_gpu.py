@@ -29,6 +29,21 @@ def test_adamw_epilogue_matches_float64(kind, shape):
     """dW = dy^T x on transposed views (as the ops call it), the update in its epilogue: p, m, v written in place,
     every element (compared everywhere), within 2x the error of torch's path (the gradient rounded to bf16, then
     AdamW in fp32 math on the bf16 tensors) against float64, plus a floor."""
+    _check_adamw_epilogue(kind, shape)
+
+
+@pytest.mark.parametrize("kind", ["plain", "fold"])
+@pytest.mark.parametrize("shape", [(3072, 2048, 520), (2048, 2048, 264)])
+def test_update_config_few_tiles_matches_float64(kind, shape):
+    """The few-tile dW GEMMs under the config coda.optim gives them (``update_config``: the QKV weight's 128 x 192
+    static tiles, the O projection's 128 x 128 dynamic ones), ragged token counts."""
+    from coda.optim import update_config
+    cfg = update_config(False, shape[:2])
+    assert (cfg.tile_n, cfg.sched) == ((192, "static") if shape[0] == 3072 else (128, "dynamic"))
+    _check_adamw_epilogue(kind, shape, cfg)
+
+
+def _check_adamw_epilogue(kind, shape, config=None):
     torch.manual_seed(0)
     N, K, T = shape  # weight N x K, T tokens
     bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -47,9 +62,9 @@ def test_adamw_epilogue_matches_float64(kind, shape):
     ops = dict(p=p, m=m, v=v, **_hyper(t))
     gemm = coda.gemm
     if kind == "plain":
-        res = gemm(dy.t(), x.t(), epilogue=adamw, out=p, **ops)
+        res = gemm(dy.t(), x.t(), epilogue=adamw, out=p, config=config, **ops)
     elif kind == "fold":
-        res = gemm(dy.t(), x.t(), epilogue=adamw_fold, out=p, gamma=gamma, **ops)
+        res = gemm(dy.t(), x.t(), epilogue=adamw_fold, out=p, gamma=gamma, config=config, **ops)
         assert res["dgamma"].shape[-1] == K and torch.isfinite(res["dgamma"]).all()
     elif kind == "times":  # in the epilogue warps, as coda.optim runs the fast cross entropy's deferred dW
         from coda.config import epi_wg_config
