@@ -128,6 +128,10 @@ def test_from_renders_without_gpu(tmp_path):
     assert proc.returncode == 0, proc.stderr
     md = (out / "report.md").read_text()
     assert "| fused | 68.3k | 1.067x | 120.0 |" in md
+    printed = proc.stdout.splitlines()  # the modes table on stdout too (a remote run's log keeps it)
+    assert printed[printed.index(next(x for x in printed if x.startswith("| mode |"))) + 2].startswith("| ")
+    assert any(x.startswith("| fused | 68.3k | 1.067x | 120.0 |") for x in printed)
+    assert not any(x.startswith("| ms/step |") for x in printed)  # the kernel tables stay in the file
     assert md.count(" | 19.5 |") == 1 and "LM head ms: the final norm + LM head + loss alone" in md   # the fused mode's head share only
     assert "failed: exit 1: boom" in md
     assert "`triton_poi_fused_add_0`" in md

@@ -381,6 +381,16 @@ def _pool(runs: list) -> dict:
     return res
 
 
+def _write(report: dict, out: str, write_json: bool = True) -> None:
+    """The report's files, their paths and its modes table on stdout (a remote run's log keeps the numbers when
+    the files do not come back)."""
+    for p in SR.write_step_report(report, out, write_json=write_json):
+        print(f"wrote {p}")
+        if p.endswith(".md"):
+            with open(p) as f:
+                print("\n".join(SR.table_lines(f.read())), flush=True)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--from" in argv and "--model" not in argv:
@@ -391,8 +401,7 @@ def main(argv=None) -> int:
         with open(args.from_) as f:
             report = json.load(f)
         same = os.path.abspath(os.path.join(args.out, "report.json")) == os.path.abspath(args.from_)
-        for p in SR.write_step_report(report, args.out, write_json=not same):
-            print(f"wrote {p}")
+        _write(report, args.out, write_json=not same)
         return 0
     if args.peak:
         print(RESULT + json.dumps(measure_peak()), flush=True)
@@ -456,8 +465,7 @@ def main(argv=None) -> int:
                     print(f"  {name}: FAILED {res['error']}", flush=True)
         report["modes"] += [_pool(runs[label]) for label, _ in variants]
         SR.write_step_report(report, args.out)
-    for p in SR.write_step_report(report, args.out):
-        print(f"wrote {p}")
+    _write(report, args.out)
     return 0 if all(not m.get("error") for m in report["modes"]) else 1
 
 

@@ -218,6 +218,15 @@ def plot_step(report: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def table_lines(markdown: str) -> list:
+    """The modes table of a rendered report (its first markdown table): what ``coda.bench.step`` also prints, so
+    that a log keeps the numbers when the report files do not come back from a remote run."""
+    lines = markdown.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("| mode |")), len(lines))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[start:end]
+
+
 def write_step_report(report: dict, out_dir: str, write_json: bool = True) -> list:
     """report.json (optional), report.md and step.png (when matplotlib is installed) into ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
