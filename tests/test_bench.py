@@ -457,3 +457,28 @@ def test_one_step_trains_the_fused_tiny_preset_on_the_cpu():
     step()
     after = [p.detach() for g in opt.param_groups for p in g["params"]]
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_event_times_and_sustained_ms(monkeypatch):
+    """coda.bench.gemm's event loops (the experiments' sustained timing; CPU, CUDA events faked by wall time): a
+    count, a time box, pauses before each call, and the median of a time box after a warm-up."""
+    from coda.bench import gemm as G
+
+    class Event:
+        def __init__(self, enable_timing=True):
+            self.t = None
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    assert len(G.event_times(lambda: calls.append(1), count=5)) == 5 and len(calls) == 5
+    t0 = time.perf_counter()
+    ts = G.event_times(lambda: time.sleep(0.002), count=3, pause=0.02)
+    assert len(ts) == 3 and all(1.5 < t < 20 for t in ts) and time.perf_counter() - t0 >= 0.06
+    assert len(G.event_times(lambda: time.sleep(0.001), secs=0.05)) >= 5
+    assert 2.5 < G.sustained_ms(lambda: time.sleep(0.003), secs=0.1, warm=0.02) < 30

@@ -47,6 +47,35 @@ def median_of_runs(fn, runs: int = 3, rep_ms: int = 50) -> float:
     return sorted(do_bench(fn, warmup=10, rep=rep_ms) for _ in range(runs))[runs // 2]
 
 
+def event_times(fn, count: int = 0, secs: float = 0.0, pause: float = 0.0) -> list:
+    """CUDA-event times (ms) of back-to-back calls of ``fn``: ``count`` of them, or as many as ``secs`` seconds
+    take; with ``pause``, the GPU idles that many seconds before each (read after one synchronize at the end)."""
+    import time
+    out = []
+    t0 = time.time()
+    while len(out) < count or (not count and time.time() - t0 < secs):
+        if pause:
+            torch.cuda.synchronize()
+            time.sleep(pause)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        out.append((e0, e1))
+    torch.cuda.synchronize()
+    return [x.elapsed_time(y) for x, y in out]
+
+
+def sustained_ms(fn, secs: float = 2.0, warm: float = 1.0) -> float:
+    """The median of ``fn``'s CUDA-event times over ``secs`` seconds of back-to-back calls after ``warm`` seconds
+    of them: the power-capped (sustained) time, where do_bench's short bursts see boost clocks
+    (docs/experiments/overlap_probe.py, attn_overlap.py)."""
+    fn()
+    event_times(fn, secs=warm)
+    ts = sorted(event_times(fn, secs=secs))
+    return ts[len(ts) // 2]
+
+
 def main(argv=None):
     import coda
     ap = argparse.ArgumentParser()

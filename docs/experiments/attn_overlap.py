@@ -5,13 +5,12 @@ peak) leaves tensor-core time that a GEMM on a second stream might use. For each
 gate-up dW GEMM of a layer, and o + qkv together) the median time of: attention backward alone, the dW alone, both
 in order on one stream, both on two streams (the dW queued on a side stream first). Burst (do_bench) and sustained
 (16 layers' worth in a loop after 1 s warm, CUDA events), ms. Usage on the GPU: python docs/experiments/attn_overlap.py"""
-import time
-
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
 import coda
+from coda.bench.gemm import sustained_ms
 from coda.epilogues.adamw import HYPER, adamw
 from coda.optim import update_config
 
@@ -63,24 +62,8 @@ def concurrent(ws):
     return run
 
 
-def sustained(fn, secs=1.5):
-    loop = lambda: [fn() for _ in range(16)]  # noqa: E731
-    loop()
-    torch.cuda.synchronize()
-    t0 = time.time()
-    while time.time() - t0 < 1.0:
-        loop()
-    torch.cuda.synchronize()
-    ts = []
-    t0 = time.time()
-    while time.time() - t0 < secs:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        loop()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 16)
-    return sorted(ts)[len(ts) // 2]
+def sustained(fn):
+    return sustained_ms(lambda: [fn() for _ in range(16)], secs=1.5) / 16
 
 
 print(torch.cuda.get_device_name(), "ms; burst = do_bench median, sust = 16 in a loop, per item", flush=True)

@@ -4,12 +4,12 @@ Serial vs concurrent: (a) cuDNN SDPA forward + backward at llama-1b's shapes (B 
 GQA) x 16, (b) coda.gemm 8192 x 8192 x 2048 x 16, each against torch's fused AdamW over a 128256 x 2048 bf16 weight
 (the embedding's update, ~2.4 ms) x 4. Sustained loops (1 s warm), CUDA events; ms per round.
 Usage on the GPU: python docs/experiments/overlap_probe.py"""
-import time
 
 import torch
 import torch.nn.functional as F
 
 import coda
+from coda.bench.gemm import sustained_ms as timeit
 
 dev = "cuda"
 q = torch.randn(2, 32, 4096, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -49,26 +49,6 @@ def both(main):
         upd()
     main()
     torch.cuda.current_stream().wait_stream(side)
-
-
-def timeit(fn, secs=2.0):
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.time()
-    while time.time() - t0 < 1.0:
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    t0 = time.time()
-    while time.time() - t0 < secs:
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        out.append((e0, e1))
-    torch.cuda.synchronize()
-    ts = sorted(x.elapsed_time(y) for x, y in out)
-    return ts[len(ts) // 2]
 
 
 print(torch.cuda.get_device_name())

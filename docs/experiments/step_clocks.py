@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from coda.bench.gemm import event_times
 from coda.bench.step_ops import one_step
 
 ap = argparse.ArgumentParser()
@@ -27,18 +28,7 @@ smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperat
 
 
 def timed(n, pause):
-    out = []
-    for _ in range(n):
-        if pause:
-            torch.cuda.synchronize()
-            time.sleep(pause)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        out.append((a, b))
-    torch.cuda.synchronize()
-    return [round(a.elapsed_time(b), 2) for a, b in out]
+    return [round(t, 2) for t in event_times(step, count=n, pause=pause)]
 
 
 t0 = time.time()

@@ -9,9 +9,9 @@ hide. Times (do_bench medians of 3, ms, 8192 tokens, H 2048, I 8192) of both for
 several configs; the new forms checked against the old (relative max error). Usage on the GPU:
 python docs/experiments/swiglu_factors.py"""
 import torch
-from triton.testing import do_bench
 
 import coda
+from coda.bench.gemm import median_of_runs
 from coda.autodiff import with_preact
 from coda.config import GemmConfig
 from coda.dsl import DslEpilogue
@@ -40,8 +40,7 @@ swiglu_bwd_factors = DslEpilogue("swiglu_bwd_factors", _bwd.operands,
 
 
 def ms(fn):
-    fn()
-    return sorted(do_bench(fn, rep=100) for _ in range(3))[1]
+    return median_of_runs(fn, rep_ms=100)
 
 
 def rel(a, b):
