@@ -132,9 +132,7 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
         b_layout = LayoutEnum.from_tensor(mB)
         d_layout = LayoutEnum.from_tensor(mD)
         self.d_layout = d_layout
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, self.atom_layout, tiler_mn=(64, cfg.tile_n))
+        self.tiled_mma = self._tiled_mma(a_layout, b_layout)
 
         # shared memory (epilogue.smem_plan, also the autotuner's pruning): TileMN operands read by TMA (3b), per
         # operand a ring of sub-tile buffers (per consumer tile in flight), one mbarrier per buffer; the tile outputs'
@@ -382,29 +380,8 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
             # ---- 3a mainloop
             if cutlass.const_expr(pp):
                 cute.arch.barrier(barrier_id=BAR_ORDER + cwg, number_of_threads=2 * WG_THREADS)
-            # first k-tile peeled: its first WGMMA overwrites the accumulator, every later one accumulates
-            mainloop.consumer_wait(read)
-            warpgroup.fence()
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-            for j in cutlass.range_constexpr(k_blocks):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, j, read.index)], tCrB[(None, None, j, read.index)], acc)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            read.advance()
-            for k in range(1, k_tiles):
-                mainloop.consumer_wait(read)
-                warpgroup.fence()
-                for j in cutlass.range_constexpr(k_blocks):
-                    cute.gemm(tiled_mma, acc, tCrA[(None, None, j, read.index)],
-                              tCrB[(None, None, j, read.index)], acc)
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)  # the previous k-tile's WGMMAs are done: release its stage
-                mainloop.consumer_release(release)
-                release.advance()
-                read.advance()
-            warpgroup.wait_group(0)
-            mainloop.consumer_release(release)
-            release.advance()
+            read, release = self._mainloop(mainloop, read, release, k_tiles, k_blocks, tiled_mma, acc, tCrA, tCrB,
+                                           dict(sA=sA, tidx=etidx, m=m, ops=op_tensors))
             if cutlass.const_expr(pp):
                 # hand the tensor cores to the other warpgroup, skip its k-tiles in the pipeline state
                 cute.arch.barrier_arrive(barrier_id=BAR_ORDER + 1 - cwg, number_of_threads=2 * WG_THREADS)
@@ -425,6 +402,41 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
             else:
                 t += tile_step * w["n_clusters"]
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last TMA stores are done with shared memory
+
+    def _tiled_mma(self, a_layout, b_layout):
+        """The WGMMA of the mainloop: both operands from shared memory, one 64-row atom per consumer warpgroup."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+            self.acc_dtype, self.atom_layout, tiler_mn=(64, self.cfg.tile_n))
+
+    @cute.jit
+    def _mainloop(self, mainloop, read, release, k_tiles, k_blocks, tiled_mma, acc, tCrA, tCrB, ctx):
+        """One tile's k-loop: wait for each stage, its WGMMAs, release the previous stage once they are done;
+        returns the advanced pipeline states (the caller's objects do not see this function's updates). ``ctx``: the A tiles in shared memory, the thread's index in the tile's group, the tile's row block and the
+        epilogue's operands (unused here; for a mainloop that transforms A, docs/experiments/a_transform.py)."""
+        # first k-tile peeled: its first WGMMA overwrites the accumulator, every later one accumulates
+        mainloop.consumer_wait(read)
+        warpgroup.fence()
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        for j in cutlass.range_constexpr(k_blocks):
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, j, read.index)], tCrB[(None, None, j, read.index)], acc)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        read.advance()
+        for k in range(1, k_tiles):
+            mainloop.consumer_wait(read)
+            warpgroup.fence()
+            for j in cutlass.range_constexpr(k_blocks):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, j, read.index)], tCrB[(None, None, j, read.index)], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)  # the previous k-tile's WGMMAs are done: release its stage
+            mainloop.consumer_release(release)
+            release.advance()
+            read.advance()
+        warpgroup.wait_group(0)
+        mainloop.consumer_release(release)
+        release.advance()
+        return read, release
 
     def _cluster_tiles(self, mD):
         """(cluster rows, cluster columns) of the output (a batch adds mD.shape[2] times as many cluster tiles)."""

@@ -1,0 +1,170 @@
+"""The cross entropy's dX GEMM on the stored logits: the softmax gradient formed in registers (RS WGMMA).
+
+The fast cross entropy stores the logits z (M x V bf16), then a memory-bound pass (ce_grad, 1.43 ms a llama-1b
+step) turns them into dz = softmax(z) - onehot for GEMMs 2 (dX = dz W) and 3 (dW = dz^T x). Here the dX GEMM
+reads z itself: each k-block of the A tile goes from shared memory into registers (ldmatrix, the WGMMA A-fragment
+layout), becomes exp(z - lse[row]) - [col == target[row]] in fp32 (ex2 + FFMA + a compare), back to bf16, and
+feeds a register-A WGMMA (``GemmSm90`` with ``_tiled_mma`` / ``_mainloop`` overridden; the producer, the TMA
+pipeline and the epilogue are the library's). One commit group per k-block; before a k-block's registers are
+rewritten, ``wait_group(k_blocks - 1)`` retires the WGMMA that read them one k-tile earlier. The design study:
+docs/NOTES.md session 32 ("The A-operand transform"); MUFU work per A element: one ex2 per N-tile (H / tile_n = 8).
+
+lse and the targets reach the mainloop as VecM operands of the epilogue ``carry`` (fp32; which adds nothing).
+Usage: ``CUTE_DSL_ARCH=sm_90a python docs/experiments/a_transform.py --compile`` (CPU: PTX, registers, spills);
+on the GPU ``python docs/experiments/a_transform.py``: dX against torch (softmax - onehot in float32, then bf16,
+then torch.mm) and float64 rows, and the time against CODA's plain dX GEMM on a precomputed dz."""
+import argparse
+import os
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import OperandMajorMode, warp, warpgroup
+
+import coda
+from coda.config import GemmConfig
+from coda.kernels.gemm_sm90 import GemmSm90
+
+LOG2E = 1.4426950408889634
+
+
+@coda.epilogue
+def carry(acc, lse: coda.VecM, tgt: coda.VecM):
+    """The plain product; its operands are read by the mainloop only."""
+    return acc
+
+
+class SoftmaxGradA(GemmSm90):
+    """``GemmSm90`` whose A operand (the stored logits, K-major) becomes exp(z - lse) - onehot in registers."""
+
+    def _tiled_mma(self, a_layout, b_layout):
+        if not a_layout.is_k_major_a():
+            raise ValueError("the register-A mainloop takes a K-major A (the logits as stored)")
+        if self.cfg.pingpong or self.cfg.epi_wg:
+            raise ValueError("cooperative tiles without epilogue warps only (an experiment)")
+        return sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, OperandMajorMode.K, b_layout.sm90_mma_major_mode(), self.acc_dtype,
+            self.atom_layout, tiler_mn=(64, self.cfg.tile_n), a_source=warpgroup.OperandSource.RMEM)
+
+    @cute.jit
+    def _mainloop(self, mainloop, read, release, k_tiles, k_blocks, tiled_mma, acc, tCrA, tCrB, ctx):
+        cfg = self.cfg
+        thr = tiled_mma.get_slice(ctx["tidx"])
+        rA = thr.make_fragment_A(thr.partition_shape_A((cfg.tile_m, cfg.tile_k)))  # (V, MMA_M, k_blocks) bf16
+        s2r = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), cutlass.BFloat16),
+                                     tiled_mma)
+        thr_s2r = s2r.get_slice(ctx["tidx"])
+        sAv = thr_s2r.partition_S(ctx["sA"])  # (CPY, CPY_M, CPY_K, stage)
+        rAv = thr_s2r.retile(rA)
+        crd = thr.partition_A(cute.make_identity_tensor((cfg.tile_m, cfg.tile_k)))  # (row, col) in the tile
+        # this thread's rows: the same in every k-block; lse * log2(e) and the target per fragment value
+        mLse, mTgt = ctx["ops"][0], ctx["ops"][1]
+        nv = cute.size(rA[(None, None, 0)])
+        lse2 = cute.make_rmem_tensor((nv,), cutlass.Float32)
+        tgt = cute.make_rmem_tensor((nv,), cutlass.Int32)
+        c0 = crd[(None, None, 0)]
+        rows = mLse.shape[0]
+        for v in cutlass.range_constexpr(nv):
+            r = ctx["m"] * cfg.tile_m + c0[v][0]
+            lse2[v] = cutlass.Float32(0.0)
+            tgt[v] = cutlass.Int32(-1)
+            if r < rows:
+                lse2[v] = mLse[r, 0] * LOG2E
+                tgt[v] = cutlass.Int32(mTgt[r, 0])
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        for k in range(k_tiles):
+            mainloop.consumer_wait(read)
+            for j in cutlass.range_constexpr(k_blocks):
+                warpgroup.wait_group(k_blocks - 1)  # the WGMMA that read these registers a k-tile ago is done
+                cute.copy(s2r, sAv[(None, None, j, read.index)], rAv[(None, None, j)])
+                frag = rA[(None, None, j)]
+                cj = crd[(None, None, j)]
+                col0 = k * cfg.tile_k
+                for v in cutlass.range_constexpr(nv):
+                    e = cute.arch.exp2(frag[v].to(cutlass.Float32) * LOG2E - lse2[v])
+                    hit = col0 + cj[v][1] == tgt[v]
+                    frag[v] = (e - cutlass.select_(hit, cutlass.Float32(1.0), cutlass.Float32(0.0))).to(
+                        cutlass.BFloat16)
+                warpgroup.fence()
+                cute.gemm(tiled_mma, acc, rA[(None, None, j)], tCrB[(None, None, j, read.index)], acc)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+            if k > 0:  # every WGMMA of the previous k-tile has retired (the waits above): release its stage
+                mainloop.consumer_release(release)
+                release.advance()
+            read.advance()
+        warpgroup.wait_group(0)
+        mainloop.consumer_release(release)
+        release.advance()
+        return read, release
+
+
+def compile_only():
+    import re
+    import subprocess
+    import tempfile
+    import shutil
+    import cutlass.runtime as crt
+    from coda.check import fake_args
+    d = tempfile.mkdtemp()
+    (a, b, c), xs = fake_args(carry, "bf16", "bf16", ("k", "mn"))
+    cute.compile(SoftmaxGradA(GemmConfig(), carry), a, b, c, 66, crt.make_fake_stream(), *xs,
+                 options=f"--gpu-arch=sm_90a --keep-ptx --keep-cubin --dump-dir={d}")
+    ptx = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".ptx")][0]
+    text = open(ptx).read()
+    print("wgmma:", sorted({ln.split()[0] for ln in text.splitlines() if "wgmma.mma_async" in ln}),
+          "count", text.count("wgmma.mma_async"), "ldmatrix", len(re.findall(r"ldmatrix\.", text)),
+          "ex2", text.count("ex2.approx"))
+    if shutil.which("ptxas"):
+        r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True)
+        print("\n".join(ln for ln in (r.stderr or r.stdout).splitlines() if "registers" in ln or "spill" in ln))
+
+
+def gpu(M, V, H):
+    os.environ["CODA_COMPILE_CACHE"] = "0"  # the carry epilogue's kernel is this module's: never on disk
+    import torch
+    import coda.kernels.gemm_sm90 as G
+    from coda.bench.gemm import median_of_runs
+    base = G.GemmSm90
+    G.GemmSm90 = lambda cfg, epi, **kw: (SoftmaxGradA if epi is carry else base)(cfg, epi, **kw)  # noqa: E731
+    torch.manual_seed(0)
+    dev = "cuda"
+    z = (torch.randn(M, V, device=dev) * 2).to(torch.bfloat16)
+    W = (torch.randn(V, H, device=dev) / 16).to(torch.bfloat16)
+    tgt = torch.randint(0, V, (M,), device=dev)
+    lse = torch.logsumexp(z.float(), dim=1)
+    dz = (torch.softmax(z.float(), dim=1) - torch.nn.functional.one_hot(tgt, V).float()).to(torch.bfloat16)
+    ref = torch.mm(dz, W)
+    out = torch.full((M, H), float("nan"), device=dev, dtype=torch.bfloat16)
+    cfg = GemmConfig()
+    run = lambda: coda.gemm(z, W.t(), epilogue=carry, out=out, config=cfg, lse=lse, tgt=tgt.float())  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), "unwritten elements"
+    rows = torch.randperm(M, device=dev)[:64]
+    r64 = (torch.softmax(z[rows].double(), 1) - torch.nn.functional.one_hot(tgt[rows], V).double()) @ W.double()
+    err = lambda x: ((x.double() - r64).norm() / r64.norm()).item()  # noqa: E731
+    print(f"dX {M}x{H}x{V}: error vs float64 rows: ours {err(out[rows]):.2e}, torch bf16 path {err(ref[rows]):.2e}; "
+          f"ours vs torch max rel {((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item():.2e}",
+          flush=True)
+    t_ours = median_of_runs(run, rep_ms=200)
+    t_plain = median_of_runs(lambda: coda.gemm(dz, W.t(), config=cfg), rep_ms=200)
+    t_cublas = median_of_runs(lambda: torch.mm(dz, W), rep_ms=200)
+    print(f"ms: transform in the mainloop {t_ours:.3f}; CODA plain on dz {t_plain:.3f} ({cfg.name}); cuBLAS on dz "
+          f"{t_cublas:.3f} (the pass it would remove: ~{2 * 2 * M * V / 2.9e9:.3f} at 2.9 TB/s)", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--shape", default="1000,4000,264;8192,128256,2048", help="M,V,H[;M,V,H...]")
+    a = ap.parse_args()
+    if a.compile:
+        compile_only()
+    else:
+        for shape in a.shape.split(";"):
+            gpu(*map(int, shape.split(",")))
+
+
+if __name__ == "__main__":
+    main()
