@@ -5,9 +5,14 @@ step) turns them into dz = softmax(z) - onehot for GEMMs 2 (dX = dz W) and 3 (dW
 reads z itself: each k-block of the A tile goes from shared memory into registers (ldmatrix, the WGMMA A-fragment
 layout), becomes exp(z - lse[row]) - [col == target[row]] in fp32 (ex2 + FFMA + a compare), back to bf16, and
 feeds a register-A WGMMA (``GemmSm90`` with ``_tiled_mma`` / ``_mainloop`` overridden; the producer, the TMA
-pipeline and the epilogue are the library's). One commit group per k-block; before a k-block's registers are
-rewritten, ``wait_group(k_blocks - 1)`` retires the WGMMA that read them one k-tile earlier. The design study:
-docs/NOTES.md session 32 ("The A-operand transform"); MUFU work per A element: one ex2 per N-tile (H / tile_n = 8).
+pipeline and the epilogue are the library's). Two register buffers: while k-tile t's WGMMAs run, k-tile t + 1 is
+loaded and transformed into the other. The design study: docs/NOTES.md session 32 ("The A-operand transform");
+MUFU work per A element: one ex2 per N-tile (H / tile_n = 8).
+
+H100 80GB HBM3, session 35, 8192 x 2048 x 128256 (llama-1b's LM head dX), ms: one buffer, a commit group and a
+wait per k-block (call 13): 8.077 vs 5.758 for CODA's plain dX on a precomputed dz; two buffers (call 14): 7.703
+vs 5.887 (cuBLAS 6.015). The pass it would remove is ~1.45 ms: still 0.37 ms short. Errors vs float64 equal to
+torch's bf16 path at both shapes.
 
 lse and the targets reach the mainloop as VecM operands of the epilogue ``carry`` (fp32; which adds nothing).
 Usage: ``CUTE_DSL_ARCH=sm_90a python docs/experiments/a_transform.py --compile`` (CPU: PTX, registers, spills);
@@ -48,18 +53,21 @@ class SoftmaxGradA(GemmSm90):
 
     @cute.jit
     def _mainloop(self, mainloop, read, release, k_tiles, k_blocks, tiled_mma, acc, tCrA, tCrB, ctx):
+        """Double-buffered by k-tile: while the WGMMAs of k-tile t run, k-tile t + 1 is loaded into the other
+        register buffer and transformed; wait_group(1) retires k-tile t - 1 (its stage released) first."""
         cfg = self.cfg
         thr = tiled_mma.get_slice(ctx["tidx"])
-        rA = thr.make_fragment_A(thr.partition_shape_A((cfg.tile_m, cfg.tile_k)))  # (V, MMA_M, k_blocks) bf16
+        shape_a = thr.partition_shape_A((cfg.tile_m, cfg.tile_k))
+        bufs = (thr.make_fragment_A(shape_a), thr.make_fragment_A(shape_a))  # (V, MMA_M, k_blocks) bf16 each
         s2r = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), cutlass.BFloat16),
                                      tiled_mma)
         thr_s2r = s2r.get_slice(ctx["tidx"])
         sAv = thr_s2r.partition_S(ctx["sA"])  # (CPY, CPY_M, CPY_K, stage)
-        rAv = thr_s2r.retile(rA)
+        views = (thr_s2r.retile(bufs[0]), thr_s2r.retile(bufs[1]))
         crd = thr.partition_A(cute.make_identity_tensor((cfg.tile_m, cfg.tile_k)))  # (row, col) in the tile
         # this thread's rows: the same in every k-block; lse * log2(e) and the target per fragment value
         mLse, mTgt = ctx["ops"][0], ctx["ops"][1]
-        nv = cute.size(rA[(None, None, 0)])
+        nv = cute.size(bufs[0][(None, None, 0)])
         lse2 = cute.make_rmem_tensor((nv,), cutlass.Float32)
         tgt = cute.make_rmem_tensor((nv,), cutlass.Int32)
         c0 = crd[(None, None, 0)]
@@ -71,32 +79,64 @@ class SoftmaxGradA(GemmSm90):
             if r < rows:
                 lse2[v] = mLse[r, 0] * LOG2E
                 tgt[v] = cutlass.Int32(mTgt[r, 0])
+
+        xf = (s2r, sAv, views, bufs, crd, lse2, tgt, nv, k_blocks)
+        mainloop.consumer_wait(read)
+        self._load_transform(xf, 0, read.index, 0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-        for k in range(k_tiles):
-            mainloop.consumer_wait(read)
-            for j in cutlass.range_constexpr(k_blocks):
-                warpgroup.wait_group(k_blocks - 1)  # the WGMMA that read these registers a k-tile ago is done
-                cute.copy(s2r, sAv[(None, None, j, read.index)], rAv[(None, None, j)])
-                frag = rA[(None, None, j)]
-                cj = crd[(None, None, j)]
-                col0 = k * cfg.tile_k
-                for v in cutlass.range_constexpr(nv):
-                    e = cute.arch.exp2(frag[v].to(cutlass.Float32) * LOG2E - lse2[v])
-                    hit = col0 + cj[v][1] == tgt[v]
-                    frag[v] = (e - cutlass.select_(hit, cutlass.Float32(1.0), cutlass.Float32(0.0))).to(
-                        cutlass.BFloat16)
-                warpgroup.fence()
-                cute.gemm(tiled_mma, acc, rA[(None, None, j)], tCrB[(None, None, j, read.index)], acc)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-            if k > 0:  # every WGMMA of the previous k-tile has retired (the waits above): release its stage
+        for i in range(k_tiles // 2):  # k-tiles 2i (buffer 0) and 2i + 1 (buffer 1)
+            self._mma(tiled_mma, acc, bufs[0], tCrB, read.index, k_blocks)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.wait_group(1)  # k-tile 2i - 1 has retired: buffer 1 and its stage are free
+            if i > 0:
                 mainloop.consumer_release(release)
                 release.advance()
             read.advance()
+            mainloop.consumer_wait(read)
+            self._load_transform(xf, 1, read.index, 2 * i + 1)
+            self._mma(tiled_mma, acc, bufs[1], tCrB, read.index, k_blocks)
+            warpgroup.wait_group(1)  # k-tile 2i has retired
+            mainloop.consumer_release(release)
+            release.advance()
+            if 2 * i + 2 < k_tiles:
+                read.advance()
+                mainloop.consumer_wait(read)
+                self._load_transform(xf, 0, read.index, 2 * i + 2)
+        if k_tiles % 2 == 1:  # the last k-tile, in buffer 0
+            self._mma(tiled_mma, acc, bufs[0], tCrB, read.index, k_blocks)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.wait_group(1)
+            if k_tiles > 1:
+                mainloop.consumer_release(release)
+                release.advance()
         warpgroup.wait_group(0)
         mainloop.consumer_release(release)
         release.advance()
+        read.advance()
         return read, release
+
+    def _load_transform(self, xf, b, stage, k):
+        """k-tile k (in shared-memory ``stage``) into register buffer ``b`` as exp(z - lse) - onehot (trace-time
+        helper: its loops are unrolled, it assigns no loop-carried value)."""
+        s2r, sAv, views, bufs, crd, lse2, tgt, nv, k_blocks = xf
+        for j in range(k_blocks):
+            cute.copy(s2r, sAv[(None, None, j, stage)], views[b][(None, None, j)])
+        for j in range(k_blocks):
+            frag = bufs[b][(None, None, j)]
+            cj = crd[(None, None, j)]
+            for v in range(nv):
+                e = cute.arch.exp2(frag[v].to(cutlass.Float32) * LOG2E - lse2[v])
+                hit = k * self.cfg.tile_k + cj[v][1] == tgt[v]
+                frag[v] = (e - cutlass.select_(hit, cutlass.Float32(1.0), cutlass.Float32(0.0))).to(cutlass.BFloat16)
+
+    @staticmethod
+    def _mma(tiled_mma, acc, buf, tCrB, stage, k_blocks):
+        """One k-tile's register-A WGMMAs, one commit group (the caller sets ACCUMULATE after it)."""
+        warpgroup.fence()
+        for j in range(k_blocks):
+            cute.gemm(tiled_mma, acc, buf[(None, None, j)], tCrB[(None, None, j, stage)], acc)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
 
 
 def compile_only():
