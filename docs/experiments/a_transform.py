@@ -11,8 +11,10 @@ MUFU work per A element: one ex2 per N-tile (H / tile_n = 8).
 
 H100 80GB HBM3, session 35, 8192 x 2048 x 128256 (llama-1b's LM head dX), ms: one buffer, a commit group and a
 wait per k-block (call 13): 8.077 vs 5.758 for CODA's plain dX on a precomputed dz; two buffers (call 14): 7.703
-vs 5.887 (cuBLAS 6.015). The pass it would remove is ~1.45 ms: still 0.37 ms short. Errors vs float64 equal to
-torch's bf16 path at both shapes.
+vs 5.887 (cuBLAS 6.015); + the one-hot compare only in k-tiles that hold one of the thread's rows' targets
+(call 15): 6.958 vs 6.029 (cuBLAS 5.968), +0.93 ms against the ~1.45 ms pass it would remove. Errors vs float64
+equal to torch's bf16 path at both shapes. The dW GEMM (A = dz^T, MN-major: ldmatrix .trans) needs the same
+before the pass can go.
 
 lse and the targets reach the mainloop as VecM operands of the epilogue ``carry`` (fp32; which adds nothing).
 Usage: ``CUTE_DSL_ARCH=sm_90a python docs/experiments/a_transform.py --compile`` (CPU: PTX, registers, spills);
@@ -115,19 +117,30 @@ class SoftmaxGradA(GemmSm90):
         read.advance()
         return read, release
 
+    @cute.jit
     def _load_transform(self, xf, b, stage, k):
-        """k-tile k (in shared-memory ``stage``) into register buffer ``b`` as exp(z - lse) - onehot (trace-time
-        helper: its loops are unrolled, it assigns no loop-carried value)."""
+        """k-tile k (in shared-memory ``stage``) into register buffer ``b`` as exp(z - lse) - onehot. The one-hot
+        compare runs only where one of the thread's rows has its target in this k-tile (rarely: 1 in V / 64)."""
         s2r, sAv, views, bufs, crd, lse2, tgt, nv, k_blocks = xf
-        for j in range(k_blocks):
+        for j in cutlass.range_constexpr(k_blocks):
             cute.copy(s2r, sAv[(None, None, j, stage)], views[b][(None, None, j)])
-        for j in range(k_blocks):
-            frag = bufs[b][(None, None, j)]
-            cj = crd[(None, None, j)]
-            for v in range(nv):
-                e = cute.arch.exp2(frag[v].to(cutlass.Float32) * LOG2E - lse2[v])
-                hit = k * self.cfg.tile_k + cj[v][1] == tgt[v]
-                frag[v] = (e - cutlass.select_(hit, cutlass.Float32(1.0), cutlass.Float32(0.0))).to(cutlass.BFloat16)
+        lo = k * self.cfg.tile_k
+        hit = cutlass.Boolean(False)
+        for v in cutlass.range_constexpr(nv):
+            hit = hit | ((tgt[v] >= lo) & (tgt[v] < lo + self.cfg.tile_k))
+        if hit:
+            for j in cutlass.range_constexpr(k_blocks):
+                frag = bufs[b][(None, None, j)]
+                cj = crd[(None, None, j)]
+                for v in cutlass.range_constexpr(nv):
+                    e = cute.arch.exp2(frag[v].to(cutlass.Float32) * LOG2E - lse2[v])
+                    one = cutlass.select_(lo + cj[v][1] == tgt[v], cutlass.Float32(1.0), cutlass.Float32(0.0))
+                    frag[v] = (e - one).to(cutlass.BFloat16)
+        else:
+            for j in cutlass.range_constexpr(k_blocks):
+                frag = bufs[b][(None, None, j)]
+                for v in cutlass.range_constexpr(nv):
+                    frag[v] = cute.arch.exp2(frag[v].to(cutlass.Float32) * LOG2E - lse2[v]).to(cutlass.BFloat16)
 
     @staticmethod
     def _mma(tiled_mma, acc, buf, tCrB, stage, k_blocks):
