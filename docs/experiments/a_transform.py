@@ -14,7 +14,9 @@ wait per k-block (call 13): 8.077 vs 5.758 for CODA's plain dX on a precomputed 
 vs 5.887 (cuBLAS 6.015); + the one-hot compare only in k-tiles that hold one of the thread's rows' targets
 (call 15): 6.958 vs 6.029 (cuBLAS 5.968), +0.93 ms against the ~1.45 ms pass it would remove. Errors vs float64
 equal to torch's bf16 path at both shapes. The dW GEMM (A = dz^T, MN-major: ldmatrix .trans) needs the same
-before the pass can go.
+before the pass can go: ``SoftmaxGradAT`` (lse and the target per token, read per k-tile) compiles for sm_90a on
+the CPU (4 bytes of spills at 168 registers) and ``gpu()`` checks and times it after the dX form -- not yet run on a
+GPU (session 35's device time was spent).
 
 lse and the targets reach the mainloop as VecM operands of the epilogue ``carry`` (fp32; which adds nothing).
 Usage: ``CUTE_DSL_ARCH=sm_90a python docs/experiments/a_transform.py --compile`` (CPU: PTX, registers, spills);
@@ -41,12 +43,22 @@ def carry(acc, lse: coda.VecM, tgt: coda.VecM):
     return acc
 
 
+@coda.epilogue
+def carry_t(acc, lse: coda.VecM, tgt: coda.VecM):
+    """The dW form's plain product (a second epilogue: the experiment picks the kernel class by epilogue)."""
+    return acc + 0.0
+
+
 class SoftmaxGradA(GemmSm90):
-    """``GemmSm90`` whose A operand (the stored logits, K-major) becomes exp(z - lse) - onehot in registers."""
+    """``GemmSm90`` whose A operand (the stored logits, K-major) becomes exp(z - lse) - onehot in registers: the dX
+    GEMM, rows = tokens. ``DW``: the dW GEMM's A = z^T (MN-major, ldmatrix .trans), rows = vocabulary entries,
+    k = tokens: lse and the target come per k position (the VecM operands then hold T <= V values: an
+    experiment's shortcut, the kernel has no per-k operand kind)."""
+    DW = False
 
     def _tiled_mma(self, a_layout, b_layout):
-        if not a_layout.is_k_major_a():
-            raise ValueError("the register-A mainloop takes a K-major A (the logits as stored)")
+        if a_layout.is_k_major_a() == self.DW:
+            raise ValueError("the dX form takes the logits K-major, the dW form their transpose (MN-major)")
         if self.cfg.pingpong or self.cfg.epi_wg:
             raise ValueError("cooperative tiles without epilogue warps only (an experiment)")
         return sm90_utils.make_trivial_tiled_mma(
@@ -61,7 +73,7 @@ class SoftmaxGradA(GemmSm90):
         thr = tiled_mma.get_slice(ctx["tidx"])
         shape_a = thr.partition_shape_A((cfg.tile_m, cfg.tile_k))
         bufs = (thr.make_fragment_A(shape_a), thr.make_fragment_A(shape_a))  # (V, MMA_M, k_blocks) bf16 each
-        s2r = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), cutlass.BFloat16),
+        s2r = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(self.DW, 4), cutlass.BFloat16),
                                      tiled_mma)
         thr_s2r = s2r.get_slice(ctx["tidx"])
         sAv = thr_s2r.partition_S(ctx["sA"])  # (CPY, CPY_M, CPY_K, stage)
@@ -78,11 +90,14 @@ class SoftmaxGradA(GemmSm90):
             r = ctx["m"] * cfg.tile_m + c0[v][0]
             lse2[v] = cutlass.Float32(0.0)
             tgt[v] = cutlass.Int32(-1)
-            if r < rows:
-                lse2[v] = mLse[r, 0] * LOG2E
-                tgt[v] = cutlass.Int32(mTgt[r, 0])
+            if cutlass.const_expr(not self.DW):
+                if r < rows:
+                    lse2[v] = mLse[r, 0] * LOG2E
+                    tgt[v] = cutlass.Int32(mTgt[r, 0])
+            else:
+                tgt[v] = r  # the dW form compares the vocabulary row with each k position's target
 
-        xf = (s2r, sAv, views, bufs, crd, lse2, tgt, nv, k_blocks)
+        xf = (s2r, sAv, views, bufs, crd, lse2, tgt, nv, k_blocks, mLse, mTgt)
         mainloop.consumer_wait(read)
         self._load_transform(xf, 0, read.index, 0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -119,28 +134,42 @@ class SoftmaxGradA(GemmSm90):
 
     @cute.jit
     def _load_transform(self, xf, b, stage, k):
-        """k-tile k (in shared-memory ``stage``) into register buffer ``b`` as exp(z - lse) - onehot. The one-hot
-        compare runs only where one of the thread's rows has its target in this k-tile (rarely: 1 in V / 64)."""
-        s2r, sAv, views, bufs, crd, lse2, tgt, nv, k_blocks = xf
+        """k-tile k (in shared-memory ``stage``) into register buffer ``b`` as exp(z - lse) - onehot. dX form: the
+        one-hot compare runs only where one of the thread's rows has its target in this k-tile (rarely: 1 in V /
+        64). dW form: lse and the target of each value's k position (token) read per k-tile (L1)."""
+        s2r, sAv, views, bufs, crd, lse2, tgt, nv, k_blocks, mLse, mTgt = xf
         for j in cutlass.range_constexpr(k_blocks):
             cute.copy(s2r, sAv[(None, None, j, stage)], views[b][(None, None, j)])
         lo = k * self.cfg.tile_k
-        hit = cutlass.Boolean(False)
-        for v in cutlass.range_constexpr(nv):
-            hit = hit | ((tgt[v] >= lo) & (tgt[v] < lo + self.cfg.tile_k))
-        if hit:
+        if cutlass.const_expr(self.DW):
+            last = mLse.shape[0] - 1
             for j in cutlass.range_constexpr(k_blocks):
                 frag = bufs[b][(None, None, j)]
                 cj = crd[(None, None, j)]
                 for v in cutlass.range_constexpr(nv):
-                    e = cute.arch.exp2(frag[v].to(cutlass.Float32) * LOG2E - lse2[v])
-                    one = cutlass.select_(lo + cj[v][1] == tgt[v], cutlass.Float32(1.0), cutlass.Float32(0.0))
+                    tok = cutlass.min(lo + cj[v][1], last)
+                    e = cute.arch.exp2(frag[v].to(cutlass.Float32) * LOG2E - mLse[tok, 0] * LOG2E)
+                    one = cutlass.select_(cutlass.Int32(mTgt[tok, 0]) == tgt[v], cutlass.Float32(1.0),
+                                          cutlass.Float32(0.0))
                     frag[v] = (e - one).to(cutlass.BFloat16)
         else:
-            for j in cutlass.range_constexpr(k_blocks):
-                frag = bufs[b][(None, None, j)]
-                for v in cutlass.range_constexpr(nv):
-                    frag[v] = cute.arch.exp2(frag[v].to(cutlass.Float32) * LOG2E - lse2[v]).to(cutlass.BFloat16)
+            hit = cutlass.Boolean(False)
+            for v in cutlass.range_constexpr(nv):
+                hit = hit | ((tgt[v] >= lo) & (tgt[v] < lo + self.cfg.tile_k))
+            if hit:
+                for j in cutlass.range_constexpr(k_blocks):
+                    frag = bufs[b][(None, None, j)]
+                    cj = crd[(None, None, j)]
+                    for v in cutlass.range_constexpr(nv):
+                        e = cute.arch.exp2(frag[v].to(cutlass.Float32) * LOG2E - lse2[v])
+                        one = cutlass.select_(lo + cj[v][1] == tgt[v], cutlass.Float32(1.0), cutlass.Float32(0.0))
+                        frag[v] = (e - one).to(cutlass.BFloat16)
+            else:
+                for j in cutlass.range_constexpr(k_blocks):
+                    frag = bufs[b][(None, None, j)]
+                    for v in cutlass.range_constexpr(nv):
+                        frag[v] = cute.arch.exp2(frag[v].to(cutlass.Float32) * LOG2E - lse2[v]).to(
+                            cutlass.BFloat16)
 
     @staticmethod
     def _mma(tiled_mma, acc, buf, tCrB, stage, k_blocks):
@@ -152,6 +181,11 @@ class SoftmaxGradA(GemmSm90):
         warpgroup.commit_group()
 
 
+class SoftmaxGradAT(SoftmaxGradA):
+    """The dW form: A = z^T (MN-major), dW = (softmax(z) - onehot)^T x."""
+    DW = True
+
+
 def compile_only():
     import re
     import subprocess
@@ -159,18 +193,19 @@ def compile_only():
     import shutil
     import cutlass.runtime as crt
     from coda.check import fake_args
-    d = tempfile.mkdtemp()
-    (a, b, c), xs = fake_args(carry, "bf16", "bf16", ("k", "mn"))
-    cute.compile(SoftmaxGradA(GemmConfig(), carry), a, b, c, 66, crt.make_fake_stream(), *xs,
-                 options=f"--gpu-arch=sm_90a --keep-ptx --keep-cubin --dump-dir={d}")
-    ptx = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".ptx")][0]
-    text = open(ptx).read()
-    print("wgmma:", sorted({ln.split()[0] for ln in text.splitlines() if "wgmma.mma_async" in ln}),
-          "count", text.count("wgmma.mma_async"), "ldmatrix", len(re.findall(r"ldmatrix\.", text)),
-          "ex2", text.count("ex2.approx"))
-    if shutil.which("ptxas"):
-        r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True)
-        print("\n".join(ln for ln in (r.stderr or r.stdout).splitlines() if "registers" in ln or "spill" in ln))
+    for cls, epi, majors in ((SoftmaxGradA, carry, ("k", "mn")), (SoftmaxGradAT, carry_t, ("mn", "mn"))):
+        d = tempfile.mkdtemp()
+        (a, b, c), xs = fake_args(epi, "bf16", "bf16", majors)
+        cute.compile(cls(GemmConfig(), epi), a, b, c, 66, crt.make_fake_stream(), *xs,
+                     options=f"--gpu-arch=sm_90a --keep-ptx --keep-cubin --dump-dir={d}")
+        ptx = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".ptx")][0]
+        text = open(ptx).read()
+        print(cls.__name__, "wgmma:", sorted({ln.split()[0] for ln in text.splitlines() if "wgmma.mma_async" in ln}),
+              "count", text.count("wgmma.mma_async"), "ldmatrix", sorted(set(re.findall(r"ldmatrix[\w.]+", text))),
+              len(re.findall(r"ldmatrix\.", text)), "ex2", text.count("ex2.approx"))
+        if shutil.which("ptxas"):
+            r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True)
+            print("\n".join(ln for ln in (r.stderr or r.stdout).splitlines() if "registers" in ln or "spill" in ln))
 
 
 def gpu(M, V, H):
@@ -179,7 +214,8 @@ def gpu(M, V, H):
     import coda.kernels.gemm_sm90 as G
     from coda.bench.gemm import median_of_runs
     base = G.GemmSm90
-    G.GemmSm90 = lambda cfg, epi, **kw: (SoftmaxGradA if epi is carry else base)(cfg, epi, **kw)  # noqa: E731
+    kinds = {carry.key(): SoftmaxGradA, carry_t.key(): SoftmaxGradAT}
+    G.GemmSm90 = lambda cfg, epi, **kw: kinds.get(epi.key(), base)(cfg, epi, **kw)  # noqa: E731
     torch.manual_seed(0)
     dev = "cuda"
     z = (torch.randn(M, V, device=dev) * 2).to(torch.bfloat16)
@@ -205,6 +241,28 @@ def gpu(M, V, H):
     t_cublas = median_of_runs(lambda: torch.mm(dz, W), rep_ms=200)
     print(f"ms: transform in the mainloop {t_ours:.3f}; CODA plain on dz {t_plain:.3f} ({cfg.name}); cuBLAS on dz "
           f"{t_cublas:.3f} (the pass it would remove: ~{2 * 2 * M * V / 2.9e9:.3f} at 2.9 TB/s)", flush=True)
+    # the dW form: dW = dz^T x (M tokens = K), A = z^T MN-major; lse / targets per token in V-long VecMs
+    x = (torch.randn(M, H, device=dev) / 4).to(torch.bfloat16)
+    pad = lambda t: torch.cat([t.float(), t.new_zeros(V - M).float()])  # noqa: E731
+    lse_v, tgt_v = pad(lse), pad(tgt)
+    dw = torch.full((V, H), float("nan"), device=dev, dtype=torch.bfloat16)
+    run_t = lambda: coda.gemm(z.t(), x.t(), epilogue=carry_t, out=dw, config=cfg, lse=lse_v, tgt=tgt_v)  # noqa: E731
+    run_t()
+    torch.cuda.synchronize()
+    assert not dw.isnan().any(), "unwritten elements (dW)"
+    ref_t = torch.mm(dz.t(), x)
+    vs = torch.randperm(V, device=dev)[:64]
+    p_cols = (torch.softmax(z.float(), dim=1)[:, vs].double()
+              - (tgt[:, None] == vs[None, :]).double())
+    w64 = p_cols.t() @ x.double()
+    err_t = lambda t: ((t.double() - w64).norm() / w64.norm()).item()  # noqa: E731
+    print(f"dW {V}x{H}x{M}: error vs float64 rows: ours {err_t(dw[vs]):.2e}, torch bf16 path {err_t(ref_t[vs]):.2e}",
+          flush=True)
+    t_ours = median_of_runs(run_t, rep_ms=200)
+    t_plain = median_of_runs(lambda: coda.gemm(dz.t(), x.t(), config=cfg), rep_ms=200)
+    t_cublas = median_of_runs(lambda: torch.mm(dz.t(), x), rep_ms=200)
+    print(f"ms: dW transform in the mainloop {t_ours:.3f}; CODA plain on dz {t_plain:.3f}; cuBLAS {t_cublas:.3f}",
+          flush=True)
 
 
 def main():
