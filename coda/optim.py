@@ -121,18 +121,16 @@ def update_config(k_zero: bool = False, mn=None, sm_count: int = 132):
     qkv 0.184 at 128 x 192 static (264 tiles: two full waves) vs 0.196 at 128 x 128 dynamic (o: 128 x 192 leaves
     a third of its second wave empty, 0.173 vs 0.133)."""
     from coda.config import GemmConfig, epi_wg_config
-    if k_zero or mn is None:
-        return GemmConfig(tile_m=128, tile_n=128, cluster_m=2, sched="dynamic", epi_n=32) if k_zero \
-            else epi_wg_config()
-    tiles = {n: -(-mn[0] // 128) * -(-mn[1] // n) for n in (256, 192, 128)}
-    if tiles[256] >= 2 * sm_count:
+    small = GemmConfig(tile_m=128, tile_n=128, cluster_m=2, sched="dynamic", epi_n=32)
+    if k_zero:
+        return small
+    tiles = {n: -(-mn[0] // 128) * -(-mn[1] // n) for n in (256, 192, 128)} if mn is not None else None
+    if tiles is None or tiles[256] >= 2 * sm_count:
         return epi_wg_config()
 
     def filled(n):  # the output's share of the waves' tile slots (ragged edge tiles count as whole slots)
         return mn[0] * mn[1] / (-(-tiles[n] // sm_count) * sm_count * 128 * n)
-    if filled(192) >= filled(128):
-        return GemmConfig(tile_m=128, tile_n=192, cluster_m=2, epi_n=32)
-    return GemmConfig(tile_m=128, tile_n=128, cluster_m=2, sched="dynamic", epi_n=32)
+    return GemmConfig(tile_m=128, tile_n=192, cluster_m=2, epi_n=32) if filled(192) >= filled(128) else small
 
 
 class AdamW(torch.optim.AdamW):
