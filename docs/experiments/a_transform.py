@@ -10,9 +10,9 @@ loaded and transformed into the other. The design study: docs/NOTES.md session 3
 MUFU work per A element: one ex2 per N-tile (H / tile_n = 8).
 
 H100 80GB HBM3, session 35, 8192 x 2048 x 128256 (llama-1b's LM head dX), ms: one buffer, a commit group and a
-wait per k-block (call 13): 8.077 vs 5.758 for CODA's plain dX on a precomputed dz; two buffers (call 14): 7.703
+wait per k-block (call 12): 8.077 vs 5.758 for CODA's plain dX on a precomputed dz; two buffers (call 13): 7.703
 vs 5.887 (cuBLAS 6.015); + the one-hot compare only in k-tiles that hold one of the thread's rows' targets
-(call 15): 6.958 vs 6.029 (cuBLAS 5.968), +0.93 ms against the ~1.45 ms pass it would remove. Errors vs float64
+(call 14): 6.958 vs 6.029 (cuBLAS 5.968), +0.93 ms against the ~1.45 ms pass it would remove. Errors vs float64
 equal to torch's bf16 path at both shapes. The dW GEMM (A = dz^T, MN-major: ldmatrix .trans) needs the same
 before the pass can go: ``SoftmaxGradAT`` (lse and the target per token, read per k-tile) compiles for sm_90a on
 the CPU (4 bytes of spills at 168 registers) and ``gpu()`` checks and times it after the dX form -- not yet run on a
