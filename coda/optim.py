@@ -124,8 +124,10 @@ def update_config(k_zero: bool = False, mn=None, sm_count: int = 132):
     small = GemmConfig(tile_m=128, tile_n=128, cluster_m=2, sched="dynamic", epi_n=32)
     if k_zero:
         return small
-    tiles = {n: -(-mn[0] // 128) * -(-mn[1] // n) for n in (256, 192, 128)} if mn is not None else None
-    if tiles is None or tiles[256] >= 2 * sm_count:
+    if mn is None:
+        return epi_wg_config()
+    tiles = {n: -(-mn[0] // 128) * -(-mn[1] // n) for n in (256, 192, 128)}
+    if tiles[256] >= 2 * sm_count:
         return epi_wg_config()
 
     def filled(n):  # the output's share of the waves' tile slots (ragged edge tiles count as whole slots)

@@ -412,7 +412,8 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
     @cute.jit
     def _mainloop(self, mainloop, read, release, k_tiles, k_blocks, tiled_mma, acc, tCrA, tCrB, ctx):
         """One tile's k-loop: wait for each stage, its WGMMAs, release the previous stage once they are done;
-        returns the advanced pipeline states (the caller's objects do not see this function's updates). ``ctx``: the A tiles in shared memory, the thread's index in the tile's group, the tile's row block and the
+        returns the advanced pipeline states (the caller's objects do not see this function's updates). ``ctx``:
+        the A tiles in shared memory, the thread's index in the tile's group, the tile's row block and the
         epilogue's operands (unused here; for a mainloop that transforms A, docs/experiments/a_transform.py)."""
         # first k-tile peeled: its first WGMMA overwrites the accumulator, every later one accumulates
         mainloop.consumer_wait(read)
