@@ -464,8 +464,7 @@ def main(argv=None) -> int:
                 else:
                     print(f"  {name}: FAILED {res['error']}", flush=True)
         report["modes"] += [_pool(runs[label]) for label, _ in variants]
-        SR.write_step_report(report, args.out)
-    _write(report, args.out)
+        _write(report, args.out)  # after each mode: a later failure keeps what ran (modes are never empty)
     return 0 if all(not m.get("error") for m in report["modes"]) else 1
 
 
