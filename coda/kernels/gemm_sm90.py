@@ -381,7 +381,8 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
             if cutlass.const_expr(pp):
                 cute.arch.barrier(barrier_id=BAR_ORDER + cwg, number_of_threads=2 * WG_THREADS)
             read, release = self._mainloop(mainloop, read, release, k_tiles, k_blocks, tiled_mma, acc, tCrA, tCrB,
-                                           dict(sA=sA, tidx=etidx, m=m, ops=op_tensors))
+                                           dict(sA=sA, tidx=etidx, m=m, n=n, n_cols=w["cols"] * cfg.cluster_n,
+                                                ops=op_tensors))
             if cutlass.const_expr(pp):
                 # hand the tensor cores to the other warpgroup, skip its k-tiles in the pipeline state
                 cute.arch.barrier_arrive(barrier_id=BAR_ORDER + 1 - cwg, number_of_threads=2 * WG_THREADS)
@@ -413,8 +414,9 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
     def _mainloop(self, mainloop, read, release, k_tiles, k_blocks, tiled_mma, acc, tCrA, tCrB, ctx):
         """One tile's k-loop: wait for each stage, its WGMMAs, release the previous stage once they are done;
         returns the advanced pipeline states (the caller's objects do not see this function's updates). ``ctx``:
-        the A tiles in shared memory, the thread's index in the tile's group, the tile's row block and the
-        epilogue's operands (unused here; for a mainloop that transforms A, docs/experiments/a_transform.py)."""
+        the A tiles in shared memory, the thread's index in the tile's group, the tile's row and column blocks,
+        the number of column blocks and the epilogue's operands (unused here; for a mainloop that transforms A,
+        docs/experiments/a_transform.py)."""
         # first k-tile peeled: its first WGMMA overwrites the accumulator, every later one accumulates
         mainloop.consumer_wait(read)
         warpgroup.fence()
