@@ -32,8 +32,12 @@ errors vs float64 equal to torch's bf16 path every time, every output written):
   before the targets were prefetched (``a_transform_ncu.sh``).
 - ``WriteDzA`` (the dX form also stores dz, each k-tile by one of its row block's CTAs, 32-bit stores from the
   registers): 6.800 vs 5.824 -- the stores cost +0.7 over the transform.
+- ``WriteDzSmemA`` (the writer CTA stmatrix's the transformed k-tile over its A stage, a named barrier, 16-byte
+  row chunks to dz): 6.510 vs 5.785 (cuBLAS 6.022), dz equal to torch's softmax - onehot within 6e-5.
 So against the softmax-gradient pass (ce_grad, 1.45 ms): dX + dW transforms +1.66 (no gain); the dX transform
-storing dz for a plain dW +0.98 (0.47 ms a step at best, plus storing e and m_t in the forward). Not built.
+storing dz through shared memory for a plain dW +0.73: ~0.7 ms a step, once the forward stores e = exp(z - m_t)
+and the M x V / 256 table of m_t (the logits epilogue: a row maximum over the tile's registers before its
+sub-tiles, a DSL addition). Not built yet.
 
 lse and the targets reach the mainloop as VecM operands of the epilogue ``carry`` (fp32; which adds nothing).
 Usage: ``CUTE_DSL_ARCH=sm_90a python docs/experiments/a_transform.py --compile`` (CPU: PTX, registers, spills);
@@ -144,6 +148,23 @@ class SoftmaxGradA(GemmSm90):
         dz32 = cute.make_tensor(cute.recast_ptr(ctx["ops"][2].iterator, dtype=cutlass.Int32),
                                 cute.make_layout(rows * k_tiles * cfg.tile_k))
         wz = (dz32, rowi, ctx["n"], ctx["n_cols"], k_tiles * cfg.tile_k)  # dz's row stride: whole k-tiles
+        if cutlass.const_expr(self.WRITE_DZ == "smem"):
+            # the transformed k-tile back into its shared-memory stage (stmatrix: the ldmatrix copy's inverse), then
+            # 16-byte row chunks to global memory (dz: rows x k_tiles * tile_k bf16, rows a multiple of tile_m)
+            r2s = cute.make_tiled_copy_A(cute.make_copy_atom(warp.StMatrix8x8x16bOp(self.DW, 4), cutlass.BFloat16),
+                                         tiled_mma)
+            thr_r2s = r2s.get_slice(ctx["tidx"])
+            sAd = thr_r2s.partition_D(ctx["sA"])
+            rv = (thr_r2s.retile(bufs[0]), thr_r2s.retile(bufs[1]))
+            kp = k_tiles * cfg.tile_k
+            gdz = cute.make_tensor(cute.recast_ptr(ctx["ops"][2].iterator, dtype=cutlass.BFloat16),
+                                   cute.make_layout((rows, kp), stride=(kp, 1)))
+            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16, num_bits_per_copy=128)
+            s2g = cute.make_tiled_copy_tv(atom, cute.make_layout((32, 8), stride=(8, 1)), cute.make_layout((1, 8)))
+            thr_s2g = s2g.get_slice(ctx["tidx"])
+            src = thr_s2g.partition_S(ctx["sA"])  # (CPY, CPY_M, CPY_K, stage)
+            dst = thr_s2g.partition_D(cute.local_tile(gdz, (cfg.tile_m, cfg.tile_k), (ctx["m"], None)))
+            wz = (wz, (r2s, sAd, rv, s2g, src, dst))
         if cutlass.const_expr(self.SCALED and self.PACKED and self.DW):
             self._scale_pairs(pres[0], offs, tab32, mTgt, st_dw * (k_tiles * cfg.tile_k), 0, k_blocks)
 
@@ -195,7 +216,11 @@ class SoftmaxGradA(GemmSm90):
             return  # the register-A path alone: ldmatrix, no transform (wrong results; timing only)
         if cutlass.const_expr(self.SCALED):
             self._scale_transform(xf, b, k, lo)
-            if cutlass.const_expr(self.WRITE_DZ and not self.DW):
+            if cutlass.const_expr(self.DW):
+                pass
+            elif cutlass.const_expr(self.WRITE_DZ == "smem"):
+                self._write_dz_smem(xf, b, k, stage)
+            elif cutlass.const_expr(self.WRITE_DZ is True):
                 self._write_dz(xf, b, k, lo)
             return
         if cutlass.const_expr(self.DW):
@@ -298,6 +323,19 @@ class SoftmaxGradA(GemmSm90):
                         dz32[(rowi[v] * V + col) // 2] = w32[v // 2]
 
     @cute.jit
+    def _write_dz_smem(self, xf, b, k, stage):
+        """``_write_dz`` through shared memory: the writer CTA's threads stmatrix the transformed fragments over the
+        A tile of ``stage`` (the WGMMAs read A from registers; each thread overwrites what it loaded), meet at a
+        named barrier, and copy the tile to dz in 16-byte chunks of whole rows (coalesced)."""
+        wz = xf[-1]
+        (dz32, rowi, n, n_cols, kp), (r2s, sAd, rv, s2g, src, dst) = wz
+        if k % n_cols == n:
+            for j in cutlass.range_constexpr(xf[8]):
+                cute.copy(r2s, rv[b][(None, None, j)], sAd[(None, None, j, stage)])
+            cute.arch.barrier(barrier_id=7, number_of_threads=2 * 128)
+            cute.copy(s2g, src[(None, None, None, stage)], dst[(None, None, None, k)])
+
+    @cute.jit
     def _scale_pairs(self, pre, offs, tab32, mTgt, base, lo, k_blocks):
         """Load the scale pairs of k-tile ``lo``'s tokens (2t, 2t + 1 and 2t + 8, 2t + 9 of each k-block: ``offs``)
         into ``pre``: 32-bit loads of two adjacent bf16 table entries; then the lane's two of its 64 targets."""
@@ -376,6 +414,11 @@ class WriteDzA(ScaledPackedA):
     WRITE_DZ = True
 
 
+class WriteDzSmemA(ScaledPackedA):
+    """``WriteDzA`` with the dz stores through the A stage in shared memory (coalesced 16-byte rows)."""
+    WRITE_DZ = "smem"
+
+
 class IdentityA(SoftmaxGradA):
     """The register-A mainloop without a transform: what the RS path costs by itself (its results are z W)."""
     IDENTITY = True
@@ -397,7 +440,7 @@ def compile_only(cls):
         text = open(ptx).read()
         print(cls.__name__, form, "wgmma:", sorted({ln.split()[0] for ln in text.splitlines() if "wgmma.mma_async" in ln}),
               "count", text.count("wgmma.mma_async"), "ldmatrix", sorted(set(re.findall(r"ldmatrix[\w.]+", text))),
-              len(re.findall(r"ldmatrix\.", text)), "ex2", text.count("ex2.approx"), "cvt", {c: text.count(c) for c in ("cvt.rn.bf16.f32", "cvt.rn.bf16x2.f32", "cvt.f32.bf16", "mul.rn.bf16x2", "fma.rn.bf16x2")})
+              len(re.findall(r"ldmatrix\.", text)), "ex2", text.count("ex2.approx"), "cvt", {c: text.count(c) for c in ("cvt.rn.bf16.f32", "cvt.rn.bf16x2.f32", "cvt.f32.bf16", "fma.rn.bf16x2", "stmatrix", "st.global.v4", "st.global.b32", "bar.sync")})
         if shutil.which("ptxas"):
             r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True)
             print("\n".join(ln for ln in (r.stderr or r.stdout).splitlines() if "registers" in ln or "spill" in ln or "arning" in ln or "erformance" in ln or "wgmma" in ln))
@@ -429,14 +472,15 @@ def gpu(M, V, H, cls, ncu=False):
     out = torch.full((M, H), float("nan"), device=dev, dtype=torch.bfloat16)
     cfg = GemmConfig()
     kp = -(-V // 64) * 64
-    dz_out = torch.full((M, kp), float("nan"), device=dev, dtype=torch.bfloat16)  # WriteDzA's dz (row stride kp)
+    # WriteDzA's dz (row stride kp; rows padded to whole tiles: WriteDzSmemA writes whole tiles)
+    dz_out = torch.full((-(-M // 128) * 128, kp), float("nan"), device=dev, dtype=torch.bfloat16)
     run = lambda: coda.gemm(a_dx, W.t(), epilogue=carry, out=out, config=cfg, lse=lse_dx, tgt=tgt.float(),  # noqa
                             dzo=dz_out.view(-1)[:M])
     run()
     torch.cuda.synchronize()
     assert not out.isnan().any(), "unwritten elements"
     if cls.WRITE_DZ:
-        d = dz_out[:, :V]
+        d = dz_out[:M, :V]
         assert not d.isnan().any(), "unwritten dz elements"
         print(f"dz stored: max |ours - torch| {(d.float() - dz.float()).abs().max().item():.2e} (max |dz| "
               f"{dz.float().abs().max().item():.2e})", flush=True)
@@ -503,10 +547,11 @@ def main():
     ap.add_argument("--packed", action="store_true", help="with --scaled: bf16x2 multiplies")
     ap.add_argument("--ncu", action="store_true", help="one launch of each kernel between profiler start / stop")
     ap.add_argument("--write-dz", action="store_true", help="with --scaled --packed: the dX form stores dz")
+    ap.add_argument("--write-dz-smem", action="store_true", help="--write-dz through shared memory")
     ap.add_argument("--identity", action="store_true", help="no transform: time the register-A path alone")
     ap.add_argument("--shape", default="1000,4000,264;8192,128256,2048", help="M,V,H[;M,V,H...]")
     a = ap.parse_args()
-    cls = (IdentityA if a.identity else WriteDzA if a.write_dz else ScaledPackedA if a.scaled and a.packed else ScaledGradA if a.scaled
+    cls = (IdentityA if a.identity else WriteDzSmemA if a.write_dz_smem else WriteDzA if a.write_dz else ScaledPackedA if a.scaled and a.packed else ScaledGradA if a.scaled
            else SoftmaxGradA)
     if a.compile:
         compile_only(cls)
