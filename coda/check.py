@@ -61,7 +61,7 @@ def compile_variant(cfg: GemmConfig, epi: Epilogue = IDENTITY, in_dtype="bf16", 
     row['sass'] = {opcode: count} of the cubin's SASS (``nvdisasm`` on PATH; else absent)."""
     import cutlass.cute as cute
     import cutlass.runtime as crt
-    from .kernels.gemm_sm90 import kernel_class
+    from .kernels.gemm_sm90 import GemmSm90
     row = dict(config=cfg.name, epilogue=epi.name, dtypes=f"{in_dtype}->{out_dtype}", majors="".join(majors)
                if majors != ("k", "k") else "", ok=False, seconds=0.0,
                wgmma=0, registers=None, spill_bytes=None, error="")
@@ -73,7 +73,7 @@ def compile_variant(cfg: GemmConfig, epi: Epilogue = IDENTITY, in_dtype="bf16", 
                 from cutlass.cute.runtime import make_fake_compact_tensor
                 import cutlass
                 xs.append(make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=16))
-            cute.compile(kernel_class(epi)(cfg, epi, even=even), a, b, c, 132 // (cfg.cluster_m * cfg.cluster_n),
+            cute.compile(GemmSm90(cfg, epi, even=even), a, b, c, 132 // (cfg.cluster_m * cfg.cluster_n),
                          crt.make_fake_stream(), *xs,
                          options=f"--gpu-arch={arch} --keep-ptx --keep-cubin --dump-dir={d}")
             row["seconds"] = time.time() - t

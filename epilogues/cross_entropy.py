@@ -23,7 +23,7 @@ the row's upstream gradient g. ``t`` is a float32 VecM (exact for column indices
 import coda
 
 __all__ = ["ce_forward", "ce_forward_smooth", "ce_backward", "ce_backward_general", "accumulate", "ce_forward_logits",
-           "ce_forward_cap", "ce_backward_cap", "ce_exp_logits", "ce_exp_dx"]
+           "ce_forward_cap", "ce_backward_cap"]
 
 
 def _row_stats(z, t, smooth: bool) -> dict:
@@ -126,33 +126,6 @@ def ce_forward_logits(dtype, smooth: bool = False, cap: bool = False):
     if key not in _LOGITS:
         _LOGITS[key] = _logits_epilogue(dtype, smooth, cap)
     return _LOGITS[key]
-
-
-def _kernel_only(name: str):
-    def reference(acc, **operands):
-        raise NotImplementedError(f"epilogue {name} runs in coda.kernels.ce_exp's kernel only (CUDA tensors): its "
-                                  "mainloop forms the values; there is no torch reference")
-    return reference
-
-
-@coda.epilogue
-def ce_exp_logits(acc, mt: coda.VecM, st: coda.VecM):
-    """The stored-exponential logits GEMM (``coda.kernels.ce_exp.LogitsExpSm90``): its mainloop turns the
-    accumulator into exp(z - m_t) and writes the tables ``mt`` / ``st`` (views of M x T fp32 tables); this epilogue
-    stores what it gets."""
-    return acc
-
-
-@coda.epilogue
-def ce_exp_dx(acc, s: coda.VecM, t: coda.VecM, c: coda.VecM, dz: coda.VecM):
-    """The dX GEMM on stored exponentials (``coda.kernels.ce_exp.SoftmaxGradDxSm90``): its mainloop forms dz = e s -
-    c [v == t] from A = e (``s``: a view of the M x T scale table, ``dz``: of the dz buffer); the plain product."""
-    return acc
-
-
-for _e, _k in ((ce_exp_logits, "LogitsExpSm90"), (ce_exp_dx, "SoftmaxGradDxSm90")):
-    _e.kernel_class = f"coda.kernels.ce_exp:{_k}"
-    _e.reference = _kernel_only(_e.name)
 
 
 @coda.epilogue

@@ -25,10 +25,6 @@ the same pass, plus the logits' float32 upcast), against the lean mode's four GE
 (``rows x V x 2`` bytes, at most the budget: 1 GB by default, see ``cross_entropy.MEMORY_BUDGET``), and dx, dW from
 the forward on (they are the gradients: the backward scales them by g in place in eager mode, out of place under
 torch.compile).
-Stored exponentials (env ``CODA_CE_EXP=1``, off by default; :func:`forward_exp`, ``coda.kernels.ce_exp``): no phase
-2 -- the logits GEMM stores e = exp(z - m_t) and per-(row, 256-column tile) maxima and sums, the dX GEMM forms dz in
-its mainloop and stores it once, the dW GEMM reads that; bf16, one chunk, V a multiple of 64, no label smoothing or
-soft-capping. It costs a second M x V buffer (dz beside e) while the forward runs.
 Not taken (the lean mode runs instead): ``reduction="none"`` (the upstream gradient is a vector: dW = dz^T diag(g) x
 needs g before GEMM 3), no gradient needed, or a budget too small for ``MIN_ROWS`` rows.
 The last V % 8 vocabulary columns (V not a multiple of 8) come from an fp32 GEMM against zero-padded weight rows, as
@@ -37,14 +33,12 @@ in the lean mode, with their gradient formed by torch ops.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from coda.config import GemmConfig
-from coda.epilogues.cross_entropy import accumulate, ce_exp_dx, ce_exp_logits, ce_forward, ce_forward_logits
+from coda.epilogues.cross_entropy import accumulate, ce_forward, ce_forward_logits
 from coda.kernels.ce_grad import softmax_grad_, softmax_grad_reference_
 
 from ._common import gemm_for, kernel_aligned
@@ -78,62 +72,6 @@ def target_logit(z: Tensor, tgt: Tensor) -> Tensor:
     return z.gather(1, col.unsqueeze(1)).squeeze(1).float().masked_fill_(col != tgt, 0.0)
 
 
-def exp_mode(x: Tensor, V: int, rows: int, eps: float, softcap, combine, need_x: bool) -> bool:
-    """Whether the chunk loop is replaced by the stored-exponential path (:func:`forward_exp`; env
-    ``CODA_CE_EXP=1``, off by default): bf16 CUDA tensors, one chunk, V a multiple of 64, no label smoothing, soft-
-    capping or vocabulary shards, dX needed."""
-    M = x.shape[0]
-    return (os.environ.get("CODA_CE_EXP", "0") == "1" and x.is_cuda and x.dtype == torch.bfloat16 and
-            rows >= M > 0 and V % 64 == 0 and eps == 0 and softcap is None and combine is None and need_x)
-
-
-EXP_LOGITS = GemmConfig(sched="dynamic")  # coda.kernels.ce_exp's tiles: 128 x 256 x 64 cooperative
-EXP_DX = GemmConfig()
-
-
-def forward_exp(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, scale: Tensor, zl: float, buf: Tensor,
-                need_w: bool, defer: bool, gemm) -> tuple:
-    """(lse, stats, dx, dw, dz) of the stored-exponential path (``coda.kernels.ce_exp``; phases 1-3 of the module
-    docstring without the softmax-gradient pass): the logits GEMM stores e = exp(z - m_t) into ``buf`` with the
-    per-(row, 256-column tile) tables m_t, s_t; lse and the scale table s = exp(m_t - lse) (1 + 2 zl lse) g_r on
-    the host (M x V / 256 values); the dX GEMM forms dz = e s - g_r [v == t] in its mainloop and stores it into a
-    second buffer, which the dW GEMM reads (``defer``: the backward's). z_t = x_r . W_t (a batched dot, bf16
-    rounded as the stored logits' z_t)."""
-    M, H = x.shape
-    V = weight.shape[0]
-    T = V // 256 + (V % 256 > 0)
-    e = buf[:M * V].view(M, V)
-    mt = torch.empty((M, T), dtype=torch.float32, device=x.device)
-    st = torch.empty_like(mt)
-    gemm(x, weight, epilogue=ce_exp_logits, out=e, config=EXP_LOGITS, mt=mt.view(-1)[:M], st=st.view(-1)[:M])
-    lse, s = exp_tables(mt, st, scale, zl)
-    tgt = torch.where(valid, target, -1)
-    zt = torch.bmm(x.unsqueeze(1), weight[tgt.clamp_min(0)].unsqueeze(2)).view(M).float().masked_fill_(~valid, 0.0)
-    dz_buf = x.new_empty((-(-M // 128) * 128, V))  # whole 128-row tiles: the kernel stores whole k-tiles
-    dx = x.new_empty((M, H))
-    gemm(e, weight.t(), epilogue=ce_exp_dx, out=dx, config=EXP_DX, s=s.view(-1)[:M], t=tgt.float(),
-         c=scale.contiguous(), dz=dz_buf.view(-1)[:M])
-    dz = dz_buf[:M]
-    dw = None
-    if need_w and not defer:
-        dw = torch.empty((V, H), dtype=weight.dtype, device=weight.device)
-        if kernel_aligned(dz.t(), x.t()):
-            gemm(dz.t(), x.t(), out=dw)
-        else:  # M not a multiple of 8: the contraction's rows break the kernel's alignment (backward_gemm's rule)
-            with torch.autocast(x.device.type, enabled=False):
-                torch.matmul(dz.t(), x, out=dw)
-    return lse, {"zt": zt}, dx, dw, (dz if defer and need_w else None)
-
-
-def exp_tables(mt: Tensor, st: Tensor, scale: Tensor, zl: float) -> tuple:
-    """(lse, s) from the logits kernel's tables (M x T: m_t, the row's maximum over 256-column tile t, and s_t =
-    sum over the tile of exp(z - m_t)): lse = log sum_t s_t exp(m_t), and the dX kernel's scale table s[r, t] =
-    exp(m_t - lse_r) (1 + 2 zl lse_r) g_r (g_r = ``scale``: 1 / n_valid for "mean", 1 for "sum", 0 on ignored
-    rows), so that e s - g_r [v == t] = (p (1 + 2 zl lse) - [v == t]) g_r."""
-    lse = (mt + st.log()).logsumexp(dim=1)
-    return lse, torch.exp(mt - lse.unsqueeze(1)).mul_(((1 + 2 * zl * lse) * scale).unsqueeze(1))
-
-
 def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, tcol: Tensor, reduction: str,
                        eps: float, zl: float, rows: int, need_x: bool, need_w: bool, entry: str, tail_logits,
                        softcap: Optional[float] = None, combine=None, defer: bool = False):
@@ -156,8 +94,6 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
         scale = scale / n_valid.clamp_min(1).to(torch.float32)
     buf = x.new_empty((rows * v8,))
     defer = defer and need_w and rows >= M > 0 and v8 == V and kernel_aligned(buf[:M * v8].view(M, v8).t(), x.t())
-    if exp_mode(x, V, rows, eps, softcap, combine, need_x):
-        return forward_exp(x, weight, target, valid, scale, zl, buf, need_w, defer, gemm)
     dx = x.new_empty((M, H)) if need_x else None
     dw = torch.empty((V, H), dtype=weight.dtype, device=weight.device) if need_w and not defer else None
     lse = torch.empty((M,), dtype=torch.float32, device=x.device)
@@ -224,4 +160,4 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
     return lse, stats, dx, dw, dz
 
 
-__all__ = ["plan_rows", "forward_with_grads", "forward_exp", "exp_mode", "exp_tables", "target_logit", "MIN_ROWS"]
+__all__ = ["plan_rows", "forward_with_grads", "target_logit", "MIN_ROWS"]

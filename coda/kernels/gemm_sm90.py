@@ -56,18 +56,6 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232
 BAR_EPI, BAR_ORDER = 1, 3
 
 
-def kernel_class(epi) -> type:
-    """The kernel class that runs epilogue ``epi``: :class:`GemmSm90`, or the subclass named by the epilogue's
-    ``kernel_class`` attribute ("module:Class", imported here: a kernel that overrides the mainloop for that
-    epilogue alone, e.g. ``coda.kernels.ce_exp``)."""
-    name = getattr(epi, "kernel_class", None)
-    if name is None:
-        return GemmSm90
-    import importlib
-    mod, cls = name.split(":")
-    return getattr(importlib.import_module(mod), cls)
-
-
 class GemmSm90(epilogue_wg.EpilogueWarpgroup):
     def __init__(self, cfg: GemmConfig, epi: Epilogue, tile_aligned=None, even=(False, False)):
         """``tile_aligned``: per TileMN operand (in declaration order), whether its address and strides are 16-byte
@@ -394,7 +382,7 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
                 cute.arch.barrier(barrier_id=BAR_ORDER + cwg, number_of_threads=2 * WG_THREADS)
             read, release = self._mainloop(mainloop, read, release, k_tiles, k_blocks, tiled_mma, acc, tCrA, tCrB,
                                            dict(sA=sA, tidx=etidx, m=m, n=n, n_cols=w["cols"] * cfg.cluster_n,
-                                                mn=(mD.shape[0], mD.shape[1]), ops=op_tensors))
+                                                ops=op_tensors))
             if cutlass.const_expr(pp):
                 # hand the tensor cores to the other warpgroup, skip its k-tiles in the pipeline state
                 cute.arch.barrier_arrive(barrier_id=BAR_ORDER + 1 - cwg, number_of_threads=2 * WG_THREADS)
@@ -427,8 +415,8 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
         """One tile's k-loop: wait for each stage, its WGMMAs, release the previous stage once they are done;
         returns the advanced pipeline states (the caller's objects do not see this function's updates). ``ctx``:
         the A tiles in shared memory, the thread's index in the tile's group, the tile's row and column blocks,
-        the number of column blocks, the output's (M, N) and the epilogue's operands (unused here; kernels that
-        override it: ``coda.kernels.ce_exp``, docs/experiments/a_transform.py)."""
+        the number of column blocks and the epilogue's operands (unused here; for a mainloop that transforms A,
+        docs/experiments/a_transform.py)."""
         # first k-tile peeled: its first WGMMA overwrites the accumulator, every later one accumulates
         mainloop.consumer_wait(read)
         warpgroup.fence()

@@ -201,11 +201,10 @@ def compile_kernel(cfg: Any, epi: Any, in_dtype: Any, out_dtype: Any, arg_sig: t
     def build():
         import cutlass.cute as cute
 
-        from coda.kernels.gemm_sm90 import kernel_class
+        from coda.kernels.gemm_sm90 import GemmSm90
         kw = {"options": options} if options else {}
         flags = dict((x[0], x[1]) for x in arg_sig if isinstance(x[0], str) and len(x) == 2)
-        kernel = kernel_class(epi)(cfg, epi, tile_aligned=flags.get("tile_aligned"),
-                                   even=flags.get("even", (False, False)))
+        kernel = GemmSm90(cfg, epi, tile_aligned=flags.get("tile_aligned"), even=flags.get("even", (False, False)))
         return cute.compile(host_entry(kernel, max_clusters), *args, **kw)
     return cached(key, build)
 
