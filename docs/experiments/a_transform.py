@@ -168,7 +168,9 @@ class SoftmaxGradA(GemmSm90):
         if cutlass.const_expr(self.SCALED and self.PACKED and self.DW):
             self._scale_pairs(pres[0], offs, tab32, mTgt, st_dw * (k_tiles * cfg.tile_k), 0, k_blocks)
 
-        xf = (s2r, sAv, views, bufs, crd, lse2, tgt, nv, k_blocks, mLse, mTgt, rowoff, st_dw, n_st, scn, tkt, k_tiles, m0, pre, tab32, wz)
+        xf = dict(s2r=s2r, sAv=sAv, views=views, bufs=bufs, crd=crd, lse2=lse2, tgt=tgt, nv=nv, k_blocks=k_blocks,
+                  mLse=mLse, mTgt=mTgt, rowoff=rowoff, st_dw=st_dw, n_st=n_st, scn=scn, tkt=tkt, k_tiles=k_tiles,
+                  m0=m0, pre=pre, tab32=tab32, wz=wz)  # what the k-tile transforms read
         mainloop.consumer_wait(read)
         self._load_transform(xf, 0, read.index, 0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -208,7 +210,8 @@ class SoftmaxGradA(GemmSm90):
         """k-tile k (in shared-memory ``stage``) into register buffer ``b`` as exp(z - lse) - onehot. dX form: the
         one-hot compare runs only where one of the thread's rows has its target in this k-tile (rarely: 1 in V /
         64). dW form: lse and the target of each value's k position (token) read per k-tile (L1)."""
-        s2r, sAv, views, bufs, crd, lse2, tgt, nv, k_blocks, mLse, mTgt, rowoff, st_dw, n_st, scn, tkt, k_tiles, m0, pre, tab32, wz = xf
+        s2r, sAv, views, bufs, crd, lse2 = xf["s2r"], xf["sAv"], xf["views"], xf["bufs"], xf["crd"], xf["lse2"]
+        tgt, nv, k_blocks, mLse, mTgt = xf["tgt"], xf["nv"], xf["k_blocks"], xf["mLse"], xf["mTgt"]
         for j in cutlass.range_constexpr(k_blocks):
             cute.copy(s2r, sAv[(None, None, j, stage)], views[b][(None, None, j)])
         lo = k * self.cfg.tile_k
@@ -258,7 +261,9 @@ class SoftmaxGradA(GemmSm90):
         """The stored-exponential form: A holds e = exp(z - m_t) (m_t the row's maximum over its 256-column block t
         of the logits), the table (``lse`` operand's memory, rows x T fp32) s = exp(m_t - lse): dz = e s - onehot,
         a multiply per element (no MUFU)."""
-        s2r, sAv, views, bufs, crd, lse2, tgt, nv, k_blocks, mTab, mTgt, rowoff, st_dw, n_st, scn, tkt, k_tiles, m0, pre, tab32, wz = xf
+        bufs, crd, tgt, nv, k_blocks, mTab = xf["bufs"], xf["crd"], xf["tgt"], xf["nv"], xf["k_blocks"], xf["mLse"]
+        mTgt, rowoff, st_dw, n_st, scn, tkt = xf["mTgt"], xf["rowoff"], xf["st_dw"], xf["n_st"], xf["scn"], xf["tkt"]
+        k_tiles = xf["k_tiles"]
         if cutlass.const_expr(self.DW and self.PACKED):
             self._scale_transform_dw(xf, b, k, lo)
         elif cutlass.const_expr(self.DW):
@@ -310,8 +315,7 @@ class SoftmaxGradA(GemmSm90):
     def _write_dz(self, xf, b, k, lo):
         """Store the transformed k-tile (dz) from registers when this CTA is the k-tile's writer (k % n_cols ==
         n): 32-bit stores of the fragment's (k, k + 1) pairs; rows past M and columns past V skipped."""
-        s2r, sAv, views, bufs, crd, lse2, tgt, nv, k_blocks, mTab, mTgt, rowoff, st_dw, n_st, scn, tkt, k_tiles, \
-            m0, pre, tab32, wz = xf
+        bufs, crd, nv, k_blocks, wz = xf["bufs"], xf["crd"], xf["nv"], xf["k_blocks"], xf["wz"]
         dz32, rowi, n, n_cols, V = wz
         if k % n_cols == n:
             for j in cutlass.range_constexpr(k_blocks):
@@ -327,10 +331,9 @@ class SoftmaxGradA(GemmSm90):
         """``_write_dz`` through shared memory: the writer CTA's threads stmatrix the transformed fragments over the
         A tile of ``stage`` (the WGMMAs read A from registers; each thread overwrites what it loaded), meet at a
         named barrier, and copy the tile to dz in 16-byte chunks of whole rows (coalesced)."""
-        wz = xf[-1]
-        (dz32, rowi, n, n_cols, kp), (r2s, sAd, rv, s2g, src, dst) = wz
+        (dz32, rowi, n, n_cols, kp), (r2s, sAd, rv, s2g, src, dst) = xf["wz"]
         if k % n_cols == n:
-            for j in cutlass.range_constexpr(xf[8]):
+            for j in cutlass.range_constexpr(xf["k_blocks"]):
                 cute.copy(r2s, rv[b][(None, None, j)], sAd[(None, None, j, stage)])
             cute.arch.barrier(barrier_id=7, number_of_threads=2 * 128)
             cute.copy(s2g, src[(None, None, None, stage)], dst[(None, None, None, k)])
@@ -353,8 +356,8 @@ class SoftmaxGradA(GemmSm90):
         ahead; values (v, v + 1) are tokens (k, k + 1) of one row, values v and v + 2 the same tokens of rows g and
         g + 8. The one-hot: each lane reads two of the k-tile's 64 targets and the warp votes whether any lies in
         the warp's 16 rows; only then (rarely) the fp32 path with per-value compares."""
-        s2r, sAv, views, bufs, crd, lse2, tgt, nv, k_blocks, mTab, mTgt, rowoff, st_dw, n_st, scn, tkt, k_tiles, \
-            m0, pre, tab32, wz = xf
+        bufs, crd, tgt, nv, k_blocks, mTgt = xf["bufs"], xf["crd"], xf["tgt"], xf["nv"], xf["k_blocks"], xf["mTgt"]
+        st_dw, k_tiles, pre, tab32 = xf["st_dw"], xf["k_tiles"], xf["pre"], xf["tab32"]
         cfg = self.cfg
         (pres, offs), cur = pre, pre[0][b]
         sc = cute.recast_tensor(cur, cutlass.BFloat16)  # per k-block tokens 2t, 2t+1, 2t+8, 2t+9 (then 2 targets)
@@ -424,6 +427,10 @@ class IdentityA(SoftmaxGradA):
     IDENTITY = True
 
 
+PTX_COUNTS = ("cvt.rn.bf16.f32", "cvt.rn.bf16x2.f32", "cvt.f32.bf16", "fma.rn.bf16x2", "stmatrix", "st.global.v4",
+              "st.global.b32", "bar.sync")
+
+
 def compile_only(cls):
     import re
     import subprocess
@@ -438,12 +445,15 @@ def compile_only(cls):
                      options=f"--gpu-arch=sm_90a --keep-ptx --keep-cubin --dump-dir={d}")
         ptx = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".ptx")][0]
         text = open(ptx).read()
-        print(cls.__name__, form, "wgmma:", sorted({ln.split()[0] for ln in text.splitlines() if "wgmma.mma_async" in ln}),
+        wgmma = sorted({ln.split()[0] for ln in text.splitlines() if "wgmma.mma_async" in ln})
+        print(cls.__name__, form, "wgmma:", wgmma,
               "count", text.count("wgmma.mma_async"), "ldmatrix", sorted(set(re.findall(r"ldmatrix[\w.]+", text))),
-              len(re.findall(r"ldmatrix\.", text)), "ex2", text.count("ex2.approx"), "cvt", {c: text.count(c) for c in ("cvt.rn.bf16.f32", "cvt.rn.bf16x2.f32", "cvt.f32.bf16", "fma.rn.bf16x2", "stmatrix", "st.global.v4", "st.global.b32", "bar.sync")})
+              len(re.findall(r"ldmatrix\.", text)), "ex2", text.count("ex2.approx"),
+              "cvt", {c: text.count(c) for c in PTX_COUNTS})
         if shutil.which("ptxas"):
             r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True)
-            print("\n".join(ln for ln in (r.stderr or r.stdout).splitlines() if "registers" in ln or "spill" in ln or "arning" in ln or "erformance" in ln or "wgmma" in ln))
+            print("\n".join(ln for ln in (r.stderr or r.stdout).splitlines()
+                            if any(w in ln for w in ("registers", "spill", "arning", "erformance", "wgmma"))))
 
 
 def gpu(M, V, H, cls, ncu=False):
@@ -471,9 +481,9 @@ def gpu(M, V, H, cls, ncu=False):
         lse_dx = tab.view(-1)[:M]
     out = torch.full((M, H), float("nan"), device=dev, dtype=torch.bfloat16)
     cfg = GemmConfig()
-    kp = -(-V // 64) * 64
-    # WriteDzA's dz (row stride kp; rows padded to whole tiles: WriteDzSmemA writes whole tiles)
-    dz_out = torch.full((-(-M // 128) * 128, kp), float("nan"), device=dev, dtype=torch.bfloat16)
+    v64 = -(-V // 64) * 64
+    # WriteDzA's dz (row stride v64: whole k-tiles; rows padded to whole tiles: WriteDzSmemA writes whole tiles)
+    dz_out = torch.full((-(-M // 128) * 128, v64), float("nan"), device=dev, dtype=torch.bfloat16)
     run = lambda: coda.gemm(a_dx, W.t(), epilogue=carry, out=out, config=cfg, lse=lse_dx, tgt=tgt.float(),  # noqa
                             dzo=dz_out.view(-1)[:M])
     run()
@@ -501,15 +511,16 @@ def gpu(M, V, H, cls, ncu=False):
     lse_v, tgt_v = pad(lse), pad(tgt)
     a_dw = z
     if cls.PACKED:  # the table st-major in bf16, tokens padded to whole k-tiles: a token pair's scales adjacent
-        kp = -(-M // 64) * 64
-        tab_t = torch.zeros(T, kp, device=dev, dtype=torch.bfloat16)
+        m64 = -(-M // 64) * 64
+        tab_t = torch.zeros(T, m64, device=dev, dtype=torch.bfloat16)
         tab_t[:, :M] = tab.t().to(torch.bfloat16)
         a_dw, lse_v = a_dx, tab_t.view(-1)[:V]
     elif cls.SCALED:
-        a_dw, lse_v = a_dx, tab.view(-1)[:V] if M * T >= V else None
+        a_dw, lse_v = a_dx, tab.view(-1)[:V]  # the fp32 (token, block) table: M x T >= V values at these shapes
     dw = torch.full((V, H), float("nan"), device=dev, dtype=torch.bfloat16)
-    run_t = lambda: coda.gemm(a_dw.t(), x.t(), epilogue=carry, out=dw, config=cfg, lse=lse_v, tgt=tgt_v,
-                              dzo=torch.zeros(V, device=dev, dtype=torch.bfloat16))  # noqa: E731
+    no_dz = torch.zeros(V, device=dev, dtype=torch.bfloat16)  # the dW form stores no dz (carry's operand)
+    run_t = lambda: coda.gemm(a_dw.t(), x.t(), epilogue=carry, out=dw, config=cfg, lse=lse_v, tgt=tgt_v,  # noqa
+                              dzo=no_dz)
     run_t()
     torch.cuda.synchronize()
     assert not dw.isnan().any(), "unwritten elements (dW)"
@@ -551,8 +562,9 @@ def main():
     ap.add_argument("--identity", action="store_true", help="no transform: time the register-A path alone")
     ap.add_argument("--shape", default="1000,4000,264;8192,128256,2048", help="M,V,H[;M,V,H...]")
     a = ap.parse_args()
-    cls = (IdentityA if a.identity else WriteDzSmemA if a.write_dz_smem else WriteDzA if a.write_dz else ScaledPackedA if a.scaled and a.packed else ScaledGradA if a.scaled
-           else SoftmaxGradA)
+    cls = next(c for flag, c in ((a.identity, IdentityA), (a.write_dz_smem, WriteDzSmemA), (a.write_dz, WriteDzA),
+                                 (a.scaled and a.packed, ScaledPackedA), (a.scaled, ScaledGradA), (True, SoftmaxGradA))
+               if flag)
     if a.compile:
         compile_only(cls)
     else:
