@@ -86,6 +86,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None,
                     help="--model: tune only the problems whose label (MxNxK epilogue) contains one of these "
                          "comma-separated strings")
+    ap.add_argument("--optimizer", choices=("adamw", "coda-adamw"), default="coda-adamw",
+                    help="--model: the step's optimizer (coda-adamw: coda.optim.AdamW, updates in the backward, "
+                         "the step report's fused modes; adamw: torch's)")
     ap.add_argument("--retune", action="store_true", help="--model: also tune problems the store already has")
     ap.add_argument("--show", action="store_true", help="table of the store's and shipped entries (this GPU)")
     ap.add_argument("--ship-from", action="append", default=[], metavar="FILE",
@@ -158,7 +161,8 @@ def tune_model(args) -> None:
     from . import model
     print(f"coda.autotune: recording one fused training step of {args.model} (batch {args.batch}, seq {args.seq})",
           file=sys.stderr, flush=True)
-    problems = model.record_model_step(args.model, args.batch, args.seq, dtype_name(args.dtype))
+    problems = model.record_model_step(args.model, args.batch, args.seq, dtype_name(args.dtype),
+                                       optimizer=args.optimizer)
     if args.only:  # problems whose label ("MxNxK epilogue") contains one of the comma-separated strings
         problems = [r for r in problems if any(o in r.label for o in args.only.split(","))]
     src = collections.Counter(r.source for r in problems)

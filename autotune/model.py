@@ -82,8 +82,12 @@ class Recorder:
                 _recorders.remove(self)
 
 
-def record_model_step(preset: str, batch: int, seq: int, dtype: str = "bfloat16", seed: int = 0) -> list:
-    """The problems one fused training step of ``preset`` runs (forward + loss + backward), recorded on the GPU."""
+def record_model_step(preset: str, batch: int, seq: int, dtype: str = "bfloat16", seed: int = 0,
+                      optimizer: str = "adamw") -> list:
+    """The problems one fused training step of ``preset`` runs (forward + loss + backward), recorded on the GPU.
+    ``optimizer="coda-adamw"``: under ``coda.optim.AdamW`` (weights updated in the backward), whose step runs other
+    problems (the cross entropy keeps its logits' gradient for the backward: one chunk of all rows, not chunks of
+    ``cross_entropy.MEMORY_BUDGET``); ``"adamw"``: no optimizer in the step (torch's AdamW runs no GEMM)."""
     import torch
 
     import coda
@@ -95,6 +99,12 @@ def record_model_step(preset: str, batch: int, seq: int, dtype: str = "bfloat16"
     model, _ = build_model(cfg, seq)
     model = model.to("cuda", getattr(torch, dtype))
     coda.fuse(model)
+    if optimizer not in ("adamw", "coda-adamw"):
+        raise ValueError(f"optimizer must be 'adamw' or 'coda-adamw', got {optimizer!r}")
+    opt = None
+    if optimizer == "coda-adamw":
+        import coda.optim
+        opt = coda.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
     ids = make_batches(cfg["vocab"], batch, seq, 1, seed + 1)[0].to("cuda")
     importlib.import_module("coda.gemm").clear_plans()  # a launch plan skips the config choice: start without any
     with Recorder() as rec:
@@ -102,7 +112,7 @@ def record_model_step(preset: str, batch: int, seq: int, dtype: str = "bfloat16"
         loss = loss.loss if hasattr(loss, "loss") else loss
         loss.backward()
         torch.cuda.synchronize()
-    del model, ids, loss
+    del model, ids, loss, opt
     torch.cuda.empty_cache()
     return rec.problems
 

@@ -189,9 +189,10 @@ def test_shipped_h100_file_schema_and_provenance():
     store31 = "docs/tune_h100/llama1b_sumsq_s31.json"  # session 31: the down projection emitting the sum of squares
     store32 = "docs/tune_h100/llama1b_s32.json"  # session 32: the O projection's norm link, the QKV dX unfolded
     store34 = "docs/tune_h100/llama1b_s34.json"  # session 34: the O projection and QKV forwards, quick level
-    stores = (store, store25, store28, store30, store31, store32, store34)
+    store37 = "docs/tune_h100/llama1b_lmhead_dx_s37.json"  # session 37: the one-chunk LM head dX (coda.optim)
+    stores = (store, store25, store28, store30, store31, store32, store34, store37)
     dates = {store: "2026-11-26", store25: "2026-11-26", store28: "2026-11-27", store30: "2026-11-27",
-             store31: "2026-11-27", store32: "2026-11-27", store34: "2026-11-27"}
+             store31: "2026-11-27", store32: "2026-11-27", store34: "2026-11-27", store37: "2026-11-28"}
     assert files == {"docs/tune_h100/tuned_gemm.json", "docs/tune_h100/tuned_fused.json", *stores}
     rows = {}
     for s in prov["sources"]:
@@ -215,8 +216,9 @@ def test_shipped_h100_file_schema_and_provenance():
         assert e["name"] in (row["tuned"], row["default"]) and e["default"] == row["default"]
         assert ship.resolve_ref(e["epilogue"]["ref"]).name == row["epilogue"]
     # session 30's five: four replace near-level entries, one is the CE logits epilogue's new id; session 31's one
-    # is a new epilogue id, session 32's two as well; session 34's two replace a session 21 and a session 32 entry
-    assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == 15 + 4 + 1 + 1 + 2
+    # is a new epilogue id, session 32's two as well; session 34's two replace a session 21 and a session 32 entry;
+    # session 37's one is a new problem
+    assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == 15 + 4 + 1 + 1 + 2 + 1
     assert 'shipped/*.json' in (ROOT / "pyproject.toml").read_text()
 
 
@@ -371,8 +373,8 @@ def test_cli_model_records_a_step_then_tunes_every_problem(monkeypatch, capsys):
     monkeypatch.setattr(coda._device, "hopper_available", lambda: True)
     seen = {}
 
-    def fake_step(preset, batch, seq, dtype="bfloat16"):  # stands in for the fused step on the GPU
-        seen.update(preset=preset, batch=batch, seq=seq, dtype=dtype)
+    def fake_step(preset, batch, seq, dtype="bfloat16", optimizer="adamw"):  # stands in for the fused step
+        seen.update(preset=preset, batch=batch, seq=seq, dtype=dtype, optimizer=optimizer)
         a, b = torch.empty(batch * seq, 2048, dtype=BF16), torch.empty(8192, 2048, dtype=BF16)
         with model.Recorder() as rec:
             at.select_config(check_gemm_args(a, b), IDENTITY, a, b, {})
@@ -382,7 +384,7 @@ def test_cli_model_records_a_step_then_tunes_every_problem(monkeypatch, capsys):
     calls = []
     _fake_tune(monkeypatch, calls)
     assert cli_main(["--model", "llama-1b", "--batch", "2", "--seq", "4096", "--level", "full"]) == 0
-    assert seen == {"preset": "llama-1b", "batch": 2, "seq": 4096, "dtype": "bfloat16"}
+    assert seen == {"preset": "llama-1b", "batch": 2, "seq": 4096, "dtype": "bfloat16", "optimizer": "coda-adamw"}
     assert len(calls) == 2 and all(c[3]["level"] == "full" for c in calls)
     out = capsys.readouterr()
     assert "8192x8192x2048 identity" in out.out and "results stored in" in out.out
