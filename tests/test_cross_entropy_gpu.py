@@ -219,3 +219,23 @@ def test_async_target_check_never_syncs_and_asserts_on_the_device():
              "t[5] = 512; l = coda.ops.linear_cross_entropy(x, w, t, check_targets='async'); print(float(l))")
     r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "device-side assert" in r.stderr and "ValueError" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("epi_n", [None, 16, 32])
+def test_logits_epilogue_on_each_config(epi_n):
+    """The fast mode's logits GEMM (stored logits + the row logsumexp of the stored values) under the default config
+    and the 128 x 192 ping-pong tile (192 accumulators a thread, session 37: the tuner's best for llama-1b's LM
+    head on the H100 at epi_n 32, which spills 32 bytes; 16 is spill-free), ragged in every dim: the logits within the 2x rule of torch's bf16
+    product against float64, every element written (NaN-poisoned), the logsumexp that of the stored logits."""
+    from coda.config import GemmConfig
+    from coda.epilogues.cross_entropy import ce_forward_logits
+    cfg = GemmConfig(tile_m=128, tile_n=192, pingpong=True, cluster_m=2, epi_n=epi_n) if epi_n else None
+    for M, V, H in ((1000, 4104, 456), (257, 200, 72)):
+        x, w, _ = _problem(M, V, H, seed=M)
+        out = torch.full((M, V), float("nan"), device=DEV, dtype=torch.bfloat16)
+        res = coda.gemm(x, w, epilogue=ce_forward_logits(torch.bfloat16), config=cfg, out=out)
+        z, lse = res["out"], res["lse"]
+        assert z.data_ptr() == out.data_ptr() and torch.isfinite(z).all()
+        want = x.double() @ w.double().T
+        assert rel(z, want) <= 2 * rel(x @ w.T, want) + 1e-4
+        torch.testing.assert_close(lse.double(), torch.logsumexp(z.double(), 1), rtol=1e-5, atol=1e-5)

@@ -23,6 +23,7 @@ def problems():
 
     from coda.autodiff import with_preact
     from coda.epilogues.adamw import HYPER, adamw
+    from coda.epilogues.cross_entropy import ce_forward_logits
     from coda.ops.mlp import dacc_on_da, rms_radial_residual, rms_swiglu
     bf = dict(device="cuda", dtype=torch.bfloat16)
     T, H, I = 8192, 2048, 8192
@@ -43,6 +44,10 @@ def problems():
                    dr=torch.randn(T, device="cuda"), inv_h=1.0 / H, h=torch.randn(T, H, **bf),
                    dres=torch.randn(T, H, **bf))
         return dacc, w.t(), ops, lambda: torch.mm(dacc, w)
+
+    def logits():  # the fast cross entropy's logits GEMM, one chunk of all tokens (its path under coda.optim)
+        x, w = torch.randn(T, H, **bf), torch.randn(128256, H, **bf)
+        return x, w, {}, lambda: torch.mm(x, w.t())
 
     def adamw_dw(rows=2 * I, cols=H):
         dacc, x = torch.randn(T, rows, **bf), torch.randn(T, cols, **bf)
@@ -66,15 +71,18 @@ def problems():
     return {"fused_da": (fused_da, da), "da_nored": (fused_da, da_nored), "da_simple": (fused_da, da_simple),
             "da_plain": (fused_da, IDENTITY), "da_stores": (fused_da, dup), "da_loads": (fused_da, loads),
             "swiglu_fwd": (swiglu_fwd, with_preact(rms_swiglu)), "radial": (radial, rms_radial_residual),
-            "adamw": (adamw_dw, adamw), "adamw_wide": (lambda: adamw_dw(H, I), adamw),
+            "logits": (logits, ce_forward_logits(torch.bfloat16)), "adamw": (adamw_dw, adamw),
+            "adamw_wide": (lambda: adamw_dw(H, I), adamw),
             "adamw_plain": (adamw_dw, IDENTITY)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m coda.bench.epi_wg", description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="", help="comma-separated problem names (default: the step's four; also "
-                    "adamw_wide (the down projection's update), adamw_plain (adamw's dW GEMM without the update), da_nored, da_simple, da_plain, da_stores, da_loads: the fused da without its row partials / with trivial "
-                    "math / the plain GEMM / its stores alone / its loads alone)")
+                    "adamw_wide (the down projection's update), adamw_plain (adamw's dW GEMM without the update), "
+                    "logits (the fast cross entropy's logits GEMM, 8192 x 128256 x 2048), da_nored, da_simple, "
+                    "da_plain, da_stores, da_loads: the fused da without its row partials / with trivial math / the "
+                    "plain GEMM / its stores alone / its loads alone)")
     ap.add_argument("--no-ewg", action="store_true", help="only --variants (not the four epilogue-warp configs)")
     ap.add_argument("--variants", default="", help="more epi_wg configs: ';'-separated GemmConfig fields, e.g. "
                     "'raster=n;cluster_m=1,swizzle=1'")

@@ -18,13 +18,16 @@ ap.add_argument("--level", default="near")
 ap.add_argument("--store-out", default=None)
 ap.add_argument("--dry", action="store_true", help="only print the problems")
 ap.add_argument("--optimizer", default="coda-adamw")
+ap.add_argument("--force", default="", help="also tune problems whose label contains one of these (served by a "
+                "shipped entry of the nearest shape, say)")
 args = ap.parse_args()
 problems = model.record_model_step("llama-1b", 2, 4096, "bfloat16", optimizer=args.optimizer)
 for r in problems:
     print(f"{r.source:9s} {r.calls:3d}x  {r.label}  [{r.config.name}]", flush=True)
-todo = [r for r in problems if r.source == "heuristic" and r.prob.K > 0
-        and (not args.only or any(o in r.label for o in args.only.split(",")))]
-print(f"{len(todo)} heuristic-served problems to tune: " + ", ".join(r.label for r in todo), flush=True)
+todo = [r for r in problems if r.prob.K > 0 and (
+    (r.source == "heuristic" and (not args.only or any(o in r.label for o in args.only.split(","))))
+    or any(f in r.label for f in filter(None, args.force.split(","))))]
+print(f"{len(todo)} problems to tune: " + ", ".join(r.label for r in todo), flush=True)
 if not args.dry:
     for r, _, status in model.tune_recorded(todo, level=args.level, retune=True):
         print(f"{r.label:50s} {status}", flush=True)
