@@ -6,7 +6,11 @@ not its time in a short do_bench. Each (shape, kernel) runs back to back for --s
 second half, mean power and SM clock over the same window (nvidia-smi sampled every 50 ms).
 Usage on the GPU: python docs/experiments/sustained_gemm.py [--secs 3] [--shapes M,N,K ...] [--configs CFG ...]
 (``--configs``: coda.gemm under each config, fields as ``coda.bench.ncu``'s ``--config``, instead of the shipped
-one; cuBLAS runs before each, so the ratios are paired)."""
+one; cuBLAS runs before each, so the ratios are paired). ``--problems NAME ...`` (session 37): the fused problems of
+``coda.bench.epi_wg`` (fused_da, swiglu_fwd, radial, adamw, logits, ...) under their default config, each paired with
+cuBLAS's plain GEMM of the shape, plus the energy per call (mean W x s per call): under the power cap a fused kernel
+pays off in the step only if it costs less energy than the plain GEMM plus the pass it replaces, not if it is merely
+faster in a short do_bench (session 37: the logits GEMM 7 % faster alone, no change in the step)."""
 import argparse
 import subprocess
 import threading
@@ -20,6 +24,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--secs", type=float, default=3.0)
 ap.add_argument("--shapes", nargs="*", default=[])
 ap.add_argument("--configs", nargs="*", default=[])
+ap.add_argument("--problems", nargs="*", default=[])
 args = ap.parse_args()
 
 samples = []  # (time, MHz, W)
@@ -59,6 +64,25 @@ def run(fn, flops):
 
 time.sleep(1.0)
 print(f"{torch.cuda.get_device_name()}: sustained {args.secs} s per kernel (TFLOP/s, MHz, W over the second half)")
+if args.problems:
+    from coda.bench.epi_wg import problems
+    for name in args.problems:
+        make, epi = problems()[name]
+        a, b, ops, cublas = make()
+        ops = {k: v for k, v in ops.items() if k in {o.name for o in epi.operands}}
+        kw = {"out": ops["p"]} if "p" in ops else {}  # an in-place update keeps updating (its cost, not its values)
+        flops = 2 * a.shape[0] * b.shape[0] * a.shape[1]
+        res = {}
+        for label, fn in (("cublas", cublas), ("fused", lambda: coda.gemm(a, b, epilogue=epi, **kw, **ops))):
+            time.sleep(1.0)
+            res[label] = run(fn, flops)
+        (tc, mc, wc), (tf, mf, wf) = res["cublas"], res["fused"]
+        jc, jf = wc * flops / (tc * 1e12), wf * flops / (tf * 1e12)  # W x seconds per call
+        print(f"{name}: cuBLAS plain {tc:.0f} TF/s {mc:.0f} MHz {wc:.0f} W {jc:.3f} J/call; fused {tf:.0f} TF/s "
+              f"{mf:.0f} MHz {wf:.0f} W {jf:.3f} J/call; time ratio {tc / tf:.3f}, energy ratio {jf / jc:.3f}",
+              flush=True)
+        del a, b, ops
+    SHAPES = SHAPES if args.shapes else []
 for M, N, K in SHAPES:
     a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
