@@ -112,10 +112,7 @@ def neighbours(d: GemmConfig) -> list:
     out += [dataclasses.replace(d, epi_n=e) for e in NEAR_EPI_N if e != d.epi_n]
     out += [dataclasses.replace(d, cluster_m=cm, cluster_n=cn) for cm, cn in NEAR_CLUSTERS
             if (cm, cn) != (d.cluster_m, d.cluster_n)]
-    # a warpgroup of more than 128 accumulators a thread (128 x 192 ping-pong) with 16-column epilogue sub-tiles:
-    # its registers leave little for the epilogue (the logits epilogue spills 32 bytes at 32 columns)
-    out += [dataclasses.replace(d, tile_m=tm, tile_n=tn, pingpong=pp, sched="static" if pp else d.sched,
-                                epi_n=16 if tm * tn > 128 * 128 * (1 if pp else 2) else d.epi_n)
+    out += [dataclasses.replace(d, tile_m=tm, tile_n=tn, pingpong=pp, sched="static" if pp else d.sched)
             for tm, tn, pp in NEAR_TILES if (tm, tn, pp) != (d.tile_m, d.tile_n, d.pingpong)]
     return [c for c in dict.fromkeys(out) if c != d]
 
