@@ -9,10 +9,9 @@ for 3 s with nvidia-smi's mean power: the energy per call under the cap. Usage o
 pip install -q --no-deps --target /tmp/fa_env .device/fa4/*.whl && PYTHONPATH=/tmp/fa_env \\
     python docs/experiments/fa_vs_cudnn.py"""
 import statistics
-import subprocess
-import threading
 import time
 
+import gpu_samples  # docs/experiments/gpu_samples.py (the script's directory is on sys.path)
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -69,18 +68,7 @@ for w, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
                                 f"({mult * flops / statistics.median(res[(n, w)]) / 1e9:.0f} TFLOP/s)"
                                 for n in IMPLS))
 
-samples = []
-
-
-def sample():
-    p = subprocess.Popen(["nvidia-smi", "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,nounits",
-                          "-lms", "50"], stdout=subprocess.PIPE, text=True)
-    for line in p.stdout:
-        w, mhz = line.strip().split(", ")
-        samples.append((time.time(), float(w), float(mhz)))
-
-
-threading.Thread(target=sample, daemon=True).start()
+samples = gpu_samples.start(("power.draw", "clocks.sm"))  # (time, W, MHz)
 for n, f in IMPLS.items():
     time.sleep(1.0)
     run = fwd_bwd(f)

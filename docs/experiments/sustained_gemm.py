@@ -12,10 +12,9 @@ cuBLAS's plain GEMM of the shape, plus the energy per call (mean W x s per call)
 pays off in the step only if it costs less energy than the plain GEMM plus the pass it replaces, not if it is merely
 faster in a short do_bench (session 37: the logits GEMM 7 % faster alone, no change in the step)."""
 import argparse
-import subprocess
-import threading
 import time
 
+import gpu_samples  # docs/experiments/gpu_samples.py (the script's directory is on sys.path)
 import torch
 
 import coda
@@ -27,18 +26,7 @@ ap.add_argument("--configs", nargs="*", default=[])
 ap.add_argument("--problems", nargs="*", default=[])
 args = ap.parse_args()
 
-samples = []  # (time, MHz, W)
-
-
-def sample():
-    p = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                          "-lms", "50"], stdout=subprocess.PIPE, text=True)
-    for line in p.stdout:
-        mhz, w = line.strip().split(", ")
-        samples.append((time.time(), float(mhz), float(w)))
-
-
-threading.Thread(target=sample, daemon=True).start()
+samples = gpu_samples.start(("clocks.sm", "power.draw"))  # (time, MHz, W)
 SHAPES = ([tuple(int(v) for v in s.split(",")) for s in args.shapes]
           or [(8192, 16384, 2048), (8192, 2048, 8192), (8192, 8192, 8192), (8192, 128256, 2048)])
 
