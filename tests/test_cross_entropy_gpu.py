@@ -225,8 +225,9 @@ def test_async_target_check_never_syncs_and_asserts_on_the_device():
 def test_logits_epilogue_on_each_config(epi_n):
     """The fast mode's logits GEMM (stored logits + the row logsumexp of the stored values) under the default config
     and the 128 x 192 ping-pong tile (192 accumulators a thread, session 37: the tuner's best for llama-1b's LM
-    head on the H100 at epi_n 32, which spills 32 bytes; 16 is spill-free), ragged in every dim: the logits within the 2x rule of torch's bf16
-    product against float64, every element written (NaN-poisoned), the logsumexp that of the stored logits."""
+    head on the H100 at epi_n 32, which spills 32 bytes; 16 is spill-free), ragged in every dim: the logits within
+    the 2x rule of torch's bf16 product against float64, every element written (NaN-poisoned), the logsumexp that
+    of the stored logits."""
     from coda.config import GemmConfig
     from coda.epilogues.cross_entropy import ce_forward_logits
     cfg = GemmConfig(tile_m=128, tile_n=192, pingpong=True, cluster_m=2, epi_n=epi_n) if epi_n else None
