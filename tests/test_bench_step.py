@@ -244,3 +244,34 @@ def test_head_share_computes_the_models_own_loss():
     stock.model.norm.register_forward_hook(lambda m, i, o: pre.setdefault("h", i[0]))
     loss = stock(ids, labels=ids)
     assert head_loss(stock, False, ids)(pre["h"]).item() == pytest.approx(loss.item(), rel=1e-6)
+
+
+def test_power_window_and_the_report_line(tmp_path, monkeypatch):
+    """--power (coda.bench.power): nvidia-smi's samples in the timed window, averaged; the report's line per mode
+    with W, MHz and joules a step; a fake nvidia-smi on PATH stands in for the GPU's (lines it cannot parse are
+    skipped), none on PATH gives no samples."""
+    import time
+    from coda.bench import power
+    assert power.window([(1.0, 600.0, 1500.0), (2.0, 700.0, 1400.0), (3.0, 10.0, 10.0)], 0.5, 2.5) == {
+        "w": 650.0, "mhz": 1450.0, "samples": 2}
+    assert power.window([(1.0, 600.0, 1500.0)], 2.0, 3.0) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-abc")
+    assert power.smi_id(1) == "GPU-abc" and power.smi_id(0) == "3"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert power.smi_id(2) == "2"
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '[N/A], [N/A]'\nwhile true; do echo '690.5, 1410'; sleep 0.02; done\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    s = power.Sampler("0", ms=20)
+    time.sleep(0.5)
+    s.stop()
+    got = power.window(s.samples, 0.0, time.time())
+    assert got is not None and got["w"] == 690.5 and got["mhz"] == 1410.0 and got["samples"] >= 2
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert power.Sampler("0").samples == [] and power.Sampler("0").stop() is None
+    rep = _fake_report()
+    rep["modes"][1]["power"] = {"w": 690.0, "mhz": 1500.0, "samples": 40}
+    md = SR.render_markdown(rep, image=None)
+    assert "**fused** 690 W at 1500 MHz, 82.8 J a step." in md and "**stock+compile** 6" not in md
+    assert "Power while the timed steps ran" not in SR.render_markdown(_fake_report(), image=None)

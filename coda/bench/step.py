@@ -19,7 +19,9 @@ worker processes into the disk cache; for ``+compile`` modes the uncompiled mode
 adds a variant of every mode run with those environment variables (an experiment switch such as
 ``CODA_L2_PREFETCH=16``, or ``CODA_BENCH_KERNEL_STEP=1``: coda.optim.AdamW(kernel_step=True)),
 ``--rounds R`` alternates the mode and its variants R times on the same machine: paired
-numbers.
+numbers. ``--power``: each mode's mean board power and SM clock over its timed steps (``coda.bench.power``,
+nvidia-smi) and the joules a step -- at the H100's 700 W cap a step's time is its energy (session 37). Off by default
+(not yet run on a GPU: whether the sampling process perturbs the eager modes' launches is to be checked).
 
 Phases of a run: (1) a process measures the GEMM peak (cuBLAS bf16 8192^3, do_bench median); (2) one process per mode
 builds, trains (``--warmup`` untimed steps, then ``--steps`` timed ones, CUDA events per step, one sync at the
@@ -37,6 +39,7 @@ import sys
 import time
 from typing import Optional
 
+from . import power
 from . import step_report as SR
 
 PRESETS = {  # hidden, intermediate, layers, heads, kv heads, vocab
@@ -230,8 +233,12 @@ def run_mode(args) -> dict:
     print(f"  [{mode}] first step done at {first_step_s:.1f} s (loss {first_loss:.3f})", flush=True)
     if background is not None:  # what the background precompile did beside torch.compile
         print(f"  [{mode}] {background.wait()} (background)", flush=True)
+    # --power: power and SM clock while the timed steps run (coda.bench.power: nvidia-smi started during the
+    # warm-up, so the timed steps follow the warm-up as before; none where nvidia-smi is missing)
+    sampler = power.Sampler(power.smi_id(dev.index or 0)) if cuda and args.power else None
     for i in range(1, args.warmup):
         step(i)
+    t_on = time.time()
     events = []
     for i in range(args.steps):
         e0 = torch.cuda.Event(enable_timing=True) if cuda else None
@@ -245,14 +252,18 @@ def run_mode(args) -> dict:
             events.append((e0, e1))
         else:
             events.append(time.perf_counter() - t0)
+    watts = None
     if cuda:
         torch.cuda.synchronize(dev)
+        if sampler is not None:
+            watts = power.window(sampler.samples, t_on, time.time())
+            sampler.stop()
         step_ms = [a.elapsed_time(b) for a, b in events]
     else:
         step_ms = [1e3 * s for s in events]
     res = dict(mode=mode, model_source=source, nproc=world, rank=rank, step_ms_all=step_ms, loss=loss.item(),
                first_loss=first_loss, first_step_s=first_step_s, first_step_phases=phases,
-               peak_bytes=torch.cuda.max_memory_allocated(dev) if cuda else 0, kernels={},
+               peak_bytes=torch.cuda.max_memory_allocated(dev) if cuda else 0, kernels={}, power=watts,
                coda_env={k: v for k, v in os.environ.items() if k.startswith("CODA_") and k != "CODA_STEP_T0"})
     if cuda and args.profile_steps > 0:
         res["kernels"] = profile_kernels(lambda i: step(args.warmup + args.steps + i), args.profile_steps)
@@ -332,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
                     choices=["adamw-fused", "adamw-foreach", "coda-adamw"],
                     help="coda-adamw: the fused modes run coda.optim.AdamW (fused=True; the update of CODA-fused "
                          "weights inside the backward), stock modes torch's fused AdamW")
+    ap.add_argument("--power", action="store_true",
+                    help="sample the GPU's power draw and SM clock (nvidia-smi, coda.bench.power) while the timed "
+                         "steps run: the report gives each mode's W, MHz and joules a step")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
@@ -433,7 +447,7 @@ def main(argv=None) -> int:
     common = ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
               "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--head-reps",
               str(args.head_reps), "--optimizer", args.optimizer, "--dtype", args.dtype, "--device", args.device,
-              "--seed", str(args.seed)]
+              "--seed", str(args.seed)] + (["--power"] if args.power else [])
     peak = _spawn(["--model", args.model, "--peak"], 120) if args.device == "cuda" else {}
     meta = dict(model=args.model, config=PRESETS[args.model], batch=args.batch, seq=args.seq, steps=args.steps,
                 nproc=args.nproc, warmup=args.warmup, optimizer=args.optimizer, dtype=args.dtype, commit=commit,

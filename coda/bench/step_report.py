@@ -174,6 +174,13 @@ def render_markdown(report: dict, image: Optional[str] = "step.png") -> str:
         lines += ["", "LM head ms: the final norm + LM head + loss alone on the step's shapes, forward, backward and "
                       "the update of the head and norm weights, the median of queued passes "
                       "(`coda.bench.step_head`)."]
+    powered = [m for m in r["modes"] if not m.get("error") and m.get("power")]
+    if powered:  # --power: the board's mean draw and SM clock over the timed steps (coda.bench.power)
+        lines += ["", "Power while the timed steps ran (nvidia-smi, mean of its samples; the H100 caps the board at "
+                      "700 W): " + "; ".join(
+                          f"**{m['mode']}** {m['power']['w']:.0f} W at {m['power']['mhz']:.0f} MHz, "
+                          f"{m['power']['w'] * m['step_ms'] * 1e-3:.1f} J a step"
+                          for m in powered) + "."]
     phased = [m for m in r["modes"] if not m.get("error") and m.get("first_step_phases")]
     if phased:  # where the time to the first step went (seconds, from the mode's process start)
         lines += ["", "Time to the first step, by phase (s): " + "; ".join(
