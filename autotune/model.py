@@ -94,13 +94,13 @@ def record_model_step(preset: str, batch: int, seq: int, dtype: str = "bfloat16"
     from coda.bench.step import PRESETS, build_model, make_batches
     if preset not in PRESETS:
         raise ValueError(f"unknown model {preset!r}; one of {sorted(PRESETS)}")
+    if optimizer not in ("adamw", "coda-adamw"):
+        raise ValueError(f"optimizer must be 'adamw' or 'coda-adamw', got {optimizer!r}")
     cfg = PRESETS[preset]
     torch.manual_seed(seed)
     model, _ = build_model(cfg, seq)
     model = model.to("cuda", getattr(torch, dtype))
     coda.fuse(model)
-    if optimizer not in ("adamw", "coda-adamw"):
-        raise ValueError(f"optimizer must be 'adamw' or 'coda-adamw', got {optimizer!r}")
     opt = None
     if optimizer == "coda-adamw":
         import coda.optim

@@ -26,27 +26,32 @@ def operands(m, n, k, layout):
     return r(k, m).t(), r(k, n).t()  # dW = dy^T x: a = dy.t(), b = x.t()
 
 
-tot_c = tot_t = 0.0
-print(f"{torch.cuda.get_device_name()}  coda.gemm (CODA_AUTOTUNE={__import__('os').environ.get('CODA_AUTOTUNE')}) vs torch.mm")
-for name, m, n, k, lay in SHAPES:
-    a, b = operands(m, n, k, lay)
-    coda.gemm(a, b)
-    tc = sorted(do_bench(lambda: coda.gemm(a, b), warmup=20, rep=100) for _ in range(3))[1]
-    tt = sorted(do_bench(lambda: torch.mm(a, b.t()), warmup=20, rep=100) for _ in range(3))[1]
-    f = 2 * m * n * k
-    tot_c += tc; tot_t += tt
-    print(f"{name:14s} {m:6d}x{n:6d}x{k:6d} {lay:3s}  coda {tc:7.3f} ms {f / tc / 1e9:5.0f} TF/s  cublas {tt:7.3f} ms "
-          f"{f / tt / 1e9:5.0f} TF/s  ratio {tc / tt:.3f}", flush=True)
-print(f"sum: coda {tot_c:.3f} ms, cublas {tot_t:.3f} ms, ratio {tot_c / tot_t:.3f}")
-
-if len(sys.argv) > 1 and sys.argv[1] == "--tune":  # tune the named shapes (quick level) and time again
-    import coda.autotune as at
+def main() -> None:
+    tot_c = tot_t = 0.0
+    print(f"{torch.cuda.get_device_name()}  coda.gemm (CODA_AUTOTUNE={__import__('os').environ.get('CODA_AUTOTUNE')}) vs torch.mm")
     for name, m, n, k, lay in SHAPES:
-        if name not in sys.argv[2].split(","):
-            continue
         a, b = operands(m, n, k, lay)
-        res = at.tune(a, b, progress=False)
+        coda.gemm(a, b)
         tc = sorted(do_bench(lambda: coda.gemm(a, b), warmup=20, rep=100) for _ in range(3))[1]
         tt = sorted(do_bench(lambda: torch.mm(a, b.t()), warmup=20, rep=100) for _ in range(3))[1]
-        print(f"tuned {name:14s} best {getattr(res, 'best', None)}  coda {tc:.3f} ms  cublas {tt:.3f} ms  ratio {tc / tt:.3f}",
-              flush=True)
+        f = 2 * m * n * k
+        tot_c += tc; tot_t += tt
+        print(f"{name:14s} {m:6d}x{n:6d}x{k:6d} {lay:3s}  coda {tc:7.3f} ms {f / tc / 1e9:5.0f} TF/s  cublas {tt:7.3f} ms "
+              f"{f / tt / 1e9:5.0f} TF/s  ratio {tc / tt:.3f}", flush=True)
+    print(f"sum: coda {tot_c:.3f} ms, cublas {tot_t:.3f} ms, ratio {tot_c / tot_t:.3f}")
+
+    if len(sys.argv) > 1 and sys.argv[1] == "--tune":  # tune the named shapes (quick level) and time again
+        import coda.autotune as at
+        for name, m, n, k, lay in SHAPES:
+            if name not in sys.argv[2].split(","):
+                continue
+            a, b = operands(m, n, k, lay)
+            res = at.tune(a, b, progress=False)
+            tc = sorted(do_bench(lambda: coda.gemm(a, b), warmup=20, rep=100) for _ in range(3))[1]
+            tt = sorted(do_bench(lambda: torch.mm(a, b.t()), warmup=20, rep=100) for _ in range(3))[1]
+            print(f"tuned {name:14s} best {getattr(res, 'best', None)}  coda {tc:.3f} ms  cublas {tt:.3f} ms  ratio {tc / tt:.3f}",
+                  flush=True)
+
+
+if __name__ == "__main__":  # importing the module (its operands) runs nothing
+    main()

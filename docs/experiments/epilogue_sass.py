@@ -12,6 +12,8 @@ share) 2552 vs 1224 (+1328: MUFU 152, FMUL 154, FADD 264, FSEL 148, FMNMX 130); 
 3584 vs 2080 (+1504); QKV + RoPE (128 x 128 ping-pong) 2464 vs 1232 (+1232: FMUL 576, FFMA 320, MUFU 128); the
 epilogue-warp kernels (loop bodies, not per tile): gate/up fwd +1312, MLP dX +1592, gate/up dW + AdamW +1656, down
 dW + AdamW +1504, mostly IMAD (addressing) 399-567. All compile without spills."""
+import functools
+
 import torch
 
 from coda.autodiff import with_preact
@@ -39,6 +41,7 @@ KEYS = ("MUFU", "FFMA", "FMUL", "FADD", "FSEL", "FSETP", "FMNMX", "F2F", "F2FP",
         "SHF", "LDS", "STS", "LDG", "STG", "LDSM", "STSM", "SHFL", "BAR", "HGMMA")
 
 
+@functools.lru_cache(maxsize=None)  # the plain GEMM of a config and layout: compiled once
 def census(cfg, epi, majors):
     r = compile_variant(cfg, epi, majors=majors, sass=True)
     s = r.get("sass", {})

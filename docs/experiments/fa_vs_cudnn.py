@@ -1,22 +1,26 @@
 """FlashAttention-4's CuTeDSL Hopper kernels against cuDNN SDPA at the llama-1b step's attention (B 2, S 4096, 32 / 8
 heads, d 64, causal, bf16): does an FA3-class kernel have room here (docs/experiments/attention_study.md)?
 
-The peer kernels come from flash-attn-4 4.0.0b36 + quack-kernels 0.6.5 + apache-tvm-ffi (cp312) wheels installed with
---no-deps into a scratch directory beside the device's cutlass-dsl 4.8.1 -- never imported into CODA's process.
-Times (median of 5 interleaved rounds of do_bench medians, ms) forward, and forward + backward, each with the other
-implementation's outputs and gradients compared (max |difference| relative to max |value|), then each sustained
-for 3 s with nvidia-smi's mean power: the energy per call under the cap. Usage on the GPU (carry .device/fa4):
-pip install -q --no-deps --target /tmp/fa_env .device/fa4/*.whl && PYTHONPATH=/tmp/fa_env \\
-    python docs/experiments/fa_vs_cudnn.py"""
+The peer kernels come from the wheels in .device/fa4 (git-ignored, 5.3 MB, downloaded in session 37: flash-attn-4
+4.0.0b36, quack-kernels 0.6.5, apache-tvm-ffi and torch-c-dlpack-ext for cp312, einops) installed with --no-deps
+into a scratch directory beside the device's cutlass-dsl 4.8.1 (FlashAttention is never imported into a process that
+runs CODA's kernels; this one uses only coda.bench.power's sampler). Times (median of 5 interleaved rounds of
+do_bench medians, ms) forward, and forward + backward, the outputs and gradients compared (max |difference|
+relative to max |cuDNN's|), then each sustained for 3 s with nvidia-smi's mean power: the energy per call under the
+cap. The wheels and the cutlass-dsl bundle together exceed the 64 MiB carry, so two calls back to back (a warm
+machine keeps ignored paths): carry [".device/fa4"] and run
+    pip install -q --no-deps --target .device/fa_env .device/fa4/*.whl
+then carry [".device/cutlass-dsl-4.8.1"] and run
+    source .device/cutlass-dsl-4.8.1/setup.sh; PYTHONPATH=.device/fa_env python docs/experiments/fa_vs_cudnn.py"""
 import statistics
 import time
 
-import gpu_samples  # docs/experiments/gpu_samples.py (the script's directory is on sys.path)
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
+from coda.bench import power  # (the sampler only: no CODA kernel runs in this process)
 from flash_attn.cute.interface import flash_attn_func
 
 B, S, HQ, HKV, D = 2, 4096, 32, 8, 64
@@ -68,7 +72,7 @@ for w, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
                                 f"({mult * flops / statistics.median(res[(n, w)]) / 1e9:.0f} TFLOP/s)"
                                 for n in IMPLS))
 
-samples = gpu_samples.start(("power.draw", "clocks.sm"))  # (time, W, MHz)
+sampler = power.Sampler(power.smi_id(torch.cuda.current_device()))
 for n, f in IMPLS.items():
     time.sleep(1.0)
     run = fwd_bwd(f)
@@ -80,8 +84,7 @@ for n, f in IMPLS.items():
         calls += 1
     torch.cuda.synchronize()
     t1 = time.time()
-    win = [s for s in samples if t0 + 1.0 <= s[0] <= t1]
-    w = sum(s[1] for s in win) / max(1, len(win))
-    mhz = sum(s[2] for s in win) / max(1, len(win))
+    got = power.window(sampler.samples, t0 + 1.0, t1) or {"w": 0.0, "mhz": 0.0}
+    w, mhz = got["w"], got["mhz"]
     per = (t1 - t0) / calls
     print(f"{n} sustained fwd+bwd: {per * 1e3:.3f} ms/call, {w:.0f} W, {mhz:.0f} MHz, {w * per:.3f} J/call")

@@ -1,17 +1,13 @@
 """128 x 192 ping-pong tiles (192 fp32 accumulators a consumer thread; the bound was 128 before session 37):
 does a ping-pong tile with cooperative-class arithmetic intensity hide the heavy epilogues (issue 29)?
 
-Runs ``coda.bench.epi_wg`` (the accumulator bound set to 192, for runs before it was the default) with consumer-warp
-variants (epi_wg=0) next to the shipped / default configs and cuBLAS. Usage on the GPU:
+Runs ``coda.bench.epi_wg`` with consumer-warp variants (epi_wg=0) next to the shipped / default configs and cuBLAS.
+Usage on the GPU:
 python docs/experiments/pingpong_192.py [--only ...] [--variants ...] (bench.epi_wg's arguments; default: the variants
 below on da_plain, fused_da, swiglu_fwd, adamw)."""
 import sys
 
-import coda.config
-
-coda.config.MAX_ACC_PER_THREAD = 192  # before any GemmConfig is validated
-
-from coda.bench.epi_wg import main  # noqa: E402
+from coda.bench.epi_wg import main
 
 VARIANTS = ";".join([
     "tile_m=64,tile_n=256,pingpong=1,epi_wg=0,cluster_m=2,epi_n=32",

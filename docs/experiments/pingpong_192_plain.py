@@ -5,15 +5,12 @@ Usage on the GPU: python docs/experiments/pingpong_192_plain.py [VARIANT ...] (G
 "tile_m=128,tile_n=192,pingpong=1,cluster_m=2,epi_n=32")."""
 import sys
 
-import coda.config
+import torch
+from triton.testing import do_bench
 
-coda.config.MAX_ACC_PER_THREAD = 192  # before any GemmConfig is validated
-
-import torch  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-import coda  # noqa: E402
-from coda.config import GemmConfig  # noqa: E402
+import coda
+from coda.bench.step_gemms import operands
+from coda.config import GemmConfig
 
 M = 8192
 SHAPES = [("qkv fwd", M, 3072, 2048, "fwd"), ("o fwd", M, 2048, 2048, "fwd"), ("gate/up fwd", M, 16384, 2048, "fwd"),
@@ -22,15 +19,6 @@ SHAPES = [("qkv fwd", M, 3072, 2048, "fwd"), ("o fwd", M, 2048, 2048, "fwd"), ("
           ("lm dX", M, 2048, 128256, "dx"), ("lm dW", 128256, 2048, M, "dw")]
 DEFAULT = ["tile_m=128,tile_n=192,pingpong=1,cluster_m=2,epi_n=32",
            "tile_m=128,tile_n=192,pingpong=1,cluster_m=1,epi_n=32"]
-
-
-def operands(m, n, k, layout):  # as coda.bench.step_gemms (importing it runs that benchmark)
-    r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    if layout == "fwd":
-        return r(m, k), r(n, k)
-    if layout == "dx":
-        return r(m, k), r(k, n).t()
-    return r(k, m).t(), r(k, n).t()
 
 
 def parse(spec):

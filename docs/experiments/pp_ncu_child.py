@@ -1,18 +1,13 @@
 """The fused da (SwiGLU backward in da = dy W_down, coda.bench.epi_wg's fused_da) launched 3 times under one config
-given as GemmConfig fields (argv[1], e.g. "tile_m=128,tile_n=192,pingpong=1,cluster_m=2,epi_n=16"; the bound of 192
-fp32 accumulators a thread set for runs before it was the default), for Nsight Compute's source page
-(docs/experiments/pp_ncu.sh)."""
+given as GemmConfig fields (argv[1], e.g. "tile_m=128,tile_n=192,pingpong=1,cluster_m=2,epi_n=16"), for Nsight
+Compute's source page (docs/experiments/pp_ncu.sh)."""
 import sys
 
-import coda.config
+import torch
 
-coda.config.MAX_ACC_PER_THREAD = 192
-
-import torch  # noqa: E402
-
-import coda  # noqa: E402
-from coda.bench.epi_wg import problems  # noqa: E402
-from coda.bench.ncu_source import _config  # noqa: E402
+import coda
+from coda.bench.epi_wg import problems
+from coda.bench.ncu_source import _config
 
 make, epi = problems()[sys.argv[2] if len(sys.argv) > 2 else "fused_da"]
 a, b, ops, _ = make()

@@ -14,10 +14,10 @@ faster in a short do_bench (session 37: the logits GEMM 7 % faster alone, no cha
 import argparse
 import time
 
-import gpu_samples  # docs/experiments/gpu_samples.py (the script's directory is on sys.path)
 import torch
 
 import coda
+from coda.bench import power
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--secs", type=float, default=3.0)
@@ -26,7 +26,7 @@ ap.add_argument("--configs", nargs="*", default=[])
 ap.add_argument("--problems", nargs="*", default=[])
 args = ap.parse_args()
 
-samples = gpu_samples.start(("clocks.sm", "power.draw"))  # (time, MHz, W)
+sampler = power.Sampler(power.smi_id(torch.cuda.current_device()))
 SHAPES = ([tuple(int(v) for v in s.split(",")) for s in args.shapes]
           or [(8192, 16384, 2048), (8192, 2048, 8192), (8192, 8192, 8192), (8192, 128256, 2048)])
 
@@ -44,10 +44,8 @@ def run(fn, flops):
         if half is None and time.time() - t0 > args.secs / 2:
             half, n, th = time.time(), 0, time.time()
     dt = time.time() - th
-    win = [s for s in samples if th <= s[0] <= time.time()]
-    mhz = sum(s[1] for s in win) / max(1, len(win))
-    w = sum(s[2] for s in win) / max(1, len(win))
-    return n * flops / dt / 1e12, mhz, w
+    got = power.window(sampler.samples, th, time.time()) or {"w": 0.0, "mhz": 0.0}
+    return n * flops / dt / 1e12, got["mhz"], got["w"]
 
 
 time.sleep(1.0)
