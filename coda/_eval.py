@@ -224,18 +224,22 @@ class TorchOps:
 class CuteOps:
     """CuTeDSL fp32 scalar arithmetic, emitted while the GEMM kernel is traced."""
 
-    def __init__(self):
+    def __init__(self, fastmath: bool = False):
         import cutlass
         import cutlass.cute as cute
         self.c, self.cute = cutlass, cute
         self.F = cutlass.Float32
+        self.fastmath = fastmath  # DslEpilogue(fastmath=True): div.approx.ftz.f32 and sqrt.approx.ftz.f32
 
     def const(self, v): return self.F(v)
     def boolean(self, v): return self.c.Boolean(v)
     def add(self, a, b): return a + b
     def mul(self, a, b): return a * b
-    def div(self, a, b): return a / b
-    def sqrt(self, x): return self.cute.math.sqrt(x)
+    def div(self, a, b): return self.cute.math.div(a, b, approx=True, ftz=True) if self.fastmath else a / b
+
+    def sqrt(self, x):
+        return self.cute.math.sqrt(x, approx=True, ftz=True) if self.fastmath else self.cute.math.sqrt(x)
+
     def rsqrt(self, x): return self.cute.math.rsqrt(x)
     def exp(self, x): return self.cute.math.exp(x, fastmath=True)
     def exp2(self, x): return self.cute.math.exp2(x, fastmath=True)

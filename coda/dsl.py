@@ -561,7 +561,7 @@ class DslEpilogue(Epilogue):
     ``DslEpilogue(name, operands, outputs={"out": expr, ...}, reductions={name: (axis, op, expr)})``."""
 
     def __init__(self, name: str, operands: tuple, outputs: dict, reductions: dict, fn: Optional[Callable] = None,
-                 pair_mode: Optional[str] = None, expand: bool = False):
+                 pair_mode: Optional[str] = None, expand: bool = False, fastmath: bool = False):
         if not outputs and not reductions:
             raise EpilogueError(f"epilogue {name!r}: no outputs and no reductions")
         self.name = name
@@ -598,11 +598,14 @@ class DslEpilogue(Epilogue):
             raise EpilogueError(f"epilogue {name!r}: a tuple of two outputs needs coda.pairs(acc)")
         # 1 -> 2 (Epilogue.expand): "out" and ODD_OUT of one accumulator element, stored at columns 2j, 2j + 1
         self.expand = bool(expand)
+        # fastmath: division and square root by the approximate instructions (``CuteOps``), in the key
+        self.fastmath = bool(fastmath)
         if self.expand and (self.pair_mode or self.outputs or set(self.exprs) != {"out", ODD_OUT}):
             raise EpilogueError(f"epilogue {name!r}: a 1 -> 2 epilogue returns exactly two values of acc (no pairs)")
         self._key = ("coda.dsl", tuple((o.name, o.kind) for o in self.operands),
                      tuple(self.exprs), tuple((k, a, op) for k, (a, op, _) in self.red_specs.items()), dag,
-                     self.pair_mode) + (("expand",) if self.expand else ())
+                     self.pair_mode) + (("expand",) if self.expand else ()) + \
+            (("fastmath",) if self.fastmath else ())
         # the name under which the torch custom op coda::linear finds this program (custom ops take strings, not
         # objects); set here, outside any torch.compile trace; programs with equal keys share one name
         self.op_name = _OP_NAMES.setdefault(self._key, f"{name}#{len(_OP_NAMES)}")
@@ -649,7 +652,7 @@ class DslEpilogue(Epilogue):
             s = operand_symbol(o.name)
             if s in used:
                 leaves[s] = env[o.name]
-        return self._evaluate(leaves, CuteOps())
+        return self._evaluate(leaves, CuteOps(fastmath=self.fastmath))
 
     def _evaluate(self, leaves, ops):
         from ._eval import evaluate
@@ -695,7 +698,7 @@ class DslEpilogue(Epilogue):
         return out
 
 
-def trace(fn: Callable, name: Optional[str] = None) -> DslEpilogue:
+def trace(fn: Callable, name: Optional[str] = None, fastmath: bool = False) -> DslEpilogue:
     """Trace ``fn(acc, **operands)`` into a :class:`DslEpilogue` (what ``@coda.epilogue`` does)."""
     name = name or fn.__name__
     sig = inspect.signature(fn)
@@ -736,7 +739,8 @@ def trace(fn: Callable, name: Optional[str] = None) -> DslEpilogue:
         raise _err(f"{type(e).__name__}: {e}") from e
     finally:
         _state.trace = prev
-    return DslEpilogue(name, tuple(operands), outputs, reductions, fn, pair_mode="half" if tr.used_pairs else None)
+    return DslEpilogue(name, tuple(operands), outputs, reductions, fn, pair_mode="half" if tr.used_pairs else None,
+                       fastmath=fastmath)
 
 
 def _annotations(fn):
@@ -786,9 +790,16 @@ def _outputs(res, name):
     return {"out": value_expr("out", res)}, {}
 
 
-def epilogue(fn: Optional[Callable] = None, *, name: Optional[str] = None):
+def epilogue(fn: Optional[Callable] = None, *, name: Optional[str] = None, fastmath: bool = False):
     """Decorator: ``@coda.epilogue`` over ``def f(acc, x: coda.VecN, ...)`` gives a fused-epilogue object for
-    ``coda.gemm(a, b, epilogue=f, x=...)``, ``coda.reference.gemm`` and ``coda.ops.linear``."""
+    ``coda.gemm(a, b, epilogue=f, x=...)``, ``coda.reference.gemm`` and ``coda.ops.linear``.
+    ``fastmath=True``: division and square root as under nvcc's ``--use_fast_math`` -- ``div.approx.ftz.f32`` (a
+    times the reciprocal: 2 ulp for a divisor's magnitude in [2^-126, 2^126], 0 above it) and
+    ``sqrt.approx.ftz.f32``, subnormal inputs and results flushed to zero -- instead of the IEEE-rounded
+    instructions, whose range checks branch per element and serialize a thread's elements (the AdamW update in the
+    epilogue warps: ``epilogues/adamw.py``). exp, log and reciprocal square roots are the approximate
+    instructions either way. Division by zero, inf and NaN give what IEEE division and square root give. The
+    reference (``coda.reference``) is unchanged."""
     if fn is None:
-        return lambda f: trace(f, name)
-    return trace(fn, name)
+        return lambda f: trace(f, name, fastmath)
+    return trace(fn, name, fastmath)

@@ -33,14 +33,14 @@ def update(g, p, m, v, b1, b1c, b2, b2c, c2, eps, step_size, decay) -> dict:
     return {"out": p * decay - step_size * m2 / (coda.sqrt(v2) * c2 + eps), "m": m2, "v": v2}
 
 
-@coda.epilogue
+@coda.epilogue(fastmath=True)
 def adamw(acc, p: TileMN, m: TileMN, v: TileMN, b1: Scalar, b1c: Scalar, b2: Scalar, b2c: Scalar, c2: Scalar,
           eps: Scalar, step_size: Scalar, decay: Scalar):
     """dW = acc; the weight p and its moments m, v updated in place."""
     return update(acc, p, m, v, b1, b1c, b2, b2c, c2, eps, step_size, decay)
 
 
-@coda.epilogue
+@coda.epilogue(fastmath=True)
 def adamw_fold(acc, gamma: coda.VecN, p: TileMN, m: TileMN, v: TileMN, b1: Scalar, b1c: Scalar, b2: Scalar,
                b2c: Scalar, c2: Scalar, eps: Scalar, step_size: Scalar, decay: Scalar):
     """The folded weight's dW GEMM (acc = dW' = dacc^T h): dW = acc gamma updates p; dgamma = sum_n acc p."""
@@ -49,14 +49,14 @@ def adamw_fold(acc, gamma: coda.VecN, p: TileMN, m: TileMN, v: TileMN, b1: Scala
     return res
 
 
-@coda.epilogue
+@coda.epilogue(fastmath=True)
 def adamw_scaled(acc, t: TileMN, s: Scalar, p: TileMN, m: TileMN, v: TileMN, b1: Scalar, b1c: Scalar, b2: Scalar,
                  b2c: Scalar, c2: Scalar, eps: Scalar, step_size: Scalar, decay: Scalar):
     """K = 0 pass: dW = t s (a gradient formed earlier, times the upstream scalar)."""
     return update(t * s, p, m, v, b1, b1c, b2, b2c, c2, eps, step_size, decay)
 
 
-@coda.epilogue
+@coda.epilogue(fastmath=True)
 def adamw_times(acc, s: Scalar, p: TileMN, m: TileMN, v: TileMN, b1: Scalar, b1c: Scalar, b2: Scalar, b2c: Scalar,
                 c2: Scalar, eps: Scalar, step_size: Scalar, decay: Scalar):
     """dW = acc s (the upstream scalar s: the fast cross entropy's dW GEMM run in its backward)."""

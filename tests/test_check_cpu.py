@@ -152,3 +152,25 @@ def test_reducing_epilogues_on_whole_tiles_do_not_spill(name):  # ~5 s each
     even = importlib.import_module("coda.gemm").whole_tiles(epi, cfg, 8192, 2048) or (False, False)
     row = compile_variant(cfg, epi, even=even)
     assert row["ok"] and row["spill_bytes"] == 0, row
+
+
+def test_fastmath_epilogue_divides_and_roots_without_ieee_branches():
+    """``@coda.epilogue(fastmath=True)`` (session 38): division and square root by div.approx.ftz / sqrt.approx.ftz
+    (no per-element range-check branches), in the key; without it the IEEE-rounded instructions. The AdamW
+    update (epilogues/adamw.py, fastmath) compiles without spills in the epilogue warps, as shipped."""
+    import coda
+    from coda.config import epi_wg_config
+    from coda.epilogues.adamw import adamw, adamw_fold
+
+    def f(acc, d: coda.VecN, s: coda.TileMN):
+        return acc / d + coda.sqrt(s * s + acc)
+    fast, ieee = coda.epilogue(f, fastmath=True), coda.epilogue(f)
+    assert fast.key() != ieee.key() and fast.fastmath and not ieee.fastmath
+    count = ("div.rn", "sqrt.rn", "div.approx.ftz", "sqrt.approx.ftz")
+    rf, ri = (compile_variant(GemmConfig(), e, count=count) for e in (fast, ieee))
+    assert rf["ok"] and ri["ok"], (rf, ri)
+    assert rf["count"]["div.rn"] == rf["count"]["sqrt.rn"] == 0 < rf["count"]["div.approx.ftz"], rf["count"]
+    assert rf["count"]["sqrt.approx.ftz"] > 0 and ri["count"]["div.rn"] > 0 and ri["count"]["sqrt.rn"] > 0, ri
+    for epi in (adamw, adamw_fold):
+        row = compile_variant(epi_wg_config(), epi, majors=("mn", "mn"), count=count)
+        assert row["ok"] and row["spill_bytes"] == 0 and row["count"]["div.rn"] == 0, row

@@ -70,6 +70,44 @@ def _check_fused(epi, M, N, K, ops64, cfg=None, L=None, floor=1e-5):
         assert e_ours <= 2 * e_theirs + floor, (k, e_ours, e_theirs)
 
 
+@coda.epilogue(fastmath=True)
+def fast_div_sqrt(acc, d: coda.VecN, s: coda.TileMN):
+    return {"out": acc / d + coda.sqrt(s * s + acc * acc), "q": s / (acc * acc + 0.5)}
+
+
+@coda.epilogue(fastmath=True)
+def fast_special(acc, d: coda.VecN, s: coda.VecN):
+    return {"out": acc / d, "root": coda.sqrt(s) * (acc * acc + 1.0)}
+
+
+@pytest.mark.parametrize("cfg", CFGS + [GemmConfig(epi_wg=True)], ids=lambda c: c.name)
+def test_fastmath_division_and_sqrt(cfg):
+    """``fastmath=True`` (div.approx.ftz, sqrt.approx.ftz): within the 2x rule on a ragged shape (the consumer
+    warps' epilogue, ping-pong, the epilogue warps), and division by 0 / inf / NaN and roots of negative / 0 / inf
+    / NaN give torch's inf and NaN."""
+    M, N, K = 333, 520, 264
+    d = torch.rand(N, dtype=torch.float64) + 0.25
+    _check_fused(fast_div_sqrt, M, N, K, {"d": d, "s": torch.randn(M, N, dtype=torch.float64)}, cfg=cfg)
+    specials = torch.tensor([0.0, float("inf"), -float("inf"), float("nan"), 2.0, -1.0, 1e-30, 4.0],
+                            dtype=torch.float64)
+    d = torch.rand(N, dtype=torch.float64) + 0.25
+    s = torch.rand(N, dtype=torch.float64)
+    d[:8], s[:8] = specials, specials
+    a = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(N, K, device=DEV, dtype=torch.bfloat16)
+    out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+    got = coda.gemm(a, b, epilogue=fast_special, out=out, config=cfg, d=d.to(DEV, torch.float32),
+                    s=s.to(DEV, torch.float32))
+    acc = torch.matmul(a.double(), b.double().t())
+    ref = fast_special.reference(acc, d=d.to(DEV), s=s.to(DEV))
+    for k in ("out", "root"):
+        g, r = got[k].double(), ref[k].to(torch.bfloat16).double()
+        assert torch.equal(torch.isnan(g), torch.isnan(r)), k
+        assert torch.equal(torch.isposinf(g), torch.isposinf(r)) and torch.equal(torch.isneginf(g), torch.isneginf(r)), k
+        fin = torch.isfinite(r)
+        assert rel(g[fin], ref[k].double()[fin]) < 1e-2, k
+
+
 def reduction_operands(epi, fwd_ops: dict):
     """The operands that the backward of ``epi``'s max / logsumexp reductions reads, as a function of the float64
     accumulator (``_check_fused``'s callable operands), formed as ``coda.ops.linear`` forms them (ops/linear.py):
