@@ -8,11 +8,7 @@ Phase 0 (host, ``__call__``): build the tiled WGMMA, the swizzled shared-memory 
   loads, multicast across the cluster when it has more than one CTA along the other dimension; D and extra outputs
   stores), the persistent grid and the shared-storage struct; the number of pipeline stages is what the shared memory
   holds after the epilogue buffers.
-Phase 1 (all warps): allocate shared memory, initialise the mainloop mbarrier pipeline, cluster-sync; then (``PDL``)
-  wait for the grid before it in the stream (``griddepcontrol.wait``: it has completed and its writes are visible)
-  and let the next one launch (``griddepcontrol.launch_dependents``). Nothing before that wait touches global memory
-  but the TMA descriptors (kernel parameters), so a kernel launched with programmatic stream serialization overlaps
-  its launch and phase 1 with the tail of the kernel before it (SMs freed by that kernel's finished CTAs).
+Phase 1 (all warps): allocate shared memory, initialise the mainloop mbarrier pipeline, cluster-sync.
 Phase 2 (producer warpgroup, warp 0; registers lowered to 40): for each tile of this CTA (``schedule.py``: grouped
   raster order; cluster c takes tiles c, c + P, ..., or with ``sched="dynamic"`` the next index from a global
   counter, passed on to the consumers through a shared-memory ring), for each k-tile: wait for an empty stage,
@@ -55,9 +51,6 @@ from .sub_tile import SubTile, column_pair
 
 WG_THREADS = 128
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
-# programmatic dependent launch (phase 1): launched with programmatic stream serialization allowed. A grid before it
-# that is not launched so (cuDNN, torch) is waited for in full, as without it.
-PDL = True
 # named barriers (0 is __syncthreads): epilogue of the cooperative pair, or of ping-pong warpgroup w (1 + w);
 # ping-pong mainloop ordering: warpgroup w waits on 3 + w.
 BAR_EPI, BAR_ORDER = 1, 3
@@ -198,7 +191,7 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
                     op_tensors, red_tensors, self.tiled_mma, a_smem, b_smem, epi_smems,
                     [x[0] for x in lds], [x[1] for x in lds], ld_smems, counter).launch(
             grid=grid, block=[3 * WG_THREADS, 1, 1], cluster=(cfg.cluster_m, cfg.cluster_n, 1),
-            min_blocks_per_mp=1, stream=stream, use_pdl=PDL)
+            min_blocks_per_mp=1, stream=stream)
 
     @staticmethod
     def _tma_load(t, smem_staged, tile, mcast):
@@ -282,9 +275,6 @@ class GemmSm90(epilogue_wg.EpilogueWarpgroup):
         tBsB, tBgB = cpasync.tma_partition(tma_b, cluster_coord[0], cute.make_layout(cfg.cluster_m),
                                            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
         pipeline_init_wait(cluster_shape_mn=(cfg.cluster_m, cfg.cluster_n))
-        if cutlass.const_expr(PDL):  # the grid before has completed (its outputs are this one's inputs); the next
-            cute.arch.griddepcontrol_wait()  # may launch: its CTAs take the SMs this grid's CTAs leave
-            cute.arch.griddepcontrol_launch_dependents()
 
         if wg_idx == 0:
             # ---- phase 2: producer (epi_wg: warps 1-3 run the epilogue, EWG_REGS registers; epilogue_wg.py)
