@@ -230,6 +230,39 @@ def test_semantic_key():
     assert hash(a.key()) == hash(b.key())
 
 
+def test_fastmath_is_in_the_key_and_carries_to_derived_programs():
+    """``@coda.epilogue(fastmath=True)``: a different program (key, custom-op name) than the same function without
+    it, the same reference; every program derived from it (backward, TileMN gradients of pairs, max ties, saved
+    pre-activation, on the pre-activation, on the accumulator) divides and roots the same way."""
+    from coda.autodiff import on_acc, on_preact, pair_tile_grad_epilogue, tie_epilogue, with_preact
+
+    def f(acc, d: coda.VecN, t: coda.TileMN):
+        y = acc / d + coda.sqrt(t * t + 1.0)
+        return {"out": y, "mx": coda.reduce_n(y, "max")}
+    fast, ieee = coda.epilogue(f, fastmath=True), coda.epilogue(f)
+    assert fast.fastmath and not ieee.fastmath and fast.key() != ieee.key() and fast.op_name != ieee.op_name
+    acc, d, t = torch.randn(5, 7, dtype=torch.float64), torch.rand(7, dtype=torch.float64) + 0.5, torch.randn(5, 7)
+    r_fast, r_ieee = fast.reference(acc, d=d, t=t.double()), ieee.reference(acc, d=d, t=t.double())
+    assert all(torch.equal(r_fast[k], r_ieee[k]) for k in r_ieee)
+    bwd = backward_epilogue(fast, ("out",), ("d", "t"))
+    assert bwd.fastmath and not backward_epilogue(ieee, ("out",), ("d", "t")).fastmath
+    assert tie_epilogue(fast, ("mx",)).fastmath and with_preact(fast).fastmath
+
+    @coda.epilogue(fastmath=True)
+    def rot(acc, c: coda.TileMN):
+        x, y = coda.pairs(acc)
+        return x / c - y, x + coda.sqrt(y * y + c)
+    rb = backward_epilogue(rot, ("out",), ())
+    assert rb.fastmath and pair_tile_grad_epilogue(rot, ("out",), ("c",)).fastmath
+
+    @coda.epilogue(fastmath=True)
+    def gate(acc, s: coda.VecM):
+        g, u = coda.pairs(acc)
+        return g * u / (s + coda.sqrt(g * g))
+    pre = on_preact(backward_epilogue(gate, ("out",), ("s",)), gate)
+    assert pre.fastmath and on_acc(pre, grad_name("out")).fastmath
+
+
 # ------------------------------------------------------------------------------------------------- errors
 def _raises(src, match):
     ns = {"coda": coda, "math": math, "torch": torch}
