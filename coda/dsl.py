@@ -598,8 +598,7 @@ class DslEpilogue(Epilogue):
             raise EpilogueError(f"epilogue {name!r}: a tuple of two outputs needs coda.pairs(acc)")
         # 1 -> 2 (Epilogue.expand): "out" and ODD_OUT of one accumulator element, stored at columns 2j, 2j + 1
         self.expand = bool(expand)
-        # fastmath: division and square root by the approximate instructions (``CuteOps``), in the key
-        self.fastmath = bool(fastmath)
+        self.fastmath = bool(fastmath)  # division and square root by the approximate instructions (CuteOps)
         if self.expand and (self.pair_mode or self.outputs or set(self.exprs) != {"out", ODD_OUT}):
             raise EpilogueError(f"epilogue {name!r}: a 1 -> 2 epilogue returns exactly two values of acc (no pairs)")
         self._key = ("coda.dsl", tuple((o.name, o.kind) for o in self.operands),
@@ -793,13 +792,9 @@ def _outputs(res, name):
 def epilogue(fn: Optional[Callable] = None, *, name: Optional[str] = None, fastmath: bool = False):
     """Decorator: ``@coda.epilogue`` over ``def f(acc, x: coda.VecN, ...)`` gives a fused-epilogue object for
     ``coda.gemm(a, b, epilogue=f, x=...)``, ``coda.reference.gemm`` and ``coda.ops.linear``.
-    ``fastmath=True``: division and square root as under nvcc's ``--use_fast_math`` -- ``div.approx.ftz.f32`` (a
-    times the reciprocal: 2 ulp for a divisor's magnitude in [2^-126, 2^126], 0 above it) and
-    ``sqrt.approx.ftz.f32``, subnormal inputs and results flushed to zero -- instead of the IEEE-rounded
-    instructions, whose range checks branch per element and serialize a thread's elements (the AdamW update in the
-    epilogue warps: ``epilogues/adamw.py``). exp, log and reciprocal square roots are the approximate
-    instructions either way. Division by zero, inf and NaN give what IEEE division and square root give. The
-    reference (``coda.reference``) is unchanged."""
+    ``fastmath=True``: division and square root as nvcc's ``--use_fast_math`` has them (``div.approx.ftz.f32``: 2 ulp,
+    0 for a divisor above 2^126; ``sqrt.approx.ftz.f32``; subnormals flushed; zero, inf and NaN as IEEE's), not the
+    IEEE-rounded instructions, whose range checks branch per element; the reference is unchanged."""
     if fn is None:
         return lambda f: trace(f, name, fastmath)
     return trace(fn, name, fastmath)
