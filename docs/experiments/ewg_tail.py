@@ -47,7 +47,8 @@ def radial(k):
     return dacc, w.t(), ops, rms_radial_residual, GemmConfig(epi_wg=True)
 
 
-PROBLEMS = {"gate/up dW + AdamW fold": lambda k: dw(2 * I, H, k, True), "down dW + AdamW": lambda k: dw(H, I, k, False),
+PROBLEMS = {"gate/up dW + AdamW fold": lambda k: dw(2 * I, H, k, True),
+            "down dW + AdamW": lambda k: dw(H, I, k, False),
             "gate/up fwd (SwiGLU)": swiglu, "MLP dX (radial)": radial}
 REAL_K = {"gate/up dW + AdamW fold": T, "down dW + AdamW": T, "gate/up fwd (SwiGLU)": H, "MLP dX (radial)": 2 * I}
 
