@@ -62,7 +62,7 @@ for name, make in PROBLEMS.items():
         out_cols = epi.out_cols(N) if hasattr(epi, "out_cols") else N
         t = do_bench(lambda: coda.gemm(a, b, epilogue=epi, config=cfg, **ops), warmup=10, rep=50)
         t0 = do_bench(lambda: coda.gemm(a, b, epilogue=IDENTITY, config=cfg), warmup=10, rep=50)
-        row.append(f"K {k}: {t:.4f} vs identity {t0:.4f}" + (f" (E {1e3 * t / waves:.1f} us / tile, identity "
-                                                            f"{1e3 * t0 / waves:.1f}, {waves} waves)" if k == 64 else ""))
+        e = f" (E {1e3 * t / waves:.1f} us / tile, identity {1e3 * t0 / waves:.1f}, {waves} waves)"
+        row.append(f"K {k}: {t:.4f} vs identity {t0:.4f}" + (e if k == 64 else ""))
         del a, b, ops
     print(f"{name}: " + "; ".join(row), flush=True)
