@@ -11,7 +11,10 @@ SHF 392, LDS 144, MUFU 256, FFMA 256, IADD 178, LOP 136, PRMT 129, FSEL 128); lo
 share) 2552 vs 1224 (+1328: MUFU 152, FMUL 154, FADD 264, FSEL 148, FMNMX 130); down fwd + residual + sum of squares
 3584 vs 2080 (+1504); QKV + RoPE (128 x 128 ping-pong) 2464 vs 1232 (+1232: FMUL 576, FFMA 320, MUFU 128); the
 epilogue-warp kernels (loop bodies, not per tile): gate/up fwd +1312, MLP dX +1592, gate/up dW + AdamW +1656, down
-dW + AdamW +1504, mostly IMAD (addressing) 399-567. All compile without spills."""
+dW + AdamW +1504, mostly IMAD (addressing) 399-567. All compile without spills.
+Session 38 (fastmath AdamW; BSSY / CALL / BRA added: per-element branches serialize a thread's elements, as the
+IEEE division and square root did): no CALL in any of them now; BSSY only in the epilogue-warp kernels' ragged-edge
+and tile-boundary code (gate/up fwd 45 vs 16 plain, MLP dX 59 vs 16, the AdamW dW kernels 37 vs 12)."""
 import functools
 
 import torch
@@ -37,7 +40,7 @@ PROBLEMS = [  # name, epilogue, shipped config (autotune/shipped/h100_sxm.json o
     ("down fwd + residual", residual_add_sumsq(torch.bfloat16), GemmConfig(sched="dynamic"), ("k", "k")),
     ("QKV + RoPE", rope_rmsnorm, GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=2, **PP), ("k", "k")),
 ]
-KEYS = ("MUFU", "FFMA", "FMUL", "FADD", "FSEL", "FSETP", "FMNMX", "F2F", "F2FP", "PRMT", "IMAD", "IADD", "LOP", "ISETP",
+KEYS = ("BSSY", "CALL", "BRA", "MUFU", "FFMA", "FMUL", "FADD", "FSEL", "FSETP", "FMNMX", "F2F", "F2FP", "PRMT", "IMAD", "IADD", "LOP", "ISETP",
         "SHF", "LDS", "STS", "LDG", "STG", "LDSM", "STSM", "SHFL", "BAR", "HGMMA")
 
 
