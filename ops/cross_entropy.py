@@ -365,14 +365,18 @@ def _op(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction:
 def _op_fast_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, softcap, rows, check, need_x,
                   need_w, defer):
     # (defer is passed only by eager calls, which do not trace this)
-    return (x.new_empty((), dtype=torch.float32), x.new_empty(x.shape) if need_x else x.new_empty((0,)),
+    return (x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=torch.float32),
+            x.new_empty(x.shape) if need_x else x.new_empty((0,)),
             weight.new_empty(weight.shape) if need_w else weight.new_empty((0,)), x.new_empty((0,)))
 
 
 def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """t *= g (g a 0-dim fp32 tensor): on a Hopper GPU as CODA's K = 0 pass (epilogue ``scale_by``, ``out=t``; fp32
     math, vectorised), since torch's ``t.mul_(g)`` (also ``_foreach_mul_``, which falls back to it for a scalar
-    tensor of another dtype) runs TensorIterator's casting loop there; elsewhere ``t.mul_(g)``."""
+    tensor of another dtype) runs TensorIterator's casting loop there; elsewhere ``t.mul_(g)``. A vector g
+    (``reduction="none"``: one value per row of t) scales the rows."""
+    if g.dim():
+        return t.mul_(g.unsqueeze(1))
     if t.is_cuda and t.dim() == 2 and t.dtype in IN_DTYPES and t.is_contiguous() and t.shape[1] % 8 == 0:
         return epilogue_pass(gemm_for(t.device, "coda.ops.linear_cross_entropy"), t, t.shape[0], t.shape[1],
                              epilogue=scale_by, out=t, t=t, s=g)
@@ -404,16 +408,23 @@ def _backward_fast(ctx, grad_loss, *_):
     g = grad_loss.to(torch.float32)
     need_x, need_w = ctx.coda_extra
     eager = getattr(ctx, "coda_eager", False)
-    if eager and need_w and _update_in_backward(weight, dw, g, dz, x):
+    gw = g
+    if g.dim() and need_w:  # reduction="none": dW = dz^T diag(g) x on the kept dz, x's rows scaled first (no rows:
+        gw = torch.ones((), dtype=torch.float32, device=g.device)  # dz empty, dW zero)
+        if dz.numel():
+            x = (x.float() * g.unsqueeze(1)).to(x.dtype)
+    if eager and need_w and _update_in_backward(weight, dw, gw, dz, x):
         need_w, dw = False, None  # coda.optim updated the weight: no gradient
     elif need_w and dz.numel():
         dw = backward_gemm(dz.t(), x.t(), ENTRY)  # the deferred dW, not updated in its GEMM
+    scale = [g, gw]
     if eager:
         # a second backward through this graph (retain_graph=True) then fails autograd's version check of the
         # saved tensors (tests/test_cross_entropy.py): an error, never g1 * g2 * grad; mode="lean" allows it
-        grads = [_scale_in_place(t, g) if need else None for t, need in zip((dx, dw), (need_x, need_w))]
+        grads = [_scale_in_place(t, s) if need else None for t, s, need in zip((dx, dw), scale, (need_x, need_w))]
     else:
-        grads = [(t * g).to(t.dtype) if need else None for t, need in zip((dx, dw), (need_x, need_w))]
+        grads = [(t * (s.unsqueeze(1) if s.dim() else s)).to(t.dtype) if need else None
+                 for t, s, need in zip((dx, dw), scale, (need_x, need_w))]
     return (*grads, *[None] * 11)
 
 
@@ -451,7 +462,7 @@ def _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget, width
     ``defer`` (coda.optim updates the weight in the backward): all rows in one chunk when that fits
     ``DEFER_BUDGET`` (the default budget only)."""
     mode = os.environ.get("CODA_CE_MODE", mode) if mode == "auto" else mode  # the global override
-    if mode == "lean" or reduction == "none":
+    if mode == "lean" or (reduction == "none" and width is not None):
         return None
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return None
@@ -460,6 +471,11 @@ def _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget, width
         return None
     budget = MEMORY_BUDGET if memory_budget is None else memory_budget
     M = x.numel() // max(1, x.shape[-1])
+    if reduction == "none" and weight.requires_grad:
+        # dW = dz^T diag(g) x needs the upstream vector g: the whole dz is kept for the backward (``defer``: eager
+        # calls), all rows one chunk within the budget (DEFER_BUDGET by default), no V % 8 tail; else lean
+        whole = plan_rows(M, V, x.element_size(), DEFER_BUDGET if memory_budget is None else memory_budget)
+        return whole if defer and V % ALIGN == 0 and whole is not None and whole >= M else None
     if defer and memory_budget is None:
         whole = plan_rows(M, V, x.element_size(), DEFER_BUDGET)
         if whole is not None and whole >= M:  # every row in one chunk
@@ -486,8 +502,10 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
     ``mode``: "fast" forms the gradients during the forward at the cost of three GEMMs through a logits chunk
     buffer of at most ``memory_budget`` bytes (default ``MEMORY_BUDGET`` = 1 GB, env ``CODA_CE_MEMORY_BUDGET``;
     ``ops/cross_entropy_fast.py``); "lean" stores no logits at all (four GEMMs: the backward recomputes them);
-    "auto" (default) is "fast" when gradients are needed, the reduction is "mean" or "sum" and at least
-    ``MIN_ROWS`` rows of logits fit the budget, else "lean". When ``coda.optim.AdamW`` updates ``weight`` in the
+    "auto" (default) is "fast" when gradients are needed and at least ``MIN_ROWS`` rows of logits fit the budget
+    (``reduction="none"`` with a weight gradient: in eager calls, when the whole M x V logits gradient fits
+    ``DEFER_BUDGET`` or ``memory_budget``, kept for the backward, which needs the upstream vector to form dW), else
+    "lean". When ``coda.optim.AdamW`` updates ``weight`` in the
     backward (eager), the fast mode keeps the whole M x V logits gradient until the backward if it fits
     ``DEFER_BUDGET`` (4 GB, env ``CODA_CE_DEFER_BUDGET``; 0: never; an explicit ``memory_budget`` bounds it instead)
     and runs dW's GEMM there with the update in its epilogue: memory for time (H100, session 34: the LM head's dW and
@@ -502,13 +520,15 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
         raise ValueError(f"linear_cross_entropy: memory_budget must be a positive int (bytes), got {memory_budget!r}")
     H = x.shape[-1]
     # coda.optim's update in dW's GEMM, run by the backward over all rows (ops/cross_entropy_fast.py)
-    defer = weight.requires_grad and DEFER_BUDGET > 0 and eager_call() and updates_in_backward(weight)
+    # (reduction="none": dW's GEMM waits for the upstream vector in the backward, whichever optimizer)
+    defer = weight.requires_grad and eager_call() and (
+        reduction == "none" or DEFER_BUDGET > 0 and updates_in_backward(weight))
     rows = _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget, defer=defer)
     if rows is not None:
         need_x, need_w = x.requires_grad, weight.requires_grad
         loss, *_ = call("linear_cross_entropy_fast", x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
                         reduction, float(label_smoothing), float(z_loss), softcap, rows, check, need_x, need_w, defer)
-        return loss
+        return loss.reshape(target.shape) if reduction == "none" else loss
     loss, _ = call("linear_cross_entropy", x.reshape(-1, H), weight, target.reshape(-1), ignore_index, reduction,
                    float(label_smoothing), float(z_loss), softcap, chunk_size, check)
     return loss.reshape(target.shape) if reduction == "none" else loss

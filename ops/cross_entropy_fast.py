@@ -25,8 +25,12 @@ the same pass, plus the logits' float32 upcast), against the lean mode's four GE
 (``rows x V x 2`` bytes, at most the budget: 1 GB by default, see ``cross_entropy.MEMORY_BUDGET``), and dx, dW from
 the forward on (they are the gradients: the backward scales them by g in place in eager mode, out of place under
 torch.compile).
-Not taken (the lean mode runs instead): ``reduction="none"`` (the upstream gradient is a vector: dW = dz^T diag(g) x
-needs g before GEMM 3), no gradient needed, or a budget too small for ``MIN_ROWS`` rows.
+``reduction="none"``: the upstream gradient g is a vector, one value per row: dX's rows are scaled by it in the
+backward, and dW = dz^T diag(g) x needs it before GEMM 4, so where the weight needs a gradient the whole dz is kept
+(``defer``; eager calls, all rows one chunk within ``DEFER_BUDGET`` or ``memory_budget``, V % 8 == 0) and the
+backward runs GEMM 4 on x's rows scaled by g (rounded to x's dtype, as torch rounds its scaled logits gradient).
+Not taken (the lean mode runs instead): no gradient needed, a budget too small for ``MIN_ROWS`` rows, or
+``reduction="none"`` with a weight gradient where dz cannot be kept (under torch.compile, or too large).
 The last V % 8 vocabulary columns (V not a multiple of 8) come from an fp32 GEMM against zero-padded weight rows, as
 in the lean mode, with their gradient formed by torch ops.
 """
@@ -93,7 +97,8 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
     if reduction == "mean":
         scale = scale / n_valid.clamp_min(1).to(torch.float32)
     buf = x.new_empty((rows * v8,))
-    defer = defer and need_w and rows >= M > 0 and v8 == V and kernel_aligned(buf[:M * v8].view(M, v8).t(), x.t())
+    defer = defer and need_w and rows >= M > 0 and v8 == V and (  # ("none": always; its dW needs dz)
+        reduction == "none" or kernel_aligned(buf[:M * v8].view(M, v8).t(), x.t()))
     dx = x.new_empty((M, H)) if need_x else None
     dw = torch.empty((V, H), dtype=weight.dtype, device=weight.device) if need_w and not defer else None
     lse = torch.empty((M,), dtype=torch.float32, device=x.device)

@@ -14,6 +14,7 @@ from coda.dsl import ACC, COL, operand_symbol
 from coda.epilogues import cross_entropy as ce
 from coda.ops import cross_entropy as ce_op
 from cross_entropy_ref import rel, run, torch_loss
+from test_fuse_families import fp32_ops  # noqa: F401 (fixture)
 
 lce = coda.ops.linear_cross_entropy
 
@@ -423,8 +424,9 @@ def test_fast_mode_matches_torch_2x_rule(M, V, H, reduction, smooth, zl, rows):
 
 
 def test_fast_mode_is_taken_and_counts_three_gemms(monkeypatch):
-    """auto: the fast op with gradients (three GEMMs: logits, dX, dW), the lean op otherwise (no gradient,
-    reduction='none', a budget below MIN_ROWS rows, CODA_CE_MODE=lean)."""
+    """auto: the fast op with gradients (three GEMMs: logits, dX, dW; reduction='none' when the whole dz fits the
+    budget), the lean op otherwise (no gradient, reduction='none' whose dz does not fit, a budget below MIN_ROWS
+    rows, CODA_CE_MODE=lean)."""
     calls = []
     real = ce_op.call
 
@@ -436,8 +438,11 @@ def test_fast_mode_is_taken_and_counts_three_gemms(monkeypatch):
     xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
     lce(xs, ws, t).backward()
     assert calls == ["linear_cross_entropy_fast"]
-    for kw, ctx in ((dict(reduction="none"), None), (dict(memory_budget=8 * 200 * 2), None), ({}, "lean"),
-                    (dict(mode="lean"), None)):
+    calls.clear()
+    lce(xs, ws, t, reduction="none").sum().backward()  # the whole dz kept for the backward (fits the budget)
+    assert calls == ["linear_cross_entropy_fast"]
+    for kw, ctx in ((dict(reduction="none", memory_budget=64 * 200 * 2 - 1), None),
+                    (dict(memory_budget=8 * 200 * 2), None), ({}, "lean"), (dict(mode="lean"), None)):
         calls.clear()
         if ctx:
             monkeypatch.setenv("CODA_CE_MODE", ctx)
@@ -452,6 +457,67 @@ def test_fast_mode_is_taken_and_counts_three_gemms(monkeypatch):
     calls.clear()
     lce(x, ws, t, memory_budget=8 * 200 * 2, mode="fast").backward()  # "fast" forces chunks below MIN_ROWS
     assert calls == ["linear_cross_entropy_fast"] and x.grad is None and ws.grad is not None
+
+
+@pytest.mark.parametrize("M,V,H", [(24, 96, 16), (37, 200, 24), (64, 40, 16)])
+@pytest.mark.parametrize("smooth,zl,cap", [(0.0, 0.0, None), (0.1, 1e-2, None), (0.0, 1e-3, 4.0)])
+@pytest.mark.parametrize("need", ["both", "x", "w"])
+def test_fast_mode_reduction_none_matches_torch_2x_rule(M, V, H, smooth, zl, cap, need):
+    """reduction='none' in the fast mode (issue 28: every option in both modes): the upstream gradient is a vector,
+    so dX's rows are scaled in the backward and dW = dz^T diag(g) x runs there on the kept dz (or, x alone needing
+    a gradient, the usual chunks: 8 rows here). Loss, dX, dW vs float64 within 2x torch bf16's error; an ignored
+    row (t = -100) included."""
+    calls = []
+    real = ce_op.call
+
+    def spy(name, *a, **k):
+        calls.append(name)
+        return real(name, *a, **k)
+    x, w, t = _problem(M, V, H, ignored=(1, 5))
+    g = torch.Generator().manual_seed(M + V)
+    up = torch.randn(M, generator=g, dtype=torch.float64)
+    kw = dict(reduction="none", label_smoothing=smooth, z_loss=zl, softcap=cap)
+
+    def ours(xs, ws, t, **kw):
+        return lce(xs, ws, t, mode="fast", memory_budget=None if need != "x" else 8 * (V // 8 * 8) * 2, **kw)
+
+    def grads(fn, x, w, **kw):
+        xs, ws = x.detach().clone().requires_grad_(need != "w"), w.detach().clone().requires_grad_(need != "x")
+        loss = fn(xs, ws, t, **kw)
+        (loss.double() * up).sum().backward()
+        return loss.detach(), xs.grad, ws.grad
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ce_op, "call", spy)
+        mine = grads(ours, x, w, **kw)
+    assert calls == ["linear_cross_entropy_fast"]
+    want = grads(torch_loss, x.double(), w.double(), **kw)
+    theirs = grads(torch_loss, x, w, **kw)
+    for name, a, b, c in zip(("loss", "dx", "dw"), mine, want, theirs):
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.shape == b.shape, name
+        assert rel(a, b) <= 2 * rel(c, b) + 1e-4, (name, rel(a, b), rel(c, b))
+
+
+def test_fast_mode_reduction_none_with_the_update_in_backward(fp32_ops):
+    """reduction='none' under coda.optim.AdamW: the kept dz's dW GEMM carries the update (x's rows scaled by the
+    upstream vector): after two steps the weight equals torch.optim.AdamW's on the gradient of the same loss
+    (float32 ops, as tests/test_optim.py)."""
+    import coda.optim
+    x, w, t = _problem(48, 96, 16, dtype=torch.float32)
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    wa, wb = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    opt_a, opt_b = coda.optim.AdamW([wa], **kw), torch.optim.AdamW([wb], **kw)
+    for step in range(2):
+        up = torch.randn(48, generator=torch.Generator().manual_seed(step))
+        for ws, opt in ((wa, opt_a), (wb, opt_b)):
+            (lce(x, ws, t, reduction="none") * up).sum().backward()
+            if ws is wa:
+                assert wa.grad is None and not torch.equal(wa, w)  # updated in the backward, no gradient
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    torch.testing.assert_close(wa.detach(), wb.detach(), rtol=2e-5, atol=2e-6)
 
 
 def test_fast_mode_plan_rows():
