@@ -373,10 +373,10 @@ def _op_fast_fake(x, weight, target, ignore_index, reduction, label_smoothing, z
 def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """t *= g (g a 0-dim fp32 tensor): on a Hopper GPU as CODA's K = 0 pass (epilogue ``scale_by``, ``out=t``; fp32
     math, vectorised), since torch's ``t.mul_(g)`` (also ``_foreach_mul_``, which falls back to it for a scalar
-    tensor of another dtype) runs TensorIterator's casting loop there; elsewhere ``t.mul_(g)``. A vector g
-    (``reduction="none"``: one value per row of t) scales the rows."""
+    tensor of another dtype) runs TensorIterator's casting loop there; elsewhere ``t.mul_(g)``. A column g
+    (``reduction="none"``: one value per row of t, shape (rows, 1)) scales the rows."""
     if g.dim():
-        return t.mul_(g.unsqueeze(1))
+        return t.mul_(g)
     if t.is_cuda and t.dim() == 2 and t.dtype in IN_DTYPES and t.is_contiguous() and t.shape[1] % 8 == 0:
         return epilogue_pass(gemm_for(t.device, "coda.ops.linear_cross_entropy"), t, t.shape[0], t.shape[1],
                              epilogue=scale_by, out=t, t=t, s=g)
@@ -408,23 +408,23 @@ def _backward_fast(ctx, grad_loss, *_):
     g = grad_loss.to(torch.float32)
     need_x, need_w = ctx.coda_extra
     eager = getattr(ctx, "coda_eager", False)
-    gw = g
-    if g.dim() and need_w:  # reduction="none": dW = dz^T diag(g) x on the kept dz, x's rows scaled first (no rows:
-        gw = torch.ones((), dtype=torch.float32, device=g.device)  # dz empty, dW zero)
-        if dz.numel():
-            x = (x.float() * g.unsqueeze(1)).to(x.dtype)
+    gx = gw = g
+    if g.dim():  # reduction="none": dX's rows scaled by g; dW = dz^T diag(g) x on the kept dz, x's rows scaled
+        gx = g.unsqueeze(1)  # first (no rows: dz empty, dW zero)
+        gw = torch.ones((), dtype=torch.float32, device=g.device)
+        if need_w and dz.numel():
+            x = (x.float() * gx).to(x.dtype)
     if eager and need_w and _update_in_backward(weight, dw, gw, dz, x):
         need_w, dw = False, None  # coda.optim updated the weight: no gradient
     elif need_w and dz.numel():
         dw = backward_gemm(dz.t(), x.t(), ENTRY)  # the deferred dW, not updated in its GEMM
-    scale = [g, gw]
+    scaled = zip((dx, dw), (gx, gw), (need_x, need_w))
     if eager:
         # a second backward through this graph (retain_graph=True) then fails autograd's version check of the
         # saved tensors (tests/test_cross_entropy.py): an error, never g1 * g2 * grad; mode="lean" allows it
-        grads = [_scale_in_place(t, s) if need else None for t, s, need in zip((dx, dw), scale, (need_x, need_w))]
+        grads = [_scale_in_place(t, s) if need else None for t, s, need in scaled]
     else:
-        grads = [(t * (s.unsqueeze(1) if s.dim() else s)).to(t.dtype) if need else None
-                 for t, s, need in zip((dx, dw), scale, (need_x, need_w))]
+        grads = [(t * s).to(t.dtype) if need else None for t, s, need in scaled]
     return (*grads, *[None] * 11)
 
 
@@ -471,15 +471,13 @@ def _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget, width
         return None
     budget = MEMORY_BUDGET if memory_budget is None else memory_budget
     M = x.numel() // max(1, x.shape[-1])
-    if reduction == "none" and weight.requires_grad:
-        # dW = dz^T diag(g) x needs the upstream vector g: the whole dz is kept for the backward (``defer``: eager
-        # calls), all rows one chunk within the budget (DEFER_BUDGET by default), no V % 8 tail; else lean
+    none_w = reduction == "none" and weight.requires_grad  # dW = dz^T diag(g) x needs g: the whole dz kept
+    if defer and (memory_budget is None or none_w):
         whole = plan_rows(M, V, x.element_size(), DEFER_BUDGET if memory_budget is None else memory_budget)
-        return whole if defer and V % ALIGN == 0 and whole is not None and whole >= M else None
-    if defer and memory_budget is None:
-        whole = plan_rows(M, V, x.element_size(), DEFER_BUDGET)
-        if whole is not None and whole >= M:  # every row in one chunk
+        if whole is not None and whole >= M and not (none_w and V % ALIGN):  # every row in one chunk
             return whole
+    if none_w:  # dz cannot be kept (under torch.compile, too large, a V % 8 tail): the lean mode
+        return None
     return plan_rows(M, V, x.element_size(), budget, force=mode == "fast")
 
 
