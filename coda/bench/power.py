@@ -1,8 +1,8 @@
 """The GPU's power draw and SM clock while a benchmark runs, sampled by ``nvidia-smi`` in a background thread.
 
-On the H100 the llama-1b training step runs at the board's 700 W cap (session 33: the SM clock falls from 1980 to
-1410-1680 MHz), so a step's time is its energy over the cap: a kernel made faster without doing less work does not
-shorten the step (session 37). The step report (``coda.bench.step``) prints each mode's mean power, SM clock and
+On the H100 the llama-1b training step's GEMM phases run at the board's 700 W cap (session 33: the SM clock falls
+from 1980 to 1410-1680 MHz; session 38: the step's mean is 580-600 W), so a kernel made faster without doing less
+work may not shorten the step (session 37). The step report (``coda.bench.step``) prints each mode's mean power, SM clock and
 energy per step from these samples. Where ``nvidia-smi`` is missing or fails, no samples are taken (``window``
 returns None)."""
 from __future__ import annotations
