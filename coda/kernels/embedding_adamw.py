@@ -137,8 +137,10 @@ def _kernel_class():
 
         @cute.jit
         def _update(self, g: cute.Tensor, pf: cute.Tensor, mf: cute.Tensor, vf: cute.Tensor, h: list):
-            """The AdamW step of 8 elements (``epilogues.adamw.update``'s arithmetic), in place on pf, mf, vf."""
-            B = CuteOps()
+            """The AdamW step of 8 elements (``epilogues.adamw.update``'s arithmetic and, as there, fast division and
+            square root: ``div.approx.ftz`` / ``sqrt.approx.ftz``, no per-element slow-path branch), in place on
+            pf, mf, vf."""
+            B = CuteOps(fastmath=True)
             b1, b1c, b2, b2c, c2, eps, step_size, decay = h
             gg = g.load()
             p = pf.load().to(Float32)
@@ -150,7 +152,7 @@ def _kernel_class():
             for i in cutlass.range_constexpr(VEC):
                 m2 = b1 * m[i] + b1c * gg[i]
                 v2 = b2 * v[i] + b2c * gg[i] * gg[i]
-                po[i] = p[i] * decay - step_size * m2 / (B.sqrt(v2) * c2 + eps)
+                po[i] = p[i] * decay - B.div(step_size * m2, B.sqrt(v2) * c2 + eps)
                 mo[i] = m2
                 vo[i] = v2
             pf.store(po.load().to(self.dtype))
