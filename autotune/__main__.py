@@ -98,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sm-count", type=int, default=None, help="--ship-from tuner-table rows: the GPU's SMs")
     ap.add_argument("--cutlass-dsl", default=None, help="--ship-from tuner-table rows: the cutlass-dsl version")
     ap.add_argument("--note", default="", help="--ship-from: a provenance note")
+    ap.add_argument("--drop", action="append", default=[], metavar="KEY=WHY",
+                    help="--ship-from: an entry key not to ship, and why (repeat; kept in the provenance)")
     args = ap.parse_args(argv)
     if not (args.gemm or args.clear or args.space or args.model or args.show or args.ship_from):
         ap.error("nothing to do: give --model PRESET, --gemm M,N,K, --show, --ship-from, --clear or --space")
@@ -189,9 +191,13 @@ def ship_files(args) -> int:
                   file=sys.stderr)
             return 2
         gpu = (args.gpu, args.sm_count, "sm_90a", args.cutlass_dsl)
+    if any("=" not in d for d in args.drop):
+        print("coda.autotune: --drop takes KEY=WHY", file=sys.stderr)
+        return 2
     try:
         written = ship.ship_from(args.ship_from, gpu, args.ship_dir, dtype_name(args.dtype),
-                                 dtype_name(args.out_dtype) if args.out_dtype else None, args.note)
+                                 dtype_name(args.out_dtype) if args.out_dtype else None, args.note,
+                                 drop=dict(d.split("=", 1) for d in args.drop))
     except (OSError, ValueError) as e:
         print(f"coda.autotune: {e}", file=sys.stderr)
         return 2

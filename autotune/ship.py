@@ -231,12 +231,15 @@ def file_name(gpu_name: str) -> str:
 
 def ship_from(paths: list, gpu: Optional[tuple] = None, out_dir: Optional[pathlib.Path] = None,
               in_dtype: str = "bfloat16", out_dtype: Optional[str] = None, note: str = "",
-              merge: bool = True) -> list:
+              merge: bool = True, drop: Optional[dict] = None) -> list:
     """Convert tuning results into shipped files: tuner-table rows (a JSON list; ``gpu`` = (name, sm_count, arch,
     cutlass-dsl version) must be given, the rows do not record it) and tuning stores (``{"schema", "entries"}``;
-    the GPU comes from each key). Merges into an existing file of the same GPU (``merge``). Returns the paths
-    written."""
+    the GPU comes from each key). Merges into an existing file of the same GPU (``merge``). ``drop``: {entry key:
+    why} -- measured entries not to ship (e.g. a config that spills), recorded in the provenance's ``skipped``
+    with ``"dropped": true``; a merge keeps the existing file's drops, so that converting a file's sources again
+    with its recorded drops gives the same file. Returns the paths written."""
     out_dir = pathlib.Path(out_dir or SHIPPED_DIR)
+    drop = dict(drop or {})
     groups: dict = {}  # gpu -> (entries, sources, skipped)
     for p in map(pathlib.Path, paths):
         data = json.loads(p.read_text())
@@ -273,6 +276,10 @@ def ship_from(paths: list, gpu: Optional[tuple] = None, out_dir: Optional[pathli
                     + sources
                 kept = old["provenance"].get("skipped", []) + skipped
                 skipped = [json.loads(x) for x in dict.fromkeys(json.dumps(y, sort_keys=True) for y in kept)]
+        drops = {**{x["key"]: x["why"] for x in skipped if x.get("dropped")}, **drop}
+        entries = {k: v for k, v in entries.items() if k not in drops}
+        skipped = [x for x in skipped if not x.get("dropped")] + [{"key": k, "why": w, "dropped": True}
+                                                                  for k, w in drops.items()]
         doc = build_doc(g, entries, sources, skipped, note)
         problems = doc_problems(doc)
         if problems:

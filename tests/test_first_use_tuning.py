@@ -190,9 +190,11 @@ def test_shipped_h100_file_schema_and_provenance():
     store32 = "docs/tune_h100/llama1b_s32.json"  # session 32: the O projection's norm link, the QKV dX unfolded
     store34 = "docs/tune_h100/llama1b_s34.json"  # session 34: the O projection and QKV forwards, quick level
     store37 = "docs/tune_h100/llama1b_lmhead_dx_s37.json"  # session 37: the one-chunk LM head dX (coda.optim)
-    stores = (store, store25, store28, store30, store31, store32, store34, store37)
+    store39 = "docs/tune_h100/llama8b4l_near_s39.json"  # session 39: the llama-8b-4l step's problems, near level
+    stores = (store, store25, store28, store30, store31, store32, store34, store37, store39)
     dates = {store: "2026-11-26", store25: "2026-11-26", store28: "2026-11-27", store30: "2026-11-27",
-             store31: "2026-11-27", store32: "2026-11-27", store34: "2026-11-27", store37: "2026-11-28"}
+             store31: "2026-11-27", store32: "2026-11-27", store34: "2026-11-27", store37: "2026-11-28",
+             store39: "2026-11-28"}
     assert files == {"docs/tune_h100/tuned_gemm.json", "docs/tune_h100/tuned_fused.json", *stores}
     rows = {}
     for s in prov["sources"]:
@@ -217,8 +219,9 @@ def test_shipped_h100_file_schema_and_provenance():
         assert ship.resolve_ref(e["epilogue"]["ref"]).name == row["epilogue"]
     # session 30's five: four replace near-level entries, one is the CE logits epilogue's new id; session 31's one
     # is a new epilogue id, session 32's two as well; session 34's two replace a session 21 and a session 32 entry;
-    # session 37's one is a new problem
-    assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == 15 + 4 + 1 + 1 + 2 + 1
+    # session 37's one is a new problem; session 39's nine are new problems (the llama-8b-4l step's; its logits
+    # entry, 128 x 192 ping-pong, is dropped: it spills)
+    assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == 15 + 4 + 1 + 1 + 2 + 1 + 9
     assert 'shipped/*.json' in (ROOT / "pyproject.toml").read_text()
 
 
@@ -240,15 +243,25 @@ def test_shipped_h200_file_is_the_converted_tuning_store(tmp_path):
 
 
 def test_the_converter_makes_the_shipped_file(tmp_path):
-    """The shipped file is the converter's output for its sources (not edited by hand)."""
+    """The shipped file is the converter's output for its sources and its recorded drops (not edited by hand)."""
     doc = json.loads(SHIPPED.read_text())
     srcs = [str(ROOT / s["file"]) for s in doc["provenance"]["sources"]]
+    drops = [x for x in doc["provenance"]["skipped"] if x.get("dropped")]
+    assert drops and all(x["why"] for x in drops)  # session 39: a spilling logits config, measured, not shipped
     rc = cli_main([*sum((["--ship-from", s] for s in srcs), []), "--gpu", doc["gpu"]["name"], "--sm-count", "132",
-                   "--cutlass-dsl", doc["cutlass_dsl"], "--ship-dir", str(tmp_path), "--note", "x"])
+                   "--cutlass-dsl", doc["cutlass_dsl"], "--ship-dir", str(tmp_path), "--note", "x",
+                   *sum((["--drop", f"{x['key']}={x['why']}"] for x in drops), [])])
     assert rc == 0
     new = json.loads((tmp_path / "h100_sxm.json").read_text())
     assert new["entries"] == doc["entries"]
     assert new["provenance"]["sources"] == doc["provenance"]["sources"]
+    assert [x for x in new["provenance"]["skipped"] if x.get("dropped")] == drops
+    assert not set(new["entries"]) & {x["key"] for x in drops}
+    # a merge into the file keeps its drops: converting one source again does not bring a dropped entry back
+    rc = cli_main(["--ship-from", str(ROOT / "docs/tune_h100/llama8b4l_near_s39.json"), "--ship-dir", str(tmp_path)])
+    again = json.loads((tmp_path / "h100_sxm.json").read_text())
+    assert rc == 0 and again["entries"] == doc["entries"]
+    assert cli_main(["--ship-from", srcs[-1], "--ship-dir", str(tmp_path), "--drop", "no-reason"]) == 2
     assert cli_main(["--ship-from", srcs[0], "--ship-dir", str(tmp_path)]) == 2  # rows need --gpu ...
 
 

@@ -188,11 +188,11 @@ def segments(ids: torch.Tensor, V: int, padding_idx=None) -> tuple:
     """(perm, start): the tokens in the order of their ids (int32) and, for each row v, ``start[v] .. start[v+1]``
     its tokens in that order (V + 1 int32 offsets); tokens of ``padding_idx`` belong to no row. Fixed shapes, no
     host sync."""
-    ids = ids.long()
+    ids = ids.int()  # 32-bit keys: half the radix sort's passes of int64 (V < 2**31)
     if padding_idx is not None:
         ids = torch.where(ids == padding_idx, V, ids)  # past every row's segment
     key, perm = torch.sort(ids)
-    start = torch.searchsorted(key, torch.arange(V + 1, device=ids.device), out_int32=True)
+    start = torch.searchsorted(key, torch.arange(V + 1, device=ids.device, dtype=torch.int32), out_int32=True)
     return perm.int(), start
 
 
