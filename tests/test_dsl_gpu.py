@@ -109,6 +109,39 @@ def test_fastmath_division_and_sqrt(cfg):
         assert rel(g[fin], ref[k].double()[fin]) < 1e-2, k
 
 
+@coda.epilogue(fastmath=True)
+def fast_ratio(acc, d: coda.VecN, s: coda.TileMN):
+    return acc / d + coda.sqrt(s * s + acc * acc)
+
+
+def test_fastmath_derived_backward():
+    """The backward programs ``coda.autodiff`` derives from a fastmath epilogue are fastmath too (session 38's
+    5bd3996): ``coda.ops.linear`` forward and backward on a ragged shape, the gradients of x, w and the VecN / TileMN
+    operands within the 2x rule vs float64."""
+    M, N, K = 333, 264, 200
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.1).requires_grad_()
+    d = (torch.rand(N, device=DEV) + 0.5).requires_grad_()
+    s = torch.randn(M, N, device=DEV, requires_grad=True)
+    leaves = [x, w, d, s]
+    out = coda.ops.linear(x, w, epilogue=fast_ratio, d=d, s=s)
+    up = torch.randn(M, N, device=DEV, dtype=torch.float64)
+    ours = torch.autograd.grad((out.double() * up).sum(), leaves)
+
+    def torch_model(dt):
+        x_, w_, d_, s_ = [t.detach().to(dt).requires_grad_() for t in leaves]
+        acc = x_ @ w_.T
+        acc = acc.to(torch.float64) if dt == torch.float64 else acc.float()
+        y = acc / d_ + torch.sqrt(s_ * s_ + acc * acc)
+        return torch.autograd.grad((y.double() * up).sum(), (x_, w_, d_, s_))
+
+    ref, theirs = torch_model(torch.float64), torch_model(torch.bfloat16)
+    for name, o, r_, t in zip("x w d s".split(), ours, ref, theirs):
+        assert torch.isfinite(o).all(), name
+        e_o, e_t = rel(o, r_), rel(t, r_)
+        assert e_o <= 2 * e_t + 1e-3, (name, e_o, e_t)
+
+
 def reduction_operands(epi, fwd_ops: dict):
     """The operands that the backward of ``epi``'s max / logsumexp reductions reads, as a function of the float64
     accumulator (``_check_fused``'s callable operands), formed as ``coda.ops.linear`` forms them (ops/linear.py):
