@@ -104,3 +104,17 @@ def reference(steps, D=16):
             adamw_inplace(w, m, v, g)
         ws.append(w.detach().clone())
     return ws, m, v
+
+
+class Fused(torch.nn.Module):
+    """Two ops on row slices of one fused Parameter [Wa; Wb] (e.g. fused QKV), their moments sliced alike."""
+    def __init__(self, op, D=16):
+        super().__init__(); torch.manual_seed(0)
+        self.op = op
+        self.W = torch.nn.Parameter(torch.randn(2*D, D)*0.1)
+        self.m = torch.zeros(2*D, D); self.v = torch.zeros(2*D, D); self.D = D
+    def forward(self, x):
+        D = self.D
+        a = self.op(x, self.W[:D], self.m[:D], self.v[:D])
+        b = self.op(x, self.W[D:], self.m[D:], self.v[D:])
+        return (torch.tanh(a) * b).sum()
