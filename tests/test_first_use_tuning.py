@@ -220,8 +220,9 @@ def test_shipped_h100_file_schema_and_provenance():
     # session 30's five: four replace near-level entries, one is the CE logits epilogue's new id; session 31's one
     # is a new epilogue id, session 32's two as well; session 34's two replace a session 21 and a session 32 entry;
     # session 37's one is a new problem; session 39's nine are new problems (the llama-8b-4l step's; its logits
-    # entry, 128 x 192 ping-pong, is dropped: it spills)
-    assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == 15 + 4 + 1 + 1 + 2 + 1 + 9
+    # entry, 128 x 192 ping-pong, is dropped: it spills), and two of session 21's are dropped as stale (their
+    # epilogue ids match no epilogue of this version)
+    assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == 13 + 4 + 1 + 1 + 2 + 1 + 9
     assert 'shipped/*.json' in (ROOT / "pyproject.toml").read_text()
 
 
@@ -289,23 +290,59 @@ def test_config_names_round_trip():
         ship.config_from_name("128x256_bogus")
 
 
-def test_every_shipped_entry_compiles_for_sm90a(monkeypatch):
-    """~13 s for the 8 H100 entries on a CPU machine (not marked slow: under a minute)."""
+def _library_epilogues_by_id() -> dict:
+    """{epilogue id: epilogue} of what the library's ops build: the module-level epilogues of coda.ops and
+    coda.epilogues, and the generated ones the fused ops make (the sum-of-squares residual adds, the fast CE's
+    logits epilogues, the SwiGLU forward with its pre-activation and its backward on da)."""
+    import importlib
+    import pkgutil
+
+    import coda.epilogues
+    import coda.ops
+    from coda.autodiff import with_preact
+    from coda.dsl import DslEpilogue
+    from coda.epilogues.cross_entropy import ce_forward_logits
+    mlp = importlib.import_module("coda.ops.mlp")
+    found = []
+    for pkg in (coda.ops, coda.epilogues):
+        for m in pkgutil.iter_modules(pkg.__path__):
+            found += [v for v in vars(importlib.import_module(f"{pkg.__name__}.{m.name}")).values()
+                      if isinstance(v, DslEpilogue)]
+    for dt in (torch.bfloat16, torch.float16):
+        for flag in (False, True):
+            found += [mlp.residual_add_sumsq(dt, flag), *(ce_forward_logits(dt, flag, cap) for cap in (False, True))]
+    found += [with_preact(mlp.rms_swiglu), *(mlp.dacc_on_da((("out",), r, False)) for r in ((), ("r",)))]
+    return {ship.epilogue_id(e): e for e in found}
+
+
+@pytest.mark.slow
+def test_every_shipped_entry_compiles_clean_for_sm90a(monkeypatch):
+    """Every shipped entry's epilogue is one the library builds (a stale id is an entry no call can look up), and
+    its config compiles for sm_90a with that epilogue without spills (session 39: a tuned logits config that spilled
+    was shipped because ref-less epilogues were compiled as the identity here)."""
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     from coda.check import compile_variant
-    failed = []
+    library = _library_epilogues_by_id()
+    failed, done = [], {}
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
     for path in sorted(ship.SHIPPED_DIR.glob("*.json")):
         doc = json.loads(path.read_text())
         assert ship.doc_problems(doc) == [], path
         for k, e in doc["entries"].items():
-            p = e["problem"]
-            epi = ship.resolve_ref(e["epilogue"]["ref"]) if e["epilogue"]["ref"] else IDENTITY
-            cfg = space.config_from_dict(e["config"])
-            short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-            row = compile_variant(cfg, epi, short[p["in_dtype"]], short[p["out_dtype"]], arch=doc["gpu"]["arch"],
-                                  majors=(p["a_major"], p["b_major"]))
-            if not row["ok"]:
-                failed.append((path.name, k, row["error"]))
+            p, ref = e["problem"], e["epilogue"]["ref"]
+            epi = ship.resolve_ref(ref) if ref else library.get(e["epilogue"]["id"])
+            if epi is None:
+                failed.append((path.name, k, "stale: no epilogue of the library has this id"))
+                continue
+            what = (e["name"], str(e["config"]), ship.epilogue_id(epi), p["in_dtype"], p["out_dtype"], p["a_major"],
+                    p["b_major"])
+            if what not in done:
+                done[what] = compile_variant(space.config_from_dict(e["config"]), epi, short[p["in_dtype"]],
+                                             short[p["out_dtype"]], arch=doc["gpu"]["arch"],
+                                             majors=(p["a_major"], p["b_major"]))
+            row = done[what]
+            if not row["ok"] or row.get("spill_bytes"):
+                failed.append((path.name, k, row["error"] or f"{row['spill_bytes']} bytes of spills"))
     assert not failed, failed
 
 
