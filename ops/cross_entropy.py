@@ -410,21 +410,18 @@ def _backward_fast(ctx, grad_loss, *_):
     eager = getattr(ctx, "coda_eager", False)
     gx = gw = g
     if g.dim():  # reduction="none": dX's rows scaled by g; dW = dz^T diag(g) x on the kept dz, x's rows scaled
-        gx = g.unsqueeze(1)  # first (no rows: dz empty, dW zero)
-        gw = torch.ones((), dtype=torch.float32, device=g.device)
+        gx, gw = g.unsqueeze(1), None  # first, so dW needs no scale after (no rows: dz empty, dW zero)
         if need_w and dz.numel():
             x = (x.float() * gx).to(x.dtype)
-    if eager and need_w and _update_in_backward(weight, dw, gw, dz, x):
+    if eager and need_w and _update_in_backward(weight, dw, g.new_ones(()) if gw is None else gw, dz, x):
         need_w, dw = False, None  # coda.optim updated the weight: no gradient
     elif need_w and dz.numel():
         dw = backward_gemm(dz.t(), x.t(), ENTRY)  # the deferred dW, not updated in its GEMM
-    scaled = zip((dx, dw), (gx, gw), (need_x, need_w))
-    if eager:
-        # a second backward through this graph (retain_graph=True) then fails autograd's version check of the
-        # saved tensors (tests/test_cross_entropy.py): an error, never g1 * g2 * grad; mode="lean" allows it
-        grads = [_scale_in_place(t, s) if need else None for t, s, need in scaled]
-    else:
-        grads = [(t * s).to(t.dtype) if need else None for t, s, need in scaled]
+    # a second eager backward through this graph (retain_graph=True) fails autograd's version check of the saved
+    # tensors (tests/test_cross_entropy.py): an error, never g1 * g2 * grad; mode="lean" allows it
+    scale = _scale_in_place if eager else (lambda t, s: (t * s).to(t.dtype))
+    grads = [None if not need else t if s is None else scale(t, s)
+             for t, s, need in zip((dx, dw), (gx, gw), (need_x, need_w))]
     return (*grads, *[None] * 11)
 
 
