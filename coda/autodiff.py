@@ -51,13 +51,18 @@ def tie_name(reduction: str) -> str:
     return TIE + reduction
 
 
+def derived(src: DslEpilogue, name: str, operands, outputs: dict, reductions: dict, **kw) -> DslEpilogue:
+    """A program derived from ``src`` (its backward, ties, pre-activation forms): it keeps ``src``'s compile-time
+    arithmetic options (``fastmath``)."""
+    return DslEpilogue(name, operands, outputs, reductions, fastmath=src.fastmath, **kw)
+
+
 def tie_epilogue(epi: DslEpilogue, names: tuple) -> DslEpilogue:
     """The values that the max reductions ``names`` of ``epi`` compare, as M x N outputs (the first as ``out``,
     the others under their names; one value per pair in a pairs epilogue): run on the accumulator in fp32, their
     :func:`tie_shares` are the max reductions' operands ``tie_<name>`` in the backward programs."""
     outputs = {("out" if i == 0 else k): epi.red_specs[k][2] for i, k in enumerate(names)}
-    return DslEpilogue(f"{epi.name}_ties", epi.operands, outputs, {}, pair_mode="half" if epi.pair_mode else None,
-                       fastmath=epi.fastmath)
+    return derived(epi, f"{epi.name}_ties", epi.operands, outputs, {}, pair_mode="half" if epi.pair_mode else None)
 
 
 def tie_shares(values):
@@ -305,8 +310,8 @@ def backward_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilog
             reductions[DGRAD + name] = ("m", "sum", gz)
         else:  # vec_m, scalar (the scalar's per-row sums are added up on the host)
             reductions[DGRAD + name] = ("n", "sum", gz)
-    return DslEpilogue(f"{epi.name}_bwd", tuple(ops), outputs, reductions,
-                       pair_mode="full" if epi.pair_mode else None, fastmath=epi.fastmath)
+    return derived(epi, f"{epi.name}_bwd", tuple(ops), outputs, reductions,
+                   pair_mode="full" if epi.pair_mode else None)
 
 
 def pair_tile_grad_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> DslEpilogue:
@@ -328,7 +333,7 @@ def pair_tile_grad_epilogue(epi: DslEpilogue, grads: tuple, needs: tuple) -> Dsl
     ops, terms = _gradient_terms(epi, grads)
     grads_of = _gradients(terms, tuple(operand_symbol(n) for n in needs))
     outputs = {("out" if i == 0 else DGRAD + n): grads_of[operand_symbol(n)] for i, n in enumerate(needs)}
-    return DslEpilogue(f"{epi.name}_bwd_tiles", tuple(ops), outputs, {}, pair_mode="half", fastmath=epi.fastmath)
+    return derived(epi, f"{epi.name}_bwd_tiles", tuple(ops), outputs, {}, pair_mode="half")
 
 
 PREACT = "_preact"
@@ -367,8 +372,7 @@ def _with_preact(epi: DslEpilogue) -> DslEpilogue:
             raise ValueError(f"epilogue {epi.name!r}: the output name {k!r} is reserved for save_preact")
     outputs = dict(epi.exprs)
     outputs.update(zip(keys, (ACC_EVEN, ACC_ODD) if epi.pair_mode else (ACC,)))
-    return DslEpilogue(epi.name + "_preact", epi.operands, outputs, dict(epi.red_specs), pair_mode=epi.pair_mode,
-                       fastmath=epi.fastmath)
+    return derived(epi, epi.name + "_preact", epi.operands, outputs, dict(epi.red_specs), pair_mode=epi.pair_mode)
 
 
 def on_preact(bwd: DslEpilogue, epi: DslEpilogue) -> DslEpilogue:
@@ -382,8 +386,7 @@ def on_preact(bwd: DslEpilogue, epi: DslEpilogue) -> DslEpilogue:
     outputs = {k: rebuild(e, sub, memo) for k, e in bwd.exprs.items()}
     reductions = {k: (axis, op, rebuild(e, sub, memo)) for k, (axis, op, e) in bwd.red_specs.items()}
     ops = tuple(bwd.operands) + tuple(Operand(k, "tile") for k in keys)
-    return DslEpilogue(f"{bwd.name}_on_preact", ops, outputs, reductions, pair_mode=bwd.pair_mode,
-                       fastmath=bwd.fastmath)
+    return derived(bwd, f"{bwd.name}_on_preact", ops, outputs, reductions, pair_mode=bwd.pair_mode)
 
 
 def on_acc(prog: DslEpilogue, name: str) -> DslEpilogue:
@@ -401,4 +404,4 @@ def on_acc(prog: DslEpilogue, name: str) -> DslEpilogue:
     outputs = {k: rebuild(e, sub, memo) for k, e in prog.exprs.items()}
     reductions = {k: (axis, op, rebuild(e, sub, memo)) for k, (axis, op, e) in prog.red_specs.items()}
     ops = tuple(o for o in prog.operands if o.name != name)
-    return DslEpilogue(f"{prog.name}_on_acc", ops, outputs, reductions, expand=True, fastmath=prog.fastmath)
+    return derived(prog, f"{prog.name}_on_acc", ops, outputs, reductions, expand=True)
