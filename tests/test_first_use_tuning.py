@@ -297,17 +297,14 @@ def _library_epilogues_by_id() -> dict:
     import importlib
     import pkgutil
 
-    import coda.epilogues
     import coda.ops
     from coda.autodiff import with_preact
     from coda.dsl import DslEpilogue
     from coda.epilogues.cross_entropy import ce_forward_logits
     mlp = importlib.import_module("coda.ops.mlp")
-    found = []
-    for pkg in (coda.ops, coda.epilogues):
-        for m in pkgutil.iter_modules(pkg.__path__):
-            found += [v for v in vars(importlib.import_module(f"{pkg.__name__}.{m.name}")).values()
-                      if isinstance(v, DslEpilogue)]
+    found = [v for _, v in ship._library_epilogues() if isinstance(v, DslEpilogue)]  # coda.epilogues' own
+    for m in pkgutil.iter_modules(coda.ops.__path__):
+        found += [v for v in vars(importlib.import_module(f"coda.ops.{m.name}")).values() if isinstance(v, DslEpilogue)]
     for dt in (torch.bfloat16, torch.float16):
         for flag in (False, True):
             found += [mlp.residual_add_sumsq(dt, flag), *(ce_forward_logits(dt, flag, cap) for cap in (False, True))]
