@@ -58,7 +58,8 @@ def compile_variant(cfg: GemmConfig, epi: Epilogue = IDENTITY, in_dtype="bf16", 
     """Compile one variant for ``arch``; returns {'ok', 'seconds', 'wgmma', 'registers', 'spill_bytes', 'error'}
     and, for each PTX instruction prefix in ``count`` (e.g. ``"sin.approx"``), row['count'][prefix] = how many
     times it occurs in the PTX. ``even``: the kernel's (M, N) whole-tile flags (``GemmSm90``). ``sass``: also
-    row['sass'] = {opcode: count} of the cubin's SASS (``nvdisasm`` on PATH; else absent)."""
+    row['sass'] = {opcode: count} of the cubin's SASS (``nvdisasm`` on PATH; else absent); row['ptx_instructions']:
+    the PTX's instruction lines."""
     import cutlass.cute as cute
     import cutlass.runtime as crt
     from .kernels.gemm_sm90 import GemmSm90
@@ -85,6 +86,7 @@ def compile_variant(cfg: GemmConfig, epi: Epilogue = IDENTITY, in_dtype="bf16", 
             if sass and shutil.which("nvdisasm") and len(cubin) == 1:
                 row["sass"] = sass_histogram(cubin[0])
             row["count"] = {c: len(re.findall(r"^\s*(?:@!?%p\d+\s+)?" + re.escape(c), text, re.M)) for c in count}
+            row["ptx_instructions"] = len(re.findall(r"^\s*(?:@!?%p\d+\s+)?[a-z][a-z0-9_.:]*[\s;]", text, re.M))
             out = _ptxas_v(ptx[0], arch)
             if out is not None:
                 row["registers"] = int(re.search(r"Used (\d+) registers", out).group(1))
