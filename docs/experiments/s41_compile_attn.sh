@@ -1,0 +1,7 @@
+#!/bin/bash
+# session 41 (H200): fused + compile with the attention block's fused GEMMs under torch.compile
+# (CODA_INDUCTOR_UNDER_COMPILE=none) against the default (the attention half left to inductor), one machine
+source .device/cutlass-dsl-4.8.1/setup.sh; python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1
+CODA_COMMIT=$CODA_COMMIT timeout 560 python -m coda.bench.step --model llama-1b --modes stock+compile,fused+compile --optimizer coda-adamw --timeout 170 --env CODA_INDUCTOR_UNDER_COMPILE=none --out $OUT/step > $OUT/step.log 2>&1
+echo step rc=$?
+grep -E "^\| (stock|fused)" $OUT/step.log | tail -6
