@@ -16,8 +16,9 @@ run leaves behind is undone here:
 
 Module buffers changed by a forward (batch-norm statistics) are not restored. ``fn`` runs eagerly; for a step that
 will run under ``torch.compile`` pass the uncompiled model's step with ``dispatcher=True``: the ops then go through
-torch's dispatcher as they do in a compiled graph (``ops._common.call`` sees the dry run's recorder: their
-backward returns every gradient, no in-backward optimizer update), so the dry run meets the compiled step's kernels (those
+torch's dispatcher as they do in a compiled graph (``ops._common.call`` sees the dry run's recorder; their
+backward returns the gradients a compiled graph's does: none for the weights a compiled ``ops.mlp`` updates in its
+backward, ``ops._builder``'s update twins), so the dry run meets the compiled step's kernels (those
 whose operands inductor lays out differently still compile in the step). The worker processes use ``multiprocessing``'s
 "spawn", which imports the main script again in each worker: a script must keep its top-level code under
 ``if __name__ == "__main__":`` (Python's rule for spawned processes).

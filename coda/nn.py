@@ -52,6 +52,12 @@ _FUSED_DTYPES = (torch.bfloat16, torch.float16)
 INDUCTOR_UNDER_COMPILE = os.environ.get("CODA_INDUCTOR_UNDER_COMPILE", "attention").split(",")
 
 
+def _cast(w: Tensor, dtype) -> Tensor:
+    """``w.to(dtype)``, or ``w`` itself where it has that dtype: under torch.compile a ``.to`` is a graph node that
+    would hide the Parameter (and its ``coda.optim`` slot) from the op."""
+    return w if w.dtype == dtype else w.to(dtype)
+
+
 def compiling() -> bool:
     """Whether torch.compile is tracing this call (one place to ask; tests replace it)."""
     return torch.compiler.is_compiling()
@@ -346,7 +352,7 @@ class SwiGLUMLP(_NormConsumer):
         elif dtype in _FUSED_DTYPES and gamma is not None and type(self.down_proj) is nn.Linear \
                 and self.down_proj.bias is None:  # norm + gate/up + SwiGLU + down [+ x]: ops.mlp, 2 GEMMs, whose
             # backward writes dacc from da's GEMM (the SwiGLU backward as its 1 -> 2 epilogue: da never stored)
-            args = (x.to(dtype), gamma, self.weight_gu.to(dtype), self.down_proj.weight.to(dtype), self.eps)
+            args = (x.to(dtype), gamma, _cast(self.weight_gu, dtype), _cast(self.down_proj.weight, dtype), self.eps)
             normed = recall_normed(x, gamma) if x.dtype == dtype else None  # x * gamma and r's sums from x's
             # producer (FusedAttention.emit_next_norm), else the gate/up GEMM's own pre-pass
             if self.add_residual and SUMSQ_CHAIN and not compiling():  # the next block's norm takes r from the down

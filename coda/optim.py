@@ -20,15 +20,21 @@ gradient is allocated for those weights (2 bytes a parameter; for llama-1b 2.5 G
 activations) -- and time where the update hides under the dW GEMM's mainloop (:func:`update_config`: the epilogue
 warps; gate/up dW + update 0.887 ms vs dW 0.706 + torch's step 0.276, session 23).
 
-When it applies: in eager mode (a compiled graph is functional: there the ops return gradients and ``step()``
-updates the weights), for weights of ``coda.ops`` / ``coda.nn`` / ``coda.fuse`` ops whose dW runs on CODA's kernel
-(bf16 / fp16 weights, moments of the weight's dtype, the token count a multiple of 8; on CPU tensors the reference
-path does the same). An LM head tied to the input embedding is never updated in backward (``coda.fuse`` marks it:
-its gradient has two parts). The training loop is unchanged (``loss.backward(); opt.step(); opt.zero_grad()``; the
-updated weights have no ``.grad``); what such an update cannot do, as with torchtune's ``optimizer_in_bwd`` --
-gradient accumulation over several backward passes, clipping by the global norm, reading those ``.grad`` -- needs
-``in_backward=False`` (plain torch AdamW). A second in-backward update of a weight before ``step()`` raises, and so
-does a weight updated in backward that also received a ``.grad``.
+When it applies: in eager mode, for weights of ``coda.ops`` / ``coda.nn`` / ``coda.fuse`` ops whose dW runs on
+CODA's kernel; under ``torch.compile`` (``fullgraph`` too) for the MLP's two weights and the input embedding
+(``ops.mlp``, ``ops.embedding``: 86 % of llama-1b's parameters), whose backward ops then run an in-place twin
+(``ops._builder``): the graph carries each weight's slot (an int this optimizer gives the Parameter) and the
+optimizer's token, a 0-d tensor the twin declares mutated so that the graph keeps and orders it
+(:func:`compile_slots`); at run time the twin finds the optimizer by the slot and updates the Parameter as the eager
+backward does. The other weights' ops return gradients there and ``step()`` updates them (a weight whose compiled
+update no live optimizer takes gets its gradient in ``.grad``). Either way for bf16 / fp16 weights, moments of the
+weight's dtype, the token count a multiple of 8 (on CPU tensors the reference path does the same). An LM head tied
+to the input embedding is never updated in backward (``coda.fuse`` marks it: its gradient has two parts). The
+training loop is unchanged (``loss.backward(); opt.step(); opt.zero_grad()``; the updated weights have no
+``.grad``); what such an update cannot do, as with torchtune's ``optimizer_in_bwd`` -- gradient accumulation over
+several backward passes, clipping by the global norm, reading those ``.grad`` -- needs ``in_backward=False`` (plain
+torch AdamW). A second in-backward update of a weight before ``step()`` raises, and so does a weight updated in
+backward that also received a ``.grad``.
 
 Hyper-parameters are read from ``param_groups`` at each update (a learning-rate scheduler works as with torch): they
 reach the kernels as run-time device scalars, one small host-to-device copy per group and step. With
@@ -40,6 +46,7 @@ one, as with torch's capturable AdamW and a float lr).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import threading
 import weakref
@@ -47,10 +54,16 @@ from typing import Optional
 
 import torch
 
-__all__ = ["AdamW", "in_backward_operands", "updates_in_backward", "eager_backward"]
+__all__ = ["AdamW", "in_backward_operands", "updates_in_backward", "eager_backward", "compile_slots",
+           "slot_updates"]
 
 _local = threading.local()
 _registry: dict = {}  # (data_ptr, shape) -> (weakref to the Parameter, optimizer weakref, group index)
+# under torch.compile: a registered Parameter's ``_coda_slot`` (an int, kept for the Parameter's life) -> the same
+# entry; the compiled graph carries the int, the backward op finds the optimizer by it at run time
+_slots: dict = {}
+_tokens: dict = {}  # slot -> its optimizer's token on the Parameter's device (compile_slots)
+_slot_ids = itertools.count()
 
 
 @contextlib.contextmanager
@@ -62,6 +75,48 @@ def eager_backward():
         yield
     finally:
         _local.on = prev
+
+
+@contextlib.contextmanager
+def slot_updates(weights, slots):
+    """Marks the backward op that a compiled graph runs for weights it declared mutated (``ops._builder``'s
+    ``<backward>_update`` ops, under torch.compile): inside, :func:`in_backward_operands` updates exactly
+    ``weights`` (the tensors the op received: the Parameters, or functional copies that the graph writes back),
+    each found through its ``slot`` (:func:`compile_slots`; -1: none), and no other weight."""
+    prev = getattr(_local, "on", False), getattr(_local, "redirect", None)
+    _local.on = True
+    _local.redirect = {w.data_ptr(): s for w, s in zip(weights, slots) if w is not None and s >= 0}
+    try:
+        yield
+    finally:
+        _local.on, _local.redirect = prev
+
+
+def compile_slots(*weights) -> tuple:
+    """(slots, token) of ``weights`` for a compiled graph's in-backward update (read while torch.compile traces an
+    op's entry): each weight's ``_coda_slot`` when an :class:`AdamW` with ``in_backward=True`` registered it and it
+    requires a gradient, else -1, and that optimizer's token (a 0-d tensor on the weights' device: the update op
+    declares it mutated, so the graph keeps the op and orders it; the weights' own writes stay outside the graph,
+    as in eager, because a graph may not mutate a leaf that requires grad); ``([], None)`` when no weight has a
+    slot (the op then returns gradients, as before)."""
+    slots = [getattr(w, "_coda_slot", -1) if w.requires_grad else -1 for w in weights]
+    token = next((_tokens[s] for s in slots if s in _tokens), None)
+    return (slots, token) if token is not None else ([], None)
+
+
+def accumulate_grad(slot: int, grad: torch.Tensor) -> None:
+    """A compiled backward's fallback for a weight it declared updated in place but that no live optimizer took
+    (dropped, moments loaded in another dtype, a shape the kernel does not take): the gradient goes to the
+    Parameter's ``.grad`` (added to one already there), where ``step()`` finds it."""
+    entry = _slots.get(slot)
+    p = entry[0]() if entry is not None else None
+    if p is None:
+        return
+    with torch.no_grad():
+        if p.grad is None:
+            p.grad = grad.detach().to(p.dtype).reshape(p.shape).clone()
+        else:
+            p.grad.add_(grad.reshape(p.shape))
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -85,11 +140,22 @@ def in_backward_operands(weight: torch.Tensor) -> Optional[dict]:
     ``epilogues.adamw`` takes them), or None: not in an eager CODA backward, or no :class:`AdamW` with
     ``in_backward=True`` registered the weight. ``weight`` may be a detached view of the Parameter (same memory). A
     non-None result commits to the update: the optimizer counts it."""
-    found = _registered(weight) if getattr(_local, "on", False) else None
+    if not getattr(_local, "on", False):
+        return None
+    redirect = getattr(_local, "redirect", None)
+    if redirect is None:
+        found = _registered(weight)
+    else:  # a compiled graph's update op (slot_updates): the weights it received, found by slot
+        entry = _slots.get(redirect.get(weight.data_ptr(), -1))
+        p, opt = (entry[0](), entry[1]()) if entry is not None else (None, None)
+        found = None if p is None or opt is None or p.shape != weight.shape else (p, opt, entry[2])
     if found is None:
         return None
     p, opt, group = found
-    return opt._in_backward(p, group)
+    ops = opt._in_backward(p, group)
+    if ops is not None and redirect is not None:
+        ops["p"] = weight.detach()  # the tensor the graph handed over (it writes it back to p if it is a copy)
+    return ops
 
 
 def updates_in_backward(weight: torch.Tensor) -> bool:
@@ -156,12 +222,19 @@ class AdamW(torch.optim.AdamW):
         self._hyper: dict = {}  # (group, step, device, hyper-parameters) -> (8, 4) fp32 device tensor
         self._const: dict = {}  # capturable: (group, device) -> (hyper-parameters, the step-independent rows)
         self._ones: dict = {}  # device -> the K = 0 update pass's scale operand (kernel_step)
+        self._tokens: dict = {}  # device -> the token compiled graphs' update ops declare mutated (compile_slots)
         if in_backward:
             me = weakref.ref(self)
             for gi, group in enumerate(self.param_groups):
                 for p in group["params"]:
                     if p.requires_grad and not getattr(p, "_coda_no_in_backward", False):
                         _registry[_key(p)] = (weakref.ref(p), me, gi)
+                        if getattr(p, "_coda_slot", None) is None:
+                            p._coda_slot = next(_slot_ids)
+                        _slots[p._coda_slot] = _registry[_key(p)]
+                        if p.device not in self._tokens:
+                            self._tokens[p.device] = torch.zeros((), device=p.device)
+                        _tokens[p._coda_slot] = self._tokens[p.device]
 
     # -- the in-backward update ----------------------------------------------------------------------------------
     def _in_backward(self, p: torch.Tensor, gi: int) -> Optional[dict]:

@@ -24,30 +24,90 @@ entropy's fast mode) passes its autograd backward itself, ``backward(ctx, *outpu
 entry."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+import inspect
+import typing
+from typing import Callable, List, Optional, Union
+
+import torch
+
+from coda import optim
 
 from ._common import call, custom_op, grad_of, register_autograd
 
 
-def backward_op(name: str, *, fake: Callable, eager=None):
+def backward_op(name: str, *, fake: Callable, eager=None, updates: tuple = (), update_grads: tuple = ()):
     """Decorator: ``fn`` as the custom op ``coda::<name>`` (a backward: no autograd of its own) with ``fake``;
-    ``eager``: as ``ops._common.custom_op``'s."""
+    ``eager``: as ``ops._common.custom_op``'s. ``updates``: the names of the weight arguments that ``coda.optim``
+    may update in place and ``update_grads`` the positions of their gradients among the results: then a second op,
+    ``coda::<name>_update``, takes two more arguments, ``slots`` and ``token`` (``coda.optim.compile_slots``) --
+    what a torch.compile graph runs for an in-backward update (:func:`_update_op`)."""
     def wrap(fn):
         op = custom_op(name, eager=eager)(fn)
         op.register_fake(fake)
+        if updates:
+            _update_op(name, fn, fake, updates, update_grads)
         return op
     return wrap
 
 
+def _update_op(name: str, fn: Callable, fake: Callable, updates: tuple, update_grads: tuple):
+    """``coda::<name>_update(*args, slots, token)``: the backward op ``fn`` run under ``coda.optim.slot_updates``
+    (the weights named in ``updates`` updated in their dW GEMMs' epilogues by the optimizer of their slot), their
+    gradients returned empty; a weight no live optimizer took gets its gradient in ``.grad`` instead
+    (``coda.optim.accumulate_grad``). The op declares only ``token`` mutated: that keeps it in the graph (its
+    gradients may have no user) and in order; the weights are written as the eager backward writes them, outside
+    what the graph tracks (AOTAutograd rejects a backward that mutates a leaf requiring grad: torch 2.11), which is
+    safe because nothing in the backward reads a weight after its update (dX runs first, inside the op)."""
+    sig = inspect.signature(fn)
+    hints = typing.get_type_hints(fn)
+    params = [p.replace(annotation=hints[p.name]) for p in sig.parameters.values()]
+    at = [list(sig.parameters).index(u) for u in updates]
+    n_args = len(params)
+
+    def split(args):
+        return args[:n_args], args[n_args]  # (the backward's arguments, slots); the token is last
+
+    def run(*args):
+        args, slots = split(args)
+        with optim.slot_updates([args[i] for i in at], slots):
+            out = list(fn(*args))
+        for i, slot in zip(update_grads, slots):
+            if slot >= 0 and out[i].numel():  # not taken in place: the gradient goes to .grad
+                optim.accumulate_grad(slot, out[i])
+                out[i] = out[i].new_empty(0)
+        return tuple(out) if len(out) > 1 else out[0]
+
+    def fake_run(*args):
+        args, slots = split(args)
+        out = list(fake(*args))
+        for i, slot in zip(update_grads, slots):
+            if slot >= 0:
+                out[i] = out[i].new_empty(0)
+        return tuple(out) if len(out) > 1 else out[0]
+
+    slots = inspect.Parameter("slots", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=List[int])
+    token = inspect.Parameter("token", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.Tensor)
+    ret = hints["return"] if len(typing.get_args(hints["return"])) > 1 else torch.Tensor
+    for f in (run, fake_run):
+        # a lone result as a Tensor: a one-tuple's schema (and a Tensor[]) does not functionalize under torch.compile
+        f.__signature__ = sig.replace(parameters=[*params, slots, token], return_annotation=ret)
+        f.__name__ = f.__qualname__ = f"{name}_update"
+    op = custom_op(f"{name}_update", mutates_args=("token",))(run)
+    op.register_fake(fake_run)
+    return op
+
+
 def forward_op(name: str, *, fake: Callable, backward: Union[str, Callable], saved: Callable, grads: int = 0,
                extra: Optional[Callable] = None, arrange: Optional[Callable] = None,
-               outputs: Union[int, Callable] = 1, eager=None):
+               outputs: Union[int, Callable] = 1, eager=None, slots: Optional[Callable] = None):
     """Decorator: ``fn`` as the custom op ``coda::<name>`` with ``fake`` and autograd through ``backward``: the
     backward op's name, or the autograd backward function itself (module docstring). ``saved(inputs, output)``:
     the tensors (or None) to save; ``extra(inputs)``: non-tensor values the backward needs (default none; kept as
     ``ctx.coda_extra``); ``arrange(extra, needs)``: the backward op's arguments after the saved tensors (default
     ``(*extra, *needs)``); ``outputs``: how many leading outputs are differentiable (an int, or a function of the
-    inputs); ``eager``: as ``ops._common.custom_op``'s."""
+    inputs); ``eager``: as ``ops._common.custom_op``'s; ``slots(inputs)``: the (slots, token) of
+    ``coda.optim.compile_slots`` the call carries (None: none), when the backward op has an ``_update`` twin
+    (:func:`backward_op`'s ``updates``), which the backward then calls with them."""
     def wrap(fn):
         op = custom_op(name, eager=eager)(fn)
         op.register_fake(fake)
@@ -57,6 +117,7 @@ def forward_op(name: str, *, fake: Callable, backward: Union[str, Callable], sav
             if isinstance(output, (tuple, list)):
                 ctx.mark_non_differentiable(*output[outputs(inputs) if callable(outputs) else outputs:])
             ctx.coda_extra = tuple(extra(inputs)) if extra is not None else ()
+            ctx.coda_slots, ctx.coda_token = (slots(inputs) if slots is not None else None) or ([], None)
             ctx.save_for_backward(*saved(inputs, output))
 
         def autograd_backward(ctx, dy, *_):
@@ -65,7 +126,12 @@ def forward_op(name: str, *, fake: Callable, backward: Union[str, Callable], sav
             if dy is None or not any(needs):
                 return (None,) * n_in
             rest = arrange(ctx.coda_extra, needs) if arrange is not None else (*ctx.coda_extra, *needs)
-            out = call(backward, dy, *ctx.saved_tensors, *rest, ctx=ctx)
+            if ctx.coda_slots:  # coda.optim under torch.compile: the twin that updates the weights in place
+                out = call(f"{backward}_update", dy, *ctx.saved_tensors, *rest, ctx.coda_slots, ctx.coda_token,
+                           ctx=ctx)
+                out = (out,) if isinstance(out, torch.Tensor) else out
+            else:
+                out = call(backward, dy, *ctx.saved_tensors, *rest, ctx=ctx)
             # an empty gradient: not needed, or a weight updated in its dW GEMM (coda.optim): no gradient
             return tuple(grad_of(g) if need else None for g, need in zip(out, needs)) + (None,) * (n_in - grads)
 

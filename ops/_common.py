@@ -158,12 +158,12 @@ _impls: dict = {}  # name -> (what call() runs outside the dispatcher, the custo
 _eager: dict = {}  # name -> (implementation, backward, setup_context): the eager autograd.Functions' parts
 
 
-def custom_op(name: str, eager=None):
-    """``torch.library.custom_op("coda::<name>", mutates_args=())`` that also records the implementation for
-    :func:`call`: the decorated function, or ``eager`` where the op's own must do more (e.g. copy results that
+def custom_op(name: str, eager=None, mutates_args: tuple = ()):
+    """``torch.library.custom_op("coda::<name>", mutates_args=mutates_args)`` that also records the implementation
+    for :func:`call`: the decorated function, or ``eager`` where the op's own must do more (e.g. copy results that
     alias its inputs, which a custom op may not return)."""
     def wrap(fn):
-        op = torch.library.custom_op(f"coda::{name}", fn, mutates_args=())
+        op = torch.library.custom_op(f"coda::{name}", fn, mutates_args=mutates_args)
         _impls[name] = (eager or fn, op)
         return op
     return wrap
@@ -236,6 +236,13 @@ def eager_call() -> bool:
     ``coda.precompile(..., dispatcher=True)`` dry run, ``EAGER_FUNCTIONS``)."""
     rec = _precompile.recorder()
     return EAGER_FUNCTIONS and not torch.compiler.is_compiling() and not (rec is not None and rec.dispatcher)
+
+
+def graph_call() -> bool:
+    """Whether an op's entry is being traced into a graph (torch.compile / export) or runs a ``coda.precompile(...,
+    dispatcher=True)`` dry run of one: what picks the ops' in-place update twins for ``coda.optim`` (``slots``)."""
+    rec = _precompile.recorder()
+    return torch.compiler.is_compiling() or (rec is not None and rec.dispatcher)
 
 
 def call(name: str, *args, ctx=None):

@@ -5,9 +5,10 @@ Forward: torch's lookup (``F.embedding``). Backward: when this is an eager backw
 registered the weight for in-backward updates (a 16-bit contiguous CUDA matrix on a Hopper GPU with H a multiple of
 8, or any CPU weight: the reference path), one pass sums each row's token gradients and applies the AdamW step to
 every row (the weight gets no ``.grad``, as the other in-backward weights); otherwise the gradient is torch's
-(``embedding_dense_backward``), for any optimizer, under torch.compile (functional: ``step()`` updates), for a tied
-weight (its gradient has two parts) and for weights the kernel does not take. ``padding_idx`` as torch's: its row
-gets no gradient (under the update: a zero one, so it still decays as torch's AdamW decays it).
+(``embedding_dense_backward``), for any optimizer, for a tied weight (its gradient has two parts) and for weights
+the kernel does not take. ``padding_idx`` as torch's: its row gets no gradient (under the update: a zero one, so it
+still decays as torch's AdamW decays it). Under torch.compile the backward op's in-place twin (``ops._builder``;
+the graph carries the weight's ``coda.optim`` slot) does the same update.
 
 Measured (H100, llama-1b step, docs/NOTES.md session 33): the embedding's backward + update kernels 1.26 ms a step
 instead of 3.02 (zero fill, sort, two scatters, torch's fused AdamW); the step as one CUDA graph 130.3 / 130.6 ms vs
@@ -22,10 +23,10 @@ import torch.nn.functional as F
 
 from coda import _device
 from coda.kernels.embedding_adamw import VEC, embedding_adamw
-from coda.optim import in_backward_operands
+from coda.optim import compile_slots, in_backward_operands
 
 from ._builder import backward_op, forward_op
-from ._common import IN_DTYPES, call, check_tensors
+from ._common import IN_DTYPES, call, check_tensors, graph_call
 
 __all__ = ["embedding"]
 
@@ -45,7 +46,9 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: Optional[int
         if isinstance(padding_idx, bool) or not isinstance(padding_idx, int) or not -V <= padding_idx < V:
             raise ValueError(f"embedding: padding_idx must be an int in [-{V}, {V}) or None, got {padding_idx!r}")
         padding_idx %= V
-    return call("embedding", weight, ids, padding_idx)
+    # under torch.compile the weight coda.optim holds is updated by the backward op's in-place twin
+    slots, token = compile_slots(weight) if graph_call() and torch.is_grad_enabled() else ([], None)
+    return call("embedding", weight, ids, padding_idx, *([slots, token] if slots else []))
 
 
 def _updates_in_place(weight: torch.Tensor) -> bool:
@@ -61,7 +64,7 @@ def _fake_backward(dy, ids, weight, padding_idx, need_w):
     return (weight.new_empty(weight.shape) if need_w else weight.new_empty(0),)
 
 
-@backward_op("embedding_backward", fake=_fake_backward)
+@backward_op("embedding_backward", fake=_fake_backward, updates=("weight",), update_grads=(0,))
 def _backward(dy: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, padding_idx: Optional[int],
               need_w: bool) -> tuple[torch.Tensor]:
     """(dW,): the weight's gradient, or an empty tensor (not needed, or updated in place by coda.optim)."""
@@ -81,12 +84,15 @@ def _backward(dy: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, padding
                                                     -1 if padding_idx is None else padding_idx, False),)
 
 
-def _fake(weight, ids, padding_idx=None):
+def _fake(weight, ids, padding_idx=None, slots=None, token=None):
     return weight.new_empty(*ids.shape, weight.shape[1])
 
 
 @forward_op("embedding", fake=_fake, backward="embedding_backward", grads=1,
-            saved=lambda inputs, out: (inputs[1], inputs[0]), extra=lambda inputs: (inputs[2],))
-def _embedding_op(weight: torch.Tensor, ids: torch.Tensor, padding_idx: Optional[int] = None) -> torch.Tensor:
-    """ids.shape + (H,): the rows of ``weight``."""
+            saved=lambda inputs, out: (inputs[1], inputs[0]), extra=lambda inputs: (inputs[2],),
+            slots=lambda inputs: (inputs[3], inputs[4]) if len(inputs) > 4 and inputs[3] else None)
+def _embedding_op(weight: torch.Tensor, ids: torch.Tensor, padding_idx: Optional[int] = None,
+                  slots: Optional[list[int]] = None, token: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """ids.shape + (H,): the rows of ``weight``. ``slots``, ``token``: ``coda.optim.compile_slots`` of the weight
+    under torch.compile (the backward updates it in place), else None."""
     return F.embedding(ids, weight, padding_idx)

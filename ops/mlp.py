@@ -52,9 +52,10 @@ from torch import Tensor
 import coda
 from coda.autodiff import DGRAD, grad_name, on_acc
 from coda.epilogues.adamw import adamw_fold
+from coda.optim import compile_slots
 
 from ._builder import backward_op, forward_op
-from ._common import (IN_DTYPES, call, check_last_dim_contiguous, check_tensors, gemm_for, kernel_aligned,
+from ._common import (IN_DTYPES, call, check_last_dim_contiguous, check_tensors, gemm_for, graph_call, kernel_aligned,
                       linear_grads, save_preact_for, update_in_backward)
 from .gated import check_x_weight_gu
 from .gated import fake_preact, forward_preact
@@ -203,7 +204,8 @@ def _fake_rmsnorm_swiglu(x, norm_weight, w_gate_up, eps, save_preact):
             *fake_preact(x, w_gate_up, save_preact))
 
 
-def _fake_mlp(x, norm_weight, w_gate_up, w_down, eps, save_preact, residual, sumsq, hg=None, ss=None):
+def _fake_mlp(x, norm_weight, w_gate_up, w_down, eps, save_preact, residual, sumsq, hg=None, ss=None, slots=None,
+              token=None):
     M = x.shape[0]
     return (x.new_empty(M, x.shape[1]), x.new_empty(M, w_gate_up.shape[0] // 2),
             x.new_empty(M, dtype=torch.float32), *fake_preact(x, w_gate_up, save_preact),
@@ -228,13 +230,17 @@ def _rmsnorm_swiglu_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, eps: f
 
 
 @forward_op("mlp", fake=_fake_mlp, backward="mlp_backward", grads=4, saved=lambda i, out: (*i[:4], *out[1:5]),
-            extra=lambda i: (bool(i[6]),), arrange=lambda extra, needs: (*needs, *extra))  # (needs, residual)
+            extra=lambda i: (bool(i[6]),), arrange=lambda extra, needs: (*needs, *extra),  # (needs, residual)
+            slots=lambda i: (i[10], i[11]) if len(i) > 11 and i[10] else None)
 def _mlp_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float, save_preact: bool,
-            residual: bool, sumsq: bool, hg: Optional[Tensor] = None,
-            ss: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+            residual: bool, sumsq: bool, hg: Optional[Tensor] = None, ss: Optional[Tensor] = None,
+            slots: Optional[list[int]] = None,
+            token: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x (M, H); returns y (M, H), the activation a (M, I), r (M,) fp32, (save_preact) g, u (M, I) and (residual and
     sumsq) the rows' sums of squares of y (M,) fp32, from the down projection's epilogue; else empty. ``hg``, ``ss``:
-    x * gamma (M, H) and x's rows' sums of squares (M,) fp32 from x's producer, or None."""
+    x * gamma (M, H) and x's rows' sums of squares (M,) fp32 from x's producer, or None. ``slots``, ``token``:
+    ``coda.optim.compile_slots`` of (w_gate_up, w_down) under torch.compile (the backward updates them in place),
+    else None."""
     gemm = gemm_for(x.device, _ENTRY)
     a, g, u, r = _gate_up(x, norm_weight, w_gate_up, eps, save_preact, gemm, hg, ss)
     if residual and sumsq:
@@ -244,7 +250,7 @@ def _mlp_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, e
     return y, a, r, g, u, x.new_empty(0, dtype=torch.float32)
 
 
-@backward_op("mlp_backward", fake=_fake_backward)
+@backward_op("mlp_backward", fake=_fake_backward, updates=("w_gate_up", "w_down"), update_grads=(2, 3))
 def _backward_op(dy: Tensor, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Optional[Tensor],
                  a: Optional[Tensor], r: Tensor, g: Optional[Tensor], u: Optional[Tensor], need_x: bool,
                  need_gamma: bool, need_gu: bool, need_down: bool,
@@ -343,8 +349,10 @@ def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: 
         ss = check_sumsq("coda.ops.mlp (normed[1])", ss, x)
         hg = hg.detach().reshape(M, H).contiguous()
     save = save_preact_for("mlp", save_preact, x, norm_weight, w_gate_up, w_down)
+    # under torch.compile the weights coda.optim holds are updated by the backward op's in-place twin
+    slots, token = compile_slots(w_gate_up, w_down) if save and graph_call() else ([], None)
     out = call("mlp", x.reshape(M, H), norm_weight, w_gate_up, w_down, float(eps), save, residual, return_sumsq,
-               hg, ss)
+               hg, ss, *([slots, token] if slots else []))
     y = out[0].reshape(*lead, H)
     return (y, out[5].reshape(lead)) if return_sumsq else y
 

@@ -106,13 +106,14 @@ def test_eager_calls_skip_the_dispatcher_and_equal_it(name, monkeypatch):
 
 def test_every_custom_op_with_autograd_has_an_eager_entry():
     """Each op registered through ops._common.custom_op with autograd has its eager Function; the backward ops
-    have none (they run inside the Function's backward)."""
+    have none (they run inside the Function's backward), nor their in-place update twins (coda.optim under
+    torch.compile)."""
     assert set(common._eager) == set(CASES)
     assert {n for n in common._impls if n not in common._eager} == {
         "linear_gated_backward", "linear_cross_entropy_backward", "mlp_backward", "linear_rope_backward",
         "rmsnorm_linear_backward", "linear_backward", "rmsnorm_linear_rope_backward",
         "rmsnorm_linear_rope_qkv_backward", "linear_residual_backward", "rmsnorm_backward",
-        "embedding_backward"}
+        "embedding_backward", "mlp_backward_update", "embedding_backward_update"}
 
 
 @pytest.mark.parametrize("name", ["mlp", "linear_rope", "linear"])

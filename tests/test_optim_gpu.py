@@ -99,6 +99,18 @@ def test_fused_llama_trains_like_torch_adamw(in_backward):
     dW GEMM, the LM head in its cross entropy's backward pass; in_backward=False: torch's step) and
     torch.optim.AdamW(fused=True) on the same fused model, each against the stock model trained in float64:
     every parameter's error within 2x torch's, plus a floor."""
+    _train_against_float64(in_backward, compiled=False)
+
+
+def test_compiled_fused_llama_trains_like_torch_adamw():
+    """The same under torch.compile (both fused models compiled): the MLP's weights are updated inside their dW
+    GEMMs by ops.mlp's update twin, the input embedding by ops.embedding's (no .grad), the other weights by step();
+    within 2x torch's error."""
+    torch._dynamo.reset()
+    _train_against_float64(True, compiled=True)
+
+
+def _train_against_float64(in_backward, compiled):
     torch.manual_seed(0)
     stock = _tiny_hf("Llama")
     stock.config.tie_word_embeddings = False
@@ -111,14 +123,17 @@ def test_fused_llama_trains_like_torch_adamw(in_backward):
     opts = [coda.optim.AdamW(a.parameters(), fused=True, in_backward=in_backward, **kw),
             torch.optim.AdamW(b.parameters(), fused=True, **kw),
             torch.optim.AdamW(ref.parameters(), **kw)]
+    run_a, run_b = (torch.compile(a), torch.compile(b)) if compiled else (a, b)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         ids = torch.randint(0, 128, (2, 64), generator=g).cuda()
-        for model, opt in zip((a, b, ref), opts):
-            model(ids, labels=ids).loss.backward()
+        for model, run, opt in zip((a, b, ref), (run_a, run_b, ref), opts):
+            run(ids, labels=ids).loss.backward()
             if model is a:  # updated in backward (no .grad), or by step()
                 assert (a.model.layers[0].mlp.weight_gu.grad is None) == in_backward
-                assert (a.lm_head.weight.grad is None) == in_backward
+                assert (a.model.layers[0].mlp.down_proj.weight.grad is None) == in_backward
+                assert (a.lm_head.weight.grad is None) == (in_backward and not compiled)
+                assert (a.model.embed_tokens.weight.grad is None) == in_backward
             opt.step()
             opt.zero_grad(set_to_none=True)
     sa, sb = coda.unfuse(a).state_dict(), coda.unfuse(b).state_dict()

@@ -308,9 +308,10 @@ def test_a_broken_worker_pool_does_not_hang():
 
 
 def test_dispatcher_dry_run_takes_the_compiled_steps_path(fp32_ops):
-    """dispatcher=True: during the dry run the ops go through torch's dispatcher (as in a torch.compile'd graph),
-    so coda.optim's in-backward update does not run and the weights get gradients, as in the compiled step; after
-    it the eager entry is back and the gradients are undone."""
+    """dispatcher=True: during the dry run the ops go through torch's dispatcher (as in a torch.compile'd graph):
+    coda.optim's in-backward update runs only where a compiled graph runs it (ops.mlp's update twin: the MLP's
+    weights get no gradient) and the other weights get gradients, as in the compiled step; after it the eager entry
+    is back and the gradients and the optimizer's bookkeeping are undone."""
     import coda.ops._common as common
     from test_optim import _models
     model, _ = _models()
@@ -320,12 +321,13 @@ def test_dispatcher_dry_run_takes_the_compiled_steps_path(fp32_ops):
 
     def step(dispatcher):
         model(ids, labels=ids).loss.backward()
-        seen[dispatcher] = model.model.layers[0].mlp.weight_gu.grad is not None
+        layer = model.model.layers[0]
+        seen[dispatcher] = (layer.mlp.weight_gu.grad is not None, layer.self_attn.weight_qkv.grad is not None)
     for dispatcher in (False, True):
         coda.precompile(step, dispatcher, dispatcher=dispatcher)
         assert all(p.grad is None for p in model.parameters()) and not opt._done
     assert pc.recorder() is None and common.EAGER_FUNCTIONS is True
-    assert seen == {False: False, True: True}  # in backward (no .grad) only on the eager path
+    assert seen == {False: (False, False), True: (False, True)}  # in backward (no .grad): eager, and the MLP
 
 
 def test_background_precompile_is_waited_for_by_the_step(cpu_gemm, monkeypatch):

@@ -1,0 +1,115 @@
+"""coda.optim.AdamW under torch.compile: the backward of ops.mlp (and ops.embedding) updates the weights in place
+through its update twin (``coda::mlp_backward_update``, ``ops._builder``), in one graph, as the eager path does
+(CPU reference path; the GPU run is in tests/test_optim_gpu.py)."""
+import copy
+
+import pytest
+import torch
+
+import coda
+import coda.optim
+from test_fuse_families import fp32_ops  # noqa: F401 (fixture)
+
+KW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return coda.nn.SwiGLUMLP(64, 128, add_residual=True)
+
+
+def _loss(model, s):
+    x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(100 + s))
+    return model(x.requires_grad_()).square().mean()
+
+
+def _reference(model, steps, lrs):
+    opt = torch.optim.AdamW(model.parameters(), **KW)
+    for s in range(steps):
+        opt.param_groups[0]["lr"] = lrs[s]
+        _loss(model, s).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return opt
+
+
+def test_compiled_mlp_updates_its_weights_in_backward(fp32_ops):
+    """Three compiled steps (fullgraph, a learning rate that changes every step) against torch.optim.AdamW on the
+    eager model: the same weights and state; the MLP's weights get no .grad (updated inside the backward), the norm
+    weight does; one graph, no recompilation."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    a = _mlp()
+    b = copy.deepcopy(a)
+    lrs = [1e-2, 5e-3, 2e-2]
+    opt_b = _reference(b, 3, lrs)
+    opt_a = coda.optim.AdamW(a.parameters(), **KW)
+    f = torch.compile(a, fullgraph=True)
+    for s in range(3):
+        opt_a.param_groups[0]["lr"] = lrs[s]
+        before = a.weight_gu.detach().clone()
+        _loss(f, s).backward()
+        assert a.weight_gu.grad is None and a.down_proj.weight.grad is None and a.norm.weight.grad is not None
+        assert not torch.equal(a.weight_gu, before)  # moved inside backward
+        opt_a.step()
+        opt_a.zero_grad(set_to_none=True)
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(pa, pb, rtol=2e-5, atol=2e-6, msg=n)
+    sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    for k in sb:
+        assert float(sa[k]["step"]) == float(sb[k]["step"]) == 3.0
+        torch.testing.assert_close(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"], rtol=1e-4, atol=1e-9)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiled_graph_without_the_optimizer_fills_grad(fp32_ops):
+    """A graph compiled while a coda.optim.AdamW held the weights, run after that optimizer is gone: no optimizer
+    takes the update, so the gradients land in .grad (and a torch optimizer steps them)."""
+    torch._dynamo.reset()
+    a = _mlp()
+    b = copy.deepcopy(a)
+    opt = coda.optim.AdamW(a.parameters(), **KW)
+    f = torch.compile(a, fullgraph=True)
+    _loss(f, 0).backward()  # compiled with the update twin, which ran
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    _reference(b, 1, [KW["lr"]])
+    del opt
+    _loss(f, 1).backward()
+    _loss(b, 1).backward()
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert pa.grad is not None, n
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_second_compiled_backward_without_step_raises(fp32_ops):
+    torch._dynamo.reset()
+    a = _mlp()
+    opt = coda.optim.AdamW(a.parameters(), **KW)  # noqa: F841 (held)
+    f = torch.compile(a, fullgraph=True)
+    _loss(f, 0).backward()
+    with pytest.raises(RuntimeError, match="twice without optimizer.step"):
+        _loss(f, 1).backward()
+
+
+def test_compiled_fused_llama_trains_as_torch_adamw(fp32_ops):
+    """A fused tiny Llama, compiled, three steps of coda.optim.AdamW against torch.optim.AdamW on the same model
+    compiled (so both run the same compiled forward and backward math): every parameter agrees; the MLP weights were
+    updated in backward (no .grad), the rest by step()."""
+    from test_optim import _models, _train
+    torch._dynamo.reset()
+    a, b = _models()
+    opt_a, opt_b = coda.optim.AdamW(a.parameters(), **KW), torch.optim.AdamW(b.parameters(), **KW)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 128, (2, 24), generator=g) for _ in range(3)]
+    _train(torch.compile(b), opt_b, batches)
+    f = torch.compile(a)
+    f(batches[0], labels=batches[0]).loss.backward()
+    no_grad = {n for n, p in a.named_parameters() if p.grad is None}
+    assert no_grad == {n for n, _ in a.named_parameters()
+                       if ".mlp.weight_gu" in n or ".mlp.down_proj" in n or "embed_tokens" in n}
+    opt_a.step()
+    opt_a.zero_grad(set_to_none=True)
+    _train(f, opt_a, batches[1:])
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(pa, pb, rtol=2e-5, atol=2e-6, msg=n)
