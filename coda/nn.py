@@ -443,7 +443,7 @@ class LMHeadCrossEntropy(_NormConsumer):
             return logits if self.softcap is None else self.softcap * torch.tanh(logits / self.softcap)
         n = self._normed(x, fused)
         if fused:
-            return ops.linear_cross_entropy(n.to(dtype), self.weight.to(dtype), target, self.ignore_index,
+            return ops.linear_cross_entropy(n.to(dtype), _cast(self.weight, dtype), target, self.ignore_index,
                                             reduction, self.label_smoothing, self.z_loss,
                                             check_targets=self.check_targets, softcap=self.softcap)
         logits = F.linear(n, self.weight).flatten(0, -2)

@@ -64,11 +64,11 @@ from torch import Tensor
 from coda.epilogues.adamw import adamw_scaled, adamw_times
 from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_cap, ce_backward_general, ce_forward,
                                           ce_forward_cap, ce_forward_smooth, scale_by)
-from coda.optim import eager_backward, updates_in_backward
+from coda.optim import compile_slots, eager_backward, updates_in_backward
 
 from ._builder import backward_op, forward_op
-from ._common import (IN_DTYPES, backward_gemm, call, check_inputs, check_tensors, eager_call, epilogue_pass,
-                      gemm_for, kernel_aligned, update_in_backward)
+from ._common import (IN_DTYPES, backward_gemm, call, check_inputs, check_tensors, custom_op, eager_call,
+                      epilogue_pass, gemm_for, graph_call, kernel_aligned, update_in_backward)
 from .cross_entropy_fast import forward_with_grads, plan_rows
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES", "MEMORY_BUDGET"]
@@ -363,7 +363,7 @@ def _op(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction:
 
 # ------------------------------------------------------------------------------------------------ fast mode
 def _op_fast_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, softcap, rows, check, need_x,
-                  need_w, defer):
+                  need_w, defer, slots=None, token=None):
     # (defer is passed only by eager calls, which do not trace this)
     return (x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=torch.float32),
             x.new_empty(x.shape) if need_x else x.new_empty((0,)),
@@ -399,6 +399,25 @@ def _update_in_backward(weight: torch.Tensor, dw: torch.Tensor, g: torch.Tensor,
                                   s=g) is not None
 
 
+@custom_op("linear_cross_entropy_update", mutates_args=("token",))
+def _update_op(weight: Tensor, dw: Tensor, g: Tensor, slots: list[int], token: Tensor) -> Tensor:
+    """A compiled graph's in-backward update of the LM head (``ops._builder``'s update twins do the same for the
+    other ops): coda.optim's AdamW step of ``weight`` on dw * g as one K = 0 pass, the optimizer found by the
+    weight's slot; where none takes it, dw * g goes to the Parameter's ``.grad``. Declares only ``token``
+    mutated (what keeps the op in the graph); returns an empty tensor."""
+    from coda import optim
+    with optim.slot_updates([weight], slots):
+        done = _update_in_backward(weight, dw, g, dw.new_empty(0), dw.new_empty(0))
+    if not done:
+        optim.accumulate_grad(slots[0], (dw * g).to(dw.dtype))
+    return dw.new_empty(0)
+
+
+@_update_op.register_fake
+def _update_fake(weight, dw, g, slots, token):
+    return dw.new_empty(0)
+
+
 def _backward_fast(ctx, grad_loss, *_):
     """The gradients formed by the forward, times the upstream gradient: in place in eager mode (the saved tensors
     are this call's own and are released after this node; no second V x H buffer), out of place under
@@ -415,6 +434,9 @@ def _backward_fast(ctx, grad_loss, *_):
             x = (x.float() * gx).to(x.dtype)
     if eager and need_w and _update_in_backward(weight, dw, g.new_ones(()) if gw is None else gw, dz, x):
         need_w, dw = False, None  # coda.optim updated the weight: no gradient
+    elif not eager and need_w and ctx.coda_slots and gw is not None and not dz.numel():  # torch.compile's update
+        call("linear_cross_entropy_update", weight, dw, gw, ctx.coda_slots, ctx.coda_token, ctx=ctx)
+        need_w, dw = False, None
     elif need_w and dz.numel():
         dw = backward_gemm(dz.t(), x.t(), ENTRY)  # the deferred dW, not updated in its GEMM
     # a second eager backward through this graph (retain_graph=True) fails autograd's version check of the saved
@@ -422,20 +444,23 @@ def _backward_fast(ctx, grad_loss, *_):
     scale = _scale_in_place if eager else (lambda t, s: (t * s).to(t.dtype))
     grads = [None if not need else t if s is None else scale(t, s)
              for t, s, need in zip((dx, dw), (gx, gw), (need_x, need_w))]
-    return (*grads, *[None] * 11)
+    return (*grads, *[None] * (len(ctx.needs_input_grad) - 2))
 
 
 # saved: the forward's dx, dw, dz (non-differentiable outputs), the weight (coda.optim), x where dW was deferred;
 # extra: need_x, need_w
 @forward_op("linear_cross_entropy_fast", fake=_op_fast_fake, backward=_backward_fast,
-            saved=lambda i, out: (*out[1:], i[1], i[0] if out[3].numel() else None), extra=lambda i: i[-3:-1])
+            saved=lambda i, out: (*out[1:], i[1], i[0] if out[3].numel() else None), extra=lambda i: i[10:12],
+            slots=lambda i: (i[13], i[14]) if len(i) > 14 and i[13] else None)
 def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
              z_loss: float, softcap: Optional[float], rows: int, check: str, need_x: bool,
-             need_w: bool, defer: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+             need_w: bool, defer: bool, slots: Optional[list[int]] = None,
+             token: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, dx, dw, dz) with dx, dw the gradients for an upstream gradient of 1 (empty where not needed);
     ``defer`` (eager calls only): dW's GEMM is left to the backward where ``forward_with_grads`` can (one chunk),
     dz is the logits' gradient it reads (dw then empty; dz empty where not deferred); see
-    ``ops/cross_entropy_fast.py``."""
+    ``ops/cross_entropy_fast.py``. ``slots``, ``token``: ``coda.optim.compile_slots`` of the weight under
+    torch.compile (the backward updates it in place: ``linear_cross_entropy_update``), else None."""
     V = weight.shape[0]
     _check_target_range(target, V, ignore_index, check)
     valid, tcol = _target_columns(target, ignore_index)
@@ -521,8 +546,11 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
     rows = _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget, defer=defer)
     if rows is not None:
         need_x, need_w = x.requires_grad, weight.requires_grad
+        # under torch.compile the weight coda.optim holds is updated by the backward (linear_cross_entropy_update)
+        slots, token = compile_slots(weight) if need_w and graph_call() else ([], None)
         loss, *_ = call("linear_cross_entropy_fast", x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
-                        reduction, float(label_smoothing), float(z_loss), softcap, rows, check, need_x, need_w, defer)
+                        reduction, float(label_smoothing), float(z_loss), softcap, rows, check, need_x, need_w, defer,
+                        *([slots, token] if slots else []))
         return loss.reshape(target.shape) if reduction == "none" else loss
     loss, _ = call("linear_cross_entropy", x.reshape(-1, H), weight, target.reshape(-1), ignore_index, reduction,
                    float(label_smoothing), float(z_loss), softcap, chunk_size, check)

@@ -1,6 +1,6 @@
-"""coda.optim.AdamW under torch.compile: the backward of ops.mlp (and ops.embedding) updates the weights in place
-through its update twin (``coda::mlp_backward_update``, ``ops._builder``), in one graph, as the eager path does
-(CPU reference path; the GPU run is in tests/test_optim_gpu.py)."""
+"""coda.optim.AdamW under torch.compile: the backward of ops.mlp (and ops.embedding, the cross entropy's fast mode)
+updates the weights in place through its update twin (``coda::mlp_backward_update``, ``ops._builder``), in one
+graph, as the eager path does (CPU reference path; the GPU run is in tests/test_optim_gpu.py)."""
 import copy
 
 import pytest
@@ -94,8 +94,8 @@ def test_second_compiled_backward_without_step_raises(fp32_ops):
 
 def test_compiled_fused_llama_trains_as_torch_adamw(fp32_ops):
     """A fused tiny Llama, compiled, three steps of coda.optim.AdamW against torch.optim.AdamW on the same model
-    compiled (so both run the same compiled forward and backward math): every parameter agrees; the MLP weights were
-    updated in backward (no .grad), the rest by step()."""
+    compiled (so both run the same compiled forward and backward math): every parameter agrees; the MLP weights, the
+    input embedding and the LM head were updated in backward (no .grad), the rest by step()."""
     from test_optim import _models, _train
     torch._dynamo.reset()
     a, b = _models()
@@ -107,7 +107,7 @@ def test_compiled_fused_llama_trains_as_torch_adamw(fp32_ops):
     f(batches[0], labels=batches[0]).loss.backward()
     no_grad = {n for n, p in a.named_parameters() if p.grad is None}
     assert no_grad == {n for n, _ in a.named_parameters()
-                       if ".mlp.weight_gu" in n or ".mlp.down_proj" in n or "embed_tokens" in n}
+                       if any(k in n for k in (".mlp.weight_gu", ".mlp.down_proj", "embed_tokens", "lm_head"))}
     opt_a.step()
     opt_a.zero_grad(set_to_none=True)
     _train(f, opt_a, batches[1:])
