@@ -33,8 +33,8 @@ from torch import Tensor, nn
 import coda.nn as _nn
 from coda import ops
 from coda.epilogues.rope import permute_half_split, unpermute_half_split
-from coda.nn import (_FUSED_DTYPES, INDUCTOR_UNDER_COMPILE, DeferredRMSNorm, _compute_dtype, _NormConsumer, norm_eps,
-                     rms_norm)
+from coda.nn import (_FUSED_DTYPES, INDUCTOR_UNDER_COMPILE, DeferredRMSNorm, _cast, _compute_dtype, _NormConsumer,
+                     norm_eps, rms_norm)
 
 __all__ = ["FusedAttention", "attention_fusable"]
 
@@ -190,12 +190,12 @@ class FusedAttention(_NormConsumer):
         one_gemm = fused and self.q_norm is None and self.bias_qkv is None  # norm + QKV + RoPE in the epilogue
         if one_gemm and not self.qkv_apart:
             xr = ()
-            q, k, v = torch.split(ops.rmsnorm_linear_rope(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype),
+            q, k, v = torch.split(ops.rmsnorm_linear_rope(x.to(dtype), self.norm_weight, _cast(self.weight_qkv, dtype),
                                                           pos, self.freqs, self.eps), [hq, hk, hk], dim=-1)
         elif one_gemm:  # norm + QKV + RoPE: one GEMM
             res_in_op = self.add_residual and type(self.o_proj) is nn.Linear and self.o_proj.bias is None
             ss = _nn.recall_sumsq(x) if x.dtype == dtype else None  # r from the previous block's epilogue
-            q, k, v, *xr = ops.rmsnorm_linear_rope_qkv(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype),
+            q, k, v, *xr = ops.rmsnorm_linear_rope_qkv(x.to(dtype), self.norm_weight, _cast(self.weight_qkv, dtype),
                                                        pos, self.freqs, self.eps, (hq, hk), residual=res_in_op,
                                                        sumsq=ss)
             # (q, k, v apart: their gradients go to the backward as they are, un-rotated in one pass with the
@@ -205,7 +205,7 @@ class FusedAttention(_NormConsumer):
             # order) and RoPE on the column pairs in torch
             xr = ()
             if fused:
-                z = ops.rmsnorm_linear(x.to(dtype), self.norm_weight, self.weight_qkv.to(dtype), self.eps)
+                z = ops.rmsnorm_linear(x.to(dtype), self.norm_weight, _cast(self.weight_qkv, dtype), self.eps)
                 z = z if self.bias_qkv is None else z + self.bias_qkv.to(dtype)
             else:
                 z = F.linear(rms_norm(x, self.norm_weight, self.eps), self.weight_qkv, self.bias_qkv)
@@ -236,10 +236,10 @@ class FusedAttention(_NormConsumer):
         if xr:  # x + o_proj(o) in one GEMM; its backward hands dx's residual part to the QKV op (no add kernels)
             gamma = kwargs.get("next_norm_weight") if self.emit_next_norm and not _nn.compiling() else None
             if gamma is not None and tuple(gamma.shape) == (self.hidden_size,):
-                out, hg, ss = ops.linear_residual(o, self.o_proj.weight.to(o.dtype), xr[0], norm_weight=gamma)
+                out, hg, ss = ops.linear_residual(o, _cast(self.o_proj.weight, o.dtype), xr[0], norm_weight=gamma)
                 _nn.remember_sumsq(out, ss, hg, gamma)
             else:
-                out = ops.linear_residual(o, self.o_proj.weight.to(o.dtype), xr[0])
+                out = ops.linear_residual(o, _cast(self.o_proj.weight, o.dtype), xr[0])
         else:
             out = self.o_proj(o)
             out = x + out if self.add_residual else out

@@ -21,20 +21,21 @@ activations) -- and time where the update hides under the dW GEMM's mainloop (:f
 warps; gate/up dW + update 0.887 ms vs dW 0.706 + torch's step 0.276, session 23).
 
 When it applies: in eager mode, for weights of ``coda.ops`` / ``coda.nn`` / ``coda.fuse`` ops whose dW runs on
-CODA's kernel; under ``torch.compile`` (``fullgraph`` too) for the MLP's two weights and the input embedding
-(``ops.mlp``, ``ops.embedding``: 86 % of llama-1b's parameters), whose backward ops then run an in-place twin
-(``ops._builder``): the graph carries each weight's slot (an int this optimizer gives the Parameter) and the
-optimizer's token, a 0-d tensor the twin declares mutated so that the graph keeps and orders it
-(:func:`compile_slots`); at run time the twin finds the optimizer by the slot and updates the Parameter as the eager
-backward does. The other weights' ops return gradients there and ``step()`` updates them (a weight whose compiled
-update no live optimizer takes gets its gradient in ``.grad``). Either way for bf16 / fp16 weights, moments of the
-weight's dtype, the token count a multiple of 8 (on CPU tensors the reference path does the same). An LM head tied
-to the input embedding is never updated in backward (``coda.fuse`` marks it: its gradient has two parts). The
-training loop is unchanged (``loss.backward(); opt.step(); opt.zero_grad()``; the updated weights have no
-``.grad``); what such an update cannot do, as with torchtune's ``optimizer_in_bwd`` -- gradient accumulation over
-several backward passes, clipping by the global norm, reading those ``.grad`` -- needs ``in_backward=False`` (plain
-torch AdamW). A second in-backward update of a weight before ``step()`` raises, and so does a weight updated in
-backward that also received a ``.grad``.
+CODA's kernel; under ``torch.compile`` (``fullgraph`` too) for the MLP's two weights, the input embedding and the LM
+head (``ops.mlp``, ``ops.embedding``, the cross entropy's fast mode: all of llama-1b's parameters but the
+attention's and the norms'; the attention's QKV and O weights too where the attention block is fused under compile,
+``coda.nn.INDUCTOR_UNDER_COMPILE``), whose backward ops then run an in-place twin (``ops._builder``): the graph
+carries each weight's slot (an int this optimizer gives the Parameter) and the optimizer's token, a 0-d tensor the
+twin declares mutated so that the graph keeps and orders it (:func:`compile_slots`); at run time the twin finds the
+optimizer by the slot and updates the Parameter as the eager backward does. The other weights' ops return gradients
+there and ``step()`` updates them (a weight whose compiled update no live optimizer takes gets its gradient in
+``.grad``). Either way for bf16 / fp16 weights, moments of the weight's dtype, the token count a multiple of 8 (on
+CPU tensors the reference path does the same). An LM head tied to the input embedding is never updated in backward
+(``coda.fuse`` marks it: its gradient has two parts). The training loop is unchanged (``loss.backward(); opt.step();
+opt.zero_grad()``; the updated weights have no ``.grad``); what such an update cannot do, as with torchtune's
+``optimizer_in_bwd`` -- gradient accumulation over several backward passes, clipping by the global norm, reading
+those ``.grad`` -- needs ``in_backward=False`` (plain torch AdamW). A second in-backward update of a weight before
+``step()`` raises, and so does a weight updated in backward that also received a ``.grad``.
 
 Hyper-parameters are read from ``param_groups`` at each update (a learning-rate scheduler works as with torch): they
 reach the kernels as run-time device scalars, one small host-to-device copy per group and step. With

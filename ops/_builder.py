@@ -97,6 +97,15 @@ def _update_op(name: str, fn: Callable, fake: Callable, updates: tuple, update_g
     return op
 
 
+def backward_call(ctx, name: str, *args) -> tuple:
+    """``ops._common.call`` of the backward op ``name`` from an autograd backward: its in-place update twin when the
+    forward carried ``coda.optim`` slots (``ctx.coda_slots``, under torch.compile), else the op itself."""
+    if not getattr(ctx, "coda_slots", None):
+        return call(name, *args, ctx=ctx)
+    out = call(f"{name}_update", *args, ctx.coda_slots, ctx.coda_token, ctx=ctx)
+    return (out,) if isinstance(out, torch.Tensor) else out
+
+
 def forward_op(name: str, *, fake: Callable, backward: Union[str, Callable], saved: Callable, grads: int = 0,
                extra: Optional[Callable] = None, arrange: Optional[Callable] = None,
                outputs: Union[int, Callable] = 1, eager=None, slots: Optional[Callable] = None):
@@ -126,12 +135,7 @@ def forward_op(name: str, *, fake: Callable, backward: Union[str, Callable], sav
             if dy is None or not any(needs):
                 return (None,) * n_in
             rest = arrange(ctx.coda_extra, needs) if arrange is not None else (*ctx.coda_extra, *needs)
-            if ctx.coda_slots:  # coda.optim under torch.compile: the twin that updates the weights in place
-                out = call(f"{backward}_update", dy, *ctx.saved_tensors, *rest, ctx.coda_slots, ctx.coda_token,
-                           ctx=ctx)
-                out = (out,) if isinstance(out, torch.Tensor) else out
-            else:
-                out = call(backward, dy, *ctx.saved_tensors, *rest, ctx=ctx)
+            out = backward_call(ctx, backward, dy, *ctx.saved_tensors, *rest)
             # an empty gradient: not needed, or a weight updated in its dW GEMM (coda.optim): no gradient
             return tuple(grad_of(g) if need else None for g, need in zip(out, needs)) + (None,) * (n_in - grads)
 

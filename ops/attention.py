@@ -35,10 +35,11 @@ from coda.epilogues.rope import rope_rmsnorm
 
 from coda.epilogues.rmsnorm import rmsnorm_dgrad, rmsnorm_dgrad_residual, row_dot
 from coda.kernels.rope_grad import rope_grad
+from coda.optim import compile_slots
 
-from ._builder import backward_op, forward_op
-from ._common import (call, check_inputs, check_last_dim_contiguous, epilogue_pass, gemm_for, grad_of, linear_grads,
-                      weight_grad)
+from ._builder import backward_call, backward_op, forward_op
+from ._common import (call, check_inputs, check_last_dim_contiguous, epilogue_pass, gemm_for, grad_of, graph_call,
+                      linear_grads, weight_grad)
 from .mlp import residual_add, residual_add_sumsq, rmsnorm_fold_grads
 from .rmsnorm_linear import check_eps, check_norm_weight, check_sumsq, normed_operands
 from .rope import unrotate
@@ -133,13 +134,13 @@ def _check(x, norm_weight, weight, positions, freqs, eps):
 
 
 # ------------------------------------------------------------------------------------------------ q, k, v apart
-def _fake_qkv(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual, sumsq=None):
+def _fake_qkv(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual, sumsq=None, slots=None, token=None):
     M, N = x.shape[0], weight.shape[0]
     return (x.new_empty(M, nq), x.new_empty(M, nk), x.new_empty(M, N - nq - nk),
             x.new_empty(x.shape) if residual else x.new_empty(0), x.new_empty(M, dtype=torch.float32))
 
 
-def _qkv_views(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual, sumsq=None):
+def _qkv_views(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual, sumsq=None, slots=None, token=None):
     """The eager forward: q, k, v as column blocks (views) of the one GEMM output, x itself as the residual
     stream (``residual``; an empty tensor without), r (from ``sumsq``, x's rows' sums of squares, when given)."""
     y, r = _forward(x, norm_weight, weight, positions, freqs, eps, sumsq)
@@ -155,19 +156,22 @@ def _qkv_backward(ctx, dq, dk, dv, dres=None, _dr=None):
     if dq is None and dk is None and dv is None:
         return (dres if need_x else None, None, None, *rest)
     grads = [torch.zeros_like(t) if g is None else g for g, t in zip((dq, dk, dv), (q, k, v))]
-    dh, dgamma, dw = call("rmsnorm_linear_rope_qkv_backward", *grads, dres, h, norm_weight, weight, r, q, k, v,
-                          positions, freqs, need_w, ctx=ctx)
+    dh, dgamma, dw = backward_call(ctx, "rmsnorm_linear_rope_qkv_backward", *grads, dres, h, norm_weight, weight, r,
+                                   q, k, v, positions, freqs, need_w)
     return (dh if need_x else None, dgamma if need_gamma else None, grad_of(dw) if need_w else None, *rest)
 
 
 # under the dispatcher (torch.compile, export) the outputs are copies: a custom op's outputs may not alias its
 # inputs or one another
 @forward_op("rmsnorm_linear_rope_qkv", fake=_fake_qkv, backward=_qkv_backward, eager=_qkv_views,
-            outputs=lambda i: 4 if i[8] else 3, saved=lambda i, out: (*i[:3], out[4], *out[:3], *i[3:5]))
+            outputs=lambda i: 4 if i[8] else 3, saved=lambda i, out: (*i[:3], out[4], *out[:3], *i[3:5]),
+            slots=lambda i: (i[10], i[11]) if len(i) > 11 and i[10] else None)
 def _qkv_op(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor, eps: float, nq: int,
-            nk: int, residual: bool, sumsq: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            nk: int, residual: bool, sumsq: Optional[Tensor] = None, slots: Optional[list[int]] = None,
+            token: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x (M, K) -> q (M, nq), k (M, nk), v (M, N - nq - nk), x again (``residual``; else an empty tensor), r (M,).
-    ``sumsq`` (M,) fp32: x's rows' sums of squares (r without a pass over x), or None."""
+    ``sumsq`` (M,) fp32: x's rows' sums of squares (r without a pass over x), or None. ``slots``, ``token``:
+    ``coda.optim.compile_slots`` of the weight under torch.compile (updated in the backward), else None."""
     out = _qkv_views(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual, sumsq)
     return (*(t.contiguous() for t in out[:3]), out[3].clone(), out[4])
 
@@ -177,7 +181,7 @@ def _fake_qkv_backward(dq, dk, dv, dres, h, norm_weight, weight, r, q, k, v, pos
     return h.new_empty(h.shape), norm_weight.new_empty(norm_weight.shape), dw
 
 
-@backward_op("rmsnorm_linear_rope_qkv_backward", fake=_fake_qkv_backward)
+@backward_op("rmsnorm_linear_rope_qkv_backward", fake=_fake_qkv_backward, updates=("weight",), update_grads=(2,))
 def _qkv_backward_op(dq: Tensor, dk: Tensor, dv: Tensor, dres: Optional[Tensor], h: Tensor, norm_weight: Tensor,
                      weight: Tensor, r: Tensor, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, freqs: Tensor,
                      need_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -214,8 +218,9 @@ def rmsnorm_linear_rope_qkv(x: Tensor, norm_weight: Tensor, weight: Tensor, posi
         raise TypeError(f"{ENTRY}_qkv: residual must be True or False, got {type(residual).__name__}")
     sumsq = check_sumsq(f"{ENTRY}_qkv", sumsq, x)
     lead = x.shape[:-1]
+    slots, token = compile_slots(weight) if graph_call() and torch.is_grad_enabled() else ([], None)
     q, k, v, xr, _ = call("rmsnorm_linear_rope_qkv", x.reshape(-1, K), norm_weight, weight, pos, freqs, float(eps),
-                          nq, nk, residual, sumsq)
+                          nq, nk, residual, sumsq, *([slots, token] if slots else []))
     parts = tuple(t.reshape(*lead, t.shape[1]) for t in (q, k, v))
     return (*parts, xr.reshape(x.shape)) if residual else parts
 
@@ -229,12 +234,13 @@ def _linear_residual_backward(ctx, dy, *_):
     rest = (None,) * (len(ctx.needs_input_grad) - 3)
     if dy is None:
         return (None, None, None, *rest)
-    do, dw = call("linear_residual_backward", dy, o, weight, need_o, need_w, ctx=ctx)
+    do, dw = backward_call(ctx, "linear_residual_backward", dy, o, weight, need_o, need_w)
     return (do if need_o else None, grad_of(dw) if need_w else None, dy if need_res else None, *rest)
 
 
 @backward_op("linear_residual_backward", fake=lambda dy, o, weight, need_o, need_w: (
-    o.new_empty(o.shape) if need_o else o.new_empty(0), weight.new_empty(weight.shape) if need_w else weight.new_empty(0)))
+    o.new_empty(o.shape) if need_o else o.new_empty(0), weight.new_empty(weight.shape) if need_w else weight.new_empty(0)),
+    updates=("weight",), update_grads=(1,))
 def _linear_residual_backward_op(dy: Tensor, o: Tensor, weight: Tensor, need_o: bool,
                                  need_w: bool) -> tuple[Tensor, Tensor]:
     dy = dy.contiguous()
@@ -242,18 +248,22 @@ def _linear_residual_backward_op(dy: Tensor, o: Tensor, weight: Tensor, need_o: 
     return (o.new_empty(0) if do is None else do), (weight.new_empty(0) if dw is None else dw)
 
 
-@forward_op("linear_residual", fake=lambda o, weight, res: o.new_empty(o.shape[0], weight.shape[0]),
-            backward=_linear_residual_backward, saved=lambda i, out: i[:2])
-def _linear_residual_op(o: Tensor, weight: Tensor, res: Tensor) -> Tensor:
+@forward_op("linear_residual", fake=lambda o, weight, res, *_: o.new_empty(o.shape[0], weight.shape[0]),
+            backward=_linear_residual_backward, saved=lambda i, out: i[:2],
+            slots=lambda i: (i[3], i[4]) if len(i) > 4 and i[3] else None)
+def _linear_residual_op(o: Tensor, weight: Tensor, res: Tensor, slots: Optional[list[int]] = None,
+                        token: Optional[Tensor] = None) -> Tensor:
+    """res + o W^T (``slots``, ``token``: the weight's update under torch.compile, ``coda.optim.compile_slots``)."""
     return gemm_for(o.device, LR_ENTRY)(o, weight, epilogue=residual_add, res=res)
 
 
 @forward_op("linear_residual_norm", backward=_linear_residual_backward, saved=lambda i, out: i[:2],
-            fake=lambda o, weight, res, gamma: (o.new_empty(o.shape[0], weight.shape[0]),
+            slots=lambda i: (i[4], i[5]) if len(i) > 5 and i[4] else None,
+            fake=lambda o, weight, res, gamma, *_: (o.new_empty(o.shape[0], weight.shape[0]),
                                                 o.new_empty(o.shape[0], weight.shape[0]),
                                                 o.new_empty(o.shape[0], dtype=torch.float32)))
-def _linear_residual_norm_op(o: Tensor, weight: Tensor, res: Tensor,
-                             gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _linear_residual_norm_op(o: Tensor, weight: Tensor, res: Tensor, gamma: Tensor, slots: Optional[list[int]] = None,
+                             token: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """y = res + o W^T, y * gamma (rounded once) and y's rows' sums of squares (fp32), from one epilogue."""
     out = gemm_for(o.device, LR_ENTRY)(o, weight, epilogue=residual_add_sumsq(o.dtype, scaled=True), res=res,
                                        gamma=gamma)
@@ -282,12 +292,14 @@ def linear_residual(o: Tensor, weight: Tensor, res: Tensor, *, norm_weight: Opti
         raise TypeError(f"{LR_ENTRY}: res must have o's dtype and device, got {res.dtype} on {res.device}")
     check_last_dim_contiguous(LR_ENTRY, (("o", o), ("weight", weight), ("res", res)))
     K, N = o.shape[-1], weight.shape[0]
+    slots, token = compile_slots(weight) if graph_call() and torch.is_grad_enabled() else ([], None)
+    upd = [slots, token] if slots else []  # under torch.compile: the weight updated in the backward (coda.optim)
     if norm_weight is None:
-        y = call("linear_residual", o.reshape(-1, K), weight, res.reshape(-1, N))
+        y = call("linear_residual", o.reshape(-1, K), weight, res.reshape(-1, N), *upd)
         return y.reshape(*o.shape[:-1], N)
     check_norm_weight(LR_ENTRY, norm_weight, N)
     if norm_weight.device != o.device:
         raise ValueError(f"{LR_ENTRY}: norm_weight is on {norm_weight.device} but o is on {o.device}")
-    y, hg, ss = call("linear_residual_norm", o.reshape(-1, K), weight, res.reshape(-1, N), norm_weight)
+    y, hg, ss = call("linear_residual_norm", o.reshape(-1, K), weight, res.reshape(-1, N), norm_weight, *upd)
     lead = o.shape[:-1]
     return y.reshape(*lead, N), hg.reshape(*lead, N), ss.reshape(lead)

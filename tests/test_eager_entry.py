@@ -113,7 +113,8 @@ def test_every_custom_op_with_autograd_has_an_eager_entry():
         "linear_gated_backward", "linear_cross_entropy_backward", "mlp_backward", "linear_rope_backward",
         "rmsnorm_linear_backward", "linear_backward", "rmsnorm_linear_rope_backward",
         "rmsnorm_linear_rope_qkv_backward", "linear_residual_backward", "rmsnorm_backward",
-        "embedding_backward", "mlp_backward_update", "embedding_backward_update", "linear_cross_entropy_update"}
+        "embedding_backward", "mlp_backward_update", "embedding_backward_update", "linear_cross_entropy_update",
+        "rmsnorm_linear_rope_qkv_backward_update", "linear_residual_backward_update"}
 
 
 @pytest.mark.parametrize("name", ["mlp", "linear_rope", "linear"])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import coda
+import coda.nn_attention
 import coda.optim
 from test_fuse_families import fp32_ops  # noqa: F401 (fixture)
 
@@ -92,11 +93,14 @@ def test_second_compiled_backward_without_step_raises(fp32_ops):
         _loss(f, 1).backward()
 
 
-def test_compiled_fused_llama_trains_as_torch_adamw(fp32_ops):
+@pytest.mark.parametrize("attention", ["inductor", "fused"])
+def test_compiled_fused_llama_trains_as_torch_adamw(fp32_ops, monkeypatch, attention):
     """A fused tiny Llama, compiled, three steps of coda.optim.AdamW against torch.optim.AdamW on the same model
     compiled (so both run the same compiled forward and backward math): every parameter agrees; the MLP weights, the
-    input embedding and the LM head were updated in backward (no .grad), the rest by step()."""
+    input embedding and the LM head were updated in backward (no .grad), with the attention block fused under
+    compile (``FusedAttention.inductor_under_compile = False``) its QKV and O weights too, the rest by step()."""
     from test_optim import _models, _train
+    monkeypatch.setattr(coda.nn_attention.FusedAttention, "inductor_under_compile", attention == "inductor")
     torch._dynamo.reset()
     a, b = _models()
     opt_a, opt_b = coda.optim.AdamW(a.parameters(), **KW), torch.optim.AdamW(b.parameters(), **KW)
@@ -106,8 +110,9 @@ def test_compiled_fused_llama_trains_as_torch_adamw(fp32_ops):
     f = torch.compile(a)
     f(batches[0], labels=batches[0]).loss.backward()
     no_grad = {n for n, p in a.named_parameters() if p.grad is None}
-    assert no_grad == {n for n, _ in a.named_parameters()
-                       if any(k in n for k in (".mlp.weight_gu", ".mlp.down_proj", "embed_tokens", "lm_head"))}
+    updated = (".mlp.weight_gu", ".mlp.down_proj", "embed_tokens", "lm_head")
+    updated += (".self_attn.weight_qkv", ".self_attn.o_proj") if attention == "fused" else ()
+    assert no_grad == {n for n, _ in a.named_parameters() if any(k in n for k in updated)}
     opt_a.step()
     opt_a.zero_grad(set_to_none=True)
     _train(f, opt_a, batches[1:])
