@@ -129,8 +129,9 @@ def test_in_backward_training_matches_torch_adamw(fp32_ops):
 
 
 def test_dispatcher_path_returns_gradients(fp32_ops, monkeypatch):
-    """Under the dispatcher (what torch.compile runs) the ops return gradients and step() updates the weights:
-    the same parameters as in-backward updates."""
+    """Through the dispatcher outside a graph (``EAGER_FUNCTIONS=False``; under torch.compile the ops' update twins
+    run instead: tests/test_optim_compile.py) the ops return gradients and step() updates the weights: the same
+    parameters as in-backward updates."""
     a, b = _models()
     kw = dict(lr=1e-2, weight_decay=0.0)
     opt_a = coda.optim.AdamW(a.parameters(), **kw)
