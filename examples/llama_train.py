@@ -75,7 +75,10 @@ def train(mode: str, args, cfg: LlamaConfig) -> dict:
     step_fn = model
     if args.compile and (mode == "stock" or args.compile_fused):
         step_fn = torch.compile(model, mode=args.compile_mode)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    if mode == "fused" and args.coda_optim:  # each fused weight updated inside its dW GEMM in the backward
+        opt = coda.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     chain, g = make_chain(cfg.vocab_size, args.seed), torch.Generator().manual_seed(args.seed + 1)
     data = [batch(chain, args.batch, args.seq, g) for _ in range(min(args.steps, 64))]
     if mode == "fused" and dev.type == "cuda" and args.precompile:
@@ -174,6 +177,9 @@ def main(argv=None) -> int:
     which.add_argument("--stock", action="store_true", help="only the stock model")
     p.add_argument("--compile", action="store_true", help="torch.compile the stock model")
     p.add_argument("--compile-fused", action="store_true", help="with --compile, compile the fused model too")
+    p.add_argument("--coda-optim", action="store_true",
+                   help="train the fused model with coda.optim.AdamW: each fused weight's update inside its dW GEMM "
+                        "in the backward (eager and with --compile-fused)")
     p.add_argument("--compile-mode", default="default", choices=["default", "reduce-overhead", "max-autotune"],
                    help="torch.compile mode (reduce-overhead: CUDA-graph trees, no per-op host cost)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
