@@ -108,14 +108,14 @@ def backward_call(ctx, name: str, *args) -> tuple:
 
 def forward_op(name: str, *, fake: Callable, backward: Union[str, Callable], saved: Callable, grads: int = 0,
                extra: Optional[Callable] = None, arrange: Optional[Callable] = None,
-               outputs: Union[int, Callable] = 1, eager=None, slots: Optional[Callable] = None):
+               outputs: Union[int, Callable] = 1, eager=None, slots: Optional[int] = None):
     """Decorator: ``fn`` as the custom op ``coda::<name>`` with ``fake`` and autograd through ``backward``: the
     backward op's name, or the autograd backward function itself (module docstring). ``saved(inputs, output)``:
     the tensors (or None) to save; ``extra(inputs)``: non-tensor values the backward needs (default none; kept as
     ``ctx.coda_extra``); ``arrange(extra, needs)``: the backward op's arguments after the saved tensors (default
     ``(*extra, *needs)``); ``outputs``: how many leading outputs are differentiable (an int, or a function of the
-    inputs); ``eager``: as ``ops._common.custom_op``'s; ``slots(inputs)``: the (slots, token) of
-    ``coda.optim.compile_slots`` the call carries (None: none), when the backward op has an ``_update`` twin
+    inputs); ``eager``: as ``ops._common.custom_op``'s; ``slots``: the position of the op's optional ``slots``
+    argument, followed by ``token`` (``ops._common.update_args``), when the backward op has an ``_update`` twin
     (:func:`backward_op`'s ``updates``), which the backward then calls with them."""
     def wrap(fn):
         op = custom_op(name, eager=eager)(fn)
@@ -126,7 +126,8 @@ def forward_op(name: str, *, fake: Callable, backward: Union[str, Callable], sav
             if isinstance(output, (tuple, list)):
                 ctx.mark_non_differentiable(*output[outputs(inputs) if callable(outputs) else outputs:])
             ctx.coda_extra = tuple(extra(inputs)) if extra is not None else ()
-            ctx.coda_slots, ctx.coda_token = (slots(inputs) if slots is not None else None) or ([], None)
+            carried = slots is not None and len(inputs) > slots + 1 and inputs[slots]
+            ctx.coda_slots, ctx.coda_token = (inputs[slots], inputs[slots + 1]) if carried else ([], None)
             ctx.save_for_backward(*saved(inputs, output))
 
         def autograd_backward(ctx, dy, *_):

@@ -16,7 +16,7 @@ from torch.autograd.function import once_differentiable
 from coda import _device
 from coda.runtime import precompile as _precompile
 from coda.epilogues.adamw import adamw
-from coda.optim import eager_backward, in_backward_operands, update_config
+from coda.optim import compile_slots, eager_backward, in_backward_operands, update_config
 
 
 def gemm_for(device: torch.device, entry: str = "coda.ops"):
@@ -243,6 +243,16 @@ def graph_call() -> bool:
     dispatcher=True)`` dry run of one: what picks the ops' in-place update twins for ``coda.optim`` (``slots``)."""
     rec = _precompile.recorder()
     return torch.compiler.is_compiling() or (rec is not None and rec.dispatcher)
+
+
+def update_args(*weights, when: bool = True) -> list:
+    """The trailing (slots, token) arguments an op's entry passes when a compiled graph (:func:`graph_call`) should
+    update ``weights`` in its backward (``coda.optim.compile_slots``; ``when``: the entry's own condition, e.g. grad
+    mode on), else none: ``call(name, *args, *update_args(w))``."""
+    if not (when and graph_call()):
+        return []
+    slots, token = compile_slots(*weights)
+    return [slots, token] if slots else []
 
 
 def call(name: str, *args, ctx=None):

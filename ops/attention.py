@@ -35,11 +35,10 @@ from coda.epilogues.rope import rope_rmsnorm
 
 from coda.epilogues.rmsnorm import rmsnorm_dgrad, rmsnorm_dgrad_residual, row_dot
 from coda.kernels.rope_grad import rope_grad
-from coda.optim import compile_slots
 
 from ._builder import backward_call, backward_op, forward_op
-from ._common import (call, check_inputs, check_last_dim_contiguous, epilogue_pass, gemm_for, grad_of, graph_call,
-                      linear_grads, weight_grad)
+from ._common import (call, check_inputs, check_last_dim_contiguous, epilogue_pass, gemm_for, grad_of, linear_grads,
+                      update_args, weight_grad)
 from .mlp import residual_add, residual_add_sumsq, rmsnorm_fold_grads
 from .rmsnorm_linear import check_eps, check_norm_weight, check_sumsq, normed_operands
 from .rope import unrotate
@@ -165,7 +164,7 @@ def _qkv_backward(ctx, dq, dk, dv, dres=None, _dr=None):
 # inputs or one another
 @forward_op("rmsnorm_linear_rope_qkv", fake=_fake_qkv, backward=_qkv_backward, eager=_qkv_views,
             outputs=lambda i: 4 if i[8] else 3, saved=lambda i, out: (*i[:3], out[4], *out[:3], *i[3:5]),
-            slots=lambda i: (i[10], i[11]) if len(i) > 11 and i[10] else None)
+            slots=10)
 def _qkv_op(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, freqs: Tensor, eps: float, nq: int,
             nk: int, residual: bool, sumsq: Optional[Tensor] = None, slots: Optional[list[int]] = None,
             token: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -218,9 +217,8 @@ def rmsnorm_linear_rope_qkv(x: Tensor, norm_weight: Tensor, weight: Tensor, posi
         raise TypeError(f"{ENTRY}_qkv: residual must be True or False, got {type(residual).__name__}")
     sumsq = check_sumsq(f"{ENTRY}_qkv", sumsq, x)
     lead = x.shape[:-1]
-    slots, token = compile_slots(weight) if graph_call() and torch.is_grad_enabled() else ([], None)
     q, k, v, xr, _ = call("rmsnorm_linear_rope_qkv", x.reshape(-1, K), norm_weight, weight, pos, freqs, float(eps),
-                          nq, nk, residual, sumsq, *([slots, token] if slots else []))
+                          nq, nk, residual, sumsq, *update_args(weight, when=torch.is_grad_enabled()))
     parts = tuple(t.reshape(*lead, t.shape[1]) for t in (q, k, v))
     return (*parts, xr.reshape(x.shape)) if residual else parts
 
@@ -250,7 +248,7 @@ def _linear_residual_backward_op(dy: Tensor, o: Tensor, weight: Tensor, need_o: 
 
 @forward_op("linear_residual", fake=lambda o, weight, res, *_: o.new_empty(o.shape[0], weight.shape[0]),
             backward=_linear_residual_backward, saved=lambda i, out: i[:2],
-            slots=lambda i: (i[3], i[4]) if len(i) > 4 and i[3] else None)
+            slots=3)
 def _linear_residual_op(o: Tensor, weight: Tensor, res: Tensor, slots: Optional[list[int]] = None,
                         token: Optional[Tensor] = None) -> Tensor:
     """res + o W^T (``slots``, ``token``: the weight's update under torch.compile, ``coda.optim.compile_slots``)."""
@@ -258,7 +256,7 @@ def _linear_residual_op(o: Tensor, weight: Tensor, res: Tensor, slots: Optional[
 
 
 @forward_op("linear_residual_norm", backward=_linear_residual_backward, saved=lambda i, out: i[:2],
-            slots=lambda i: (i[4], i[5]) if len(i) > 5 and i[4] else None,
+            slots=4,
             fake=lambda o, weight, res, gamma, *_: (o.new_empty(o.shape[0], weight.shape[0]),
                                                 o.new_empty(o.shape[0], weight.shape[0]),
                                                 o.new_empty(o.shape[0], dtype=torch.float32)))
@@ -292,8 +290,7 @@ def linear_residual(o: Tensor, weight: Tensor, res: Tensor, *, norm_weight: Opti
         raise TypeError(f"{LR_ENTRY}: res must have o's dtype and device, got {res.dtype} on {res.device}")
     check_last_dim_contiguous(LR_ENTRY, (("o", o), ("weight", weight), ("res", res)))
     K, N = o.shape[-1], weight.shape[0]
-    slots, token = compile_slots(weight) if graph_call() and torch.is_grad_enabled() else ([], None)
-    upd = [slots, token] if slots else []  # under torch.compile: the weight updated in the backward (coda.optim)
+    upd = update_args(weight, when=torch.is_grad_enabled())  # under torch.compile: updated in the backward
     if norm_weight is None:
         y = call("linear_residual", o.reshape(-1, K), weight, res.reshape(-1, N), *upd)
         return y.reshape(*o.shape[:-1], N)

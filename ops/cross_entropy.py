@@ -64,11 +64,11 @@ from torch import Tensor
 from coda.epilogues.adamw import adamw_scaled, adamw_times
 from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_cap, ce_backward_general, ce_forward,
                                           ce_forward_cap, ce_forward_smooth, scale_by)
-from coda.optim import compile_slots, eager_backward, updates_in_backward
+from coda.optim import eager_backward, updates_in_backward
 
 from ._builder import backward_op, forward_op
 from ._common import (IN_DTYPES, backward_gemm, call, check_inputs, check_tensors, custom_op, eager_call,
-                      epilogue_pass, gemm_for, graph_call, kernel_aligned, update_in_backward)
+                      epilogue_pass, gemm_for, kernel_aligned, update_args, update_in_backward)
 from .cross_entropy_fast import forward_with_grads, plan_rows
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES", "MEMORY_BUDGET"]
@@ -451,7 +451,7 @@ def _backward_fast(ctx, grad_loss, *_):
 # extra: need_x, need_w
 @forward_op("linear_cross_entropy_fast", fake=_op_fast_fake, backward=_backward_fast,
             saved=lambda i, out: (*out[1:], i[1], i[0] if out[3].numel() else None), extra=lambda i: i[10:12],
-            slots=lambda i: (i[13], i[14]) if len(i) > 14 and i[13] else None)
+            slots=13)
 def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
              z_loss: float, softcap: Optional[float], rows: int, check: str, need_x: bool,
              need_w: bool, defer: bool, slots: Optional[list[int]] = None,
@@ -547,10 +547,9 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
     if rows is not None:
         need_x, need_w = x.requires_grad, weight.requires_grad
         # under torch.compile the weight coda.optim holds is updated by the backward (linear_cross_entropy_update)
-        slots, token = compile_slots(weight) if need_w and graph_call() else ([], None)
         loss, *_ = call("linear_cross_entropy_fast", x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
                         reduction, float(label_smoothing), float(z_loss), softcap, rows, check, need_x, need_w, defer,
-                        *([slots, token] if slots else []))
+                        *update_args(weight, when=need_w))
         return loss.reshape(target.shape) if reduction == "none" else loss
     loss, _ = call("linear_cross_entropy", x.reshape(-1, H), weight, target.reshape(-1), ignore_index, reduction,
                    float(label_smoothing), float(z_loss), softcap, chunk_size, check)

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 
 from coda import _device
 from coda.kernels.embedding_adamw import VEC, embedding_adamw
-from coda.optim import compile_slots, in_backward_operands
+from coda.optim import in_backward_operands
 
 from ._builder import backward_op, forward_op
-from ._common import IN_DTYPES, call, check_tensors, graph_call
+from ._common import IN_DTYPES, call, check_tensors, update_args
 
 __all__ = ["embedding"]
 
@@ -47,8 +47,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: Optional[int
             raise ValueError(f"embedding: padding_idx must be an int in [-{V}, {V}) or None, got {padding_idx!r}")
         padding_idx %= V
     # under torch.compile the weight coda.optim holds is updated by the backward op's in-place twin
-    slots, token = compile_slots(weight) if graph_call() and torch.is_grad_enabled() else ([], None)
-    return call("embedding", weight, ids, padding_idx, *([slots, token] if slots else []))
+    return call("embedding", weight, ids, padding_idx, *update_args(weight, when=torch.is_grad_enabled()))
 
 
 def _updates_in_place(weight: torch.Tensor) -> bool:
@@ -90,7 +89,7 @@ def _fake(weight, ids, padding_idx=None, slots=None, token=None):
 
 @forward_op("embedding", fake=_fake, backward="embedding_backward", grads=1,
             saved=lambda inputs, out: (inputs[1], inputs[0]), extra=lambda inputs: (inputs[2],),
-            slots=lambda inputs: (inputs[3], inputs[4]) if len(inputs) > 4 and inputs[3] else None)
+            slots=3)
 def _embedding_op(weight: torch.Tensor, ids: torch.Tensor, padding_idx: Optional[int] = None,
                   slots: Optional[list[int]] = None, token: Optional[torch.Tensor] = None) -> torch.Tensor:
     """ids.shape + (H,): the rows of ``weight``. ``slots``, ``token``: ``coda.optim.compile_slots`` of the weight

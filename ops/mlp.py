@@ -52,11 +52,10 @@ from torch import Tensor
 import coda
 from coda.autodiff import DGRAD, grad_name, on_acc
 from coda.epilogues.adamw import adamw_fold
-from coda.optim import compile_slots
 
 from ._builder import backward_op, forward_op
-from ._common import (IN_DTYPES, call, check_last_dim_contiguous, check_tensors, gemm_for, graph_call, kernel_aligned,
-                      linear_grads, save_preact_for, update_in_backward)
+from ._common import (IN_DTYPES, call, check_last_dim_contiguous, check_tensors, gemm_for, kernel_aligned,
+                      linear_grads, save_preact_for, update_args, update_in_backward)
 from .gated import check_x_weight_gu
 from .gated import fake_preact, forward_preact
 from .linear import backward_of, evaluate, saved_preact
@@ -231,7 +230,7 @@ def _rmsnorm_swiglu_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, eps: f
 
 @forward_op("mlp", fake=_fake_mlp, backward="mlp_backward", grads=4, saved=lambda i, out: (*i[:4], *out[1:5]),
             extra=lambda i: (bool(i[6]),), arrange=lambda extra, needs: (*needs, *extra),  # (needs, residual)
-            slots=lambda i: (i[10], i[11]) if len(i) > 11 and i[10] else None)
+            slots=10)
 def _mlp_op(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float, save_preact: bool,
             residual: bool, sumsq: bool, hg: Optional[Tensor] = None, ss: Optional[Tensor] = None,
             slots: Optional[list[int]] = None,
@@ -350,9 +349,8 @@ def mlp(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: 
         hg = hg.detach().reshape(M, H).contiguous()
     save = save_preact_for("mlp", save_preact, x, norm_weight, w_gate_up, w_down)
     # under torch.compile the weights coda.optim holds are updated by the backward op's in-place twin
-    slots, token = compile_slots(w_gate_up, w_down) if save and graph_call() else ([], None)
     out = call("mlp", x.reshape(M, H), norm_weight, w_gate_up, w_down, float(eps), save, residual, return_sumsq,
-               hg, ss, *([slots, token] if slots else []))
+               hg, ss, *update_args(w_gate_up, w_down, when=save))
     y = out[0].reshape(*lead, H)
     return (y, out[5].reshape(lead)) if return_sumsq else y
 
