@@ -102,15 +102,21 @@ def test_fused_llama_trains_like_torch_adamw(in_backward):
     _train_against_float64(in_backward, compiled=False)
 
 
-def test_compiled_fused_llama_trains_like_torch_adamw():
+@pytest.mark.parametrize("attention", ["inductor", "fused"])
+def test_compiled_fused_llama_trains_like_torch_adamw(monkeypatch, attention):
     """The same under torch.compile (both fused models compiled): the MLP's weights are updated inside their dW
     GEMMs by ops.mlp's update twin, the input embedding by ops.embedding's, the LM head in the cross entropy's
-    backward (no .grad), the other weights by step(); within 2x torch's error."""
+    backward (no .grad); with the attention block's fused GEMMs kept under compile (``attention="fused"``,
+    CODA_INDUCTOR_UNDER_COMPILE=none) its QKV and O weights by their ops' twins too, else by step(); within 2x
+    torch's error."""
+    import coda.nn_attention
+    monkeypatch.setattr(coda.nn_attention.FusedAttention, "inductor_under_compile", attention == "inductor")
     torch._dynamo.reset()
-    _train_against_float64(True, compiled=True)
+    _train_against_float64(True, compiled=True, attention_in_backward=attention == "fused")
 
 
-def _train_against_float64(in_backward, compiled):
+def _train_against_float64(in_backward, compiled, attention_in_backward=None):
+    attention_in_backward = in_backward if attention_in_backward is None else attention_in_backward
     torch.manual_seed(0)
     stock = _tiny_hf("Llama")
     stock.config.tie_word_embeddings = False
@@ -134,6 +140,9 @@ def _train_against_float64(in_backward, compiled):
                 assert (a.model.layers[0].mlp.down_proj.weight.grad is None) == in_backward
                 assert (a.lm_head.weight.grad is None) == in_backward
                 assert (a.model.embed_tokens.weight.grad is None) == in_backward
+                attn = a.model.layers[0].self_attn
+                assert (attn.weight_qkv.grad is None) == attention_in_backward
+                assert (attn.o_proj.weight.grad is None) == attention_in_backward
             opt.step()
             opt.zero_grad(set_to_none=True)
     sa, sb = coda.unfuse(a).state_dict(), coda.unfuse(b).state_dict()

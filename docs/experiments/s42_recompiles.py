@@ -1,0 +1,59 @@
+"""Session 42: does a compiled fused Llama recompile from step to step? (CPU reference path or GPU.)
+Trains a fused Llama (coda.fuse) compiled with coda.optim.AdamW for --steps steps and prints each step's wall time and
+dynamo's counters (frames compiled, recompiles, graph breaks); with --attention fused the attention block's fused GEMMs
+stay under compile (FusedAttention.inductor_under_compile = False, i.e. CODA_INDUCTOR_UNDER_COMPILE=none)."""
+import argparse
+import time
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--attention", choices=["inductor", "fused"], default="fused")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--inter", type=int, default=0, help="intermediate size (default 2 x hidden)")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--stacks-after", type=float, default=0, help="dump every thread's stack after this many s")
+    args = ap.parse_args()
+    if args.stacks_after:
+        import faulthandler
+        faulthandler.dump_traceback_later(args.stacks_after, repeat=True)
+    import coda
+    import coda.nn_attention
+    import coda.optim
+    from transformers import LlamaConfig, LlamaForCausalLM
+    coda.nn_attention.FusedAttention.inductor_under_compile = args.attention == "inductor"
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = LlamaConfig(vocab_size=512, hidden_size=args.hidden, intermediate_size=args.inter or 2 * args.hidden,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads,
+                      max_position_embeddings=4 * args.seq)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(dev, getattr(torch, args.dtype))
+    coda.fuse(model)
+    opt = coda.optim.AdamW(model.parameters(), lr=1e-3)
+    f = torch.compile(model)
+    from torch._dynamo.utils import counters
+    for s in range(args.steps):
+        ids = torch.randint(0, 512, (2, args.seq), device=dev)
+        t = time.perf_counter()
+        loss = f(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        st = counters["stats"]
+        print(f"step {s}: {time.perf_counter() - t:7.2f} s loss {loss.item():.4f} frames {st['unique_graphs']} "
+              f"calls {st['calls_captured']} recompiles {dict(counters['recompiles'])} "
+              f"breaks {sum(counters['graph_break'].values())}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
