@@ -180,6 +180,8 @@ def test_env_variants_alternate_in_rounds(tmp_path):
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "x fused's" in proc.stdout
+    # the report is written after each of the four runs (a run cut short keeps the ones before it), then the mode's
+    assert sum(ln.startswith("wrote") and ln.endswith("report.json") for ln in proc.stdout.splitlines()) == 5
     rep = json.loads((tmp_path / "report.json").read_text())
     assert [m["mode"] for m in rep["modes"]] == ["fused", "fused [CODA_PRECOMPILE=0]"]
     base, var = rep["modes"]

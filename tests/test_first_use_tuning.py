@@ -227,19 +227,25 @@ def test_shipped_h100_file_schema_and_provenance():
 
 
 def test_shipped_h200_file_is_the_converted_tuning_store(tmp_path):
-    """The H200 file (session 30): the converter's output for its one source, the near-level tuning store of the
-    llama-1b step's problems on an H200; K = 0 passes are not shippable (skipped, with the reason)."""
+    """The H200 file: the converter's output for its sources, the near-level tuning stores of the llama-1b step's
+    problems (session 30) and of the llama-8b-4l step's (session 42: 12 of its 15 problems, the run hit its time
+    limit) on an H200; K = 0 passes are not shippable (skipped, with the reason)."""
     path = SHIPPED.with_name("h200.json")
     doc = json.loads(path.read_text())
     assert ship.doc_problems(doc) == []
     assert doc["gpu"] == {"name": "NVIDIA H200", "sm_count": 132, "arch": "sm_90a"} and doc["cutlass_dsl"] == "4.8.1"
-    (src,) = doc["provenance"]["sources"]
-    assert src["file"] == "docs/tune_h200/llama1b_near_store_s30.json"
+    srcs = doc["provenance"]["sources"]
+    assert [s["file"] for s in srcs] == ["docs/tune_h200/llama1b_near_store_s30.json",
+                                         "docs/tune_h200/llama8b4l_near_s42.json"]
     import hashlib
-    assert hashlib.sha256((ROOT / src["file"]).read_bytes()).hexdigest()[:16] == src["sha256"]
+    for src in srcs:
+        assert hashlib.sha256((ROOT / src["file"]).read_bytes()).hexdigest()[:16] == src["sha256"]
     assert all("K0x" in s["key"] for s in doc["provenance"]["skipped"])
-    assert len(doc["entries"]) == 18 and all(e["level"] == "near" for e in doc["entries"].values())
-    rc = cli_main(["--ship-from", str(ROOT / src["file"]), "--ship-dir", str(tmp_path), "--note", "x"])
+    assert len(doc["entries"]) == 18 + 7 and all(e["level"] == "near" for e in doc["entries"].values())
+    assert sum(e["problem"]["K"] == 128256 or e["problem"]["N"] == 128256 and e["problem"]["K"] == 4096
+               for e in doc["entries"].values()) == 2  # the 8B LM head's logits and dX GEMMs
+    rc = cli_main([*sum((["--ship-from", str(ROOT / s["file"])] for s in srcs), []), "--ship-dir", str(tmp_path),
+                   "--note", "x"])
     assert rc == 0 and json.loads((tmp_path / "h200.json").read_text())["entries"] == doc["entries"]
 
 

@@ -477,6 +477,8 @@ def main(argv=None) -> int:
                           f"{res['peak_bytes'] / 1e9:.1f} GB ({res['wall_s']:.0f} s)", flush=True)
                 else:
                     print(f"  {name}: FAILED {res['error']}", flush=True)
+                if len(variants) > 1 or args.rounds > 1:  # after each run: a run cut short keeps what ran before it
+                    _write(dict(report, modes=report["modes"] + [_pool(r) for r in runs.values() if r]), args.out)
         report["modes"] += [_pool(runs[label]) for label, _ in variants]
         _write(report, args.out)  # after each mode: a later failure keeps what ran (modes are never empty)
     return 0 if all(not m.get("error") for m in report["modes"]) else 1

@@ -19,6 +19,8 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--cprofile", action="store_true", help="cProfile the first step: the top functions")
+    ap.add_argument("--log-compiles", action="store_true", help="print every kernel load / compile with its time")
     ap.add_argument("--stacks-after", type=float, default=0, help="dump every thread's stack after this many s")
     args = ap.parse_args()
     if args.stacks_after:
@@ -28,6 +30,17 @@ def main():
     import coda.nn_attention
     import coda.optim
     from transformers import LlamaConfig, LlamaForCausalLM
+    if args.log_compiles:
+        import coda.runtime.compile_cache as cc
+        inner, t_run = cc.cached, time.perf_counter()
+
+        def cached(key, build):
+            t = time.perf_counter()
+            fn, how = inner(key, build)
+            print(f"  [{time.perf_counter() - t_run:7.1f} s] {how} {time.perf_counter() - t:6.2f} s "
+                  f"{str(key)[-90:]}", flush=True)
+            return fn, how
+        cc.cached = cached
     coda.nn_attention.FusedAttention.inductor_under_compile = args.attention == "inductor"
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = LlamaConfig(vocab_size=512, hidden_size=args.hidden, intermediate_size=args.inter or 2 * args.hidden,
@@ -43,8 +56,19 @@ def main():
     for s in range(args.steps):
         ids = torch.randint(0, 512, (2, args.seq), device=dev)
         t = time.perf_counter()
+        prof = None
+        if args.cprofile and s == 0:
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
         loss = f(ids, labels=ids).loss
         loss.backward()
+        if prof is not None:
+            prof.disable()
+            import pstats
+            st = pstats.Stats(prof)
+            st.sort_stats("cumulative").print_stats(45)
+            st.sort_stats("tottime").print_stats(25)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if dev == "cuda":
