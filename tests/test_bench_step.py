@@ -197,6 +197,19 @@ def test_env_variants_alternate_in_rounds(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "coda.bench", "--model", "tiny", "--env", "NOVALUE"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--env" in bad.stderr
+    # --env-only: the variant alone (a call's time for it, not for the unmodified mode first)
+    only = tmp_path / "only"
+    proc = subprocess.run([sys.executable, "-m", "coda.bench", "--model", "tiny", "--device", "cpu", "--seq", "16",
+                           "--steps", "2", "--warmup", "1", "--profile-steps", "0", "--modes", "fused",
+                           "--env", "CODA_PRECOMPILE=0", "--env-only", "--out", str(only)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rep = json.loads((only / "report.json").read_text())
+    assert [m["mode"] for m in rep["modes"]] == ["fused [CODA_PRECOMPILE=0]"]
+    assert rep["modes"][0]["coda_env"]["CODA_PRECOMPILE"] == "0"
+    bad = subprocess.run([sys.executable, "-m", "coda.bench", "--model", "tiny", "--env-only"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--env-only" in bad.stderr
 
 
 def test_tiny_cpu_run_on_two_processes_with_fsdp2(tmp_path):

@@ -111,6 +111,29 @@ def test_recipes_pickle_and_epilogues_keep_their_structure_and_key():
     assert sp.srepr(pc.loads(pickle.dumps(e))) == sp.srepr(e) != sp.srepr(pickle.loads(pickle.dumps(e)))
 
 
+def test_fingerprint_never_prints_a_whole_expression(monkeypatch):
+    """The structural fingerprint walks each expression's DAG; it never hands a compound expression to sympy's
+    srepr, whose sorting of Add / Mul arguments evaluates products and asks sympy's assumptions -- which raised
+    InconsistentAssumptions on an unevaluated -1*0.0 in a derived epilogue after other tests had queried it (a
+    fresh-clone CI run, session 42) -- and whose output grows exponentially with reused subexpressions."""
+    import sympy as sp
+    srepr = sp.srepr
+
+    def atoms_only(e, *a, **k):
+        assert not getattr(e, "args", ()), "srepr of a compound expression"
+        return srepr(e, *a, **k)
+    monkeypatch.setattr(sp, "srepr", atoms_only)
+    epis = _epilogues()
+    prints = {pc.structure_fingerprint(e) for e in epis}
+    assert len(prints) == len(epis)  # (distinct epilogues, distinct prints)
+    x, y = sp.symbols("x y")
+    two = [sp.Mul(2, sp.Add(x, y), evaluate=False), sp.Add(sp.Mul(2, x), sp.Mul(2, y), evaluate=False)]
+    outs = [[], []]
+    for e, out in zip(two, outs):
+        pc._structure(e, out)
+    assert outs[0] != outs[1]  # the structure, not the value
+
+
 def test_arg_specs_rebuild_the_runtime_mlir_types(cpu_gemm):
     from cutlass._mlir import ir
     a, b, ops = _problem()

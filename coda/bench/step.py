@@ -356,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
                     help="a variant: each mode also runs with these environment variables (repeatable), reported "
                          "as 'MODE [NAME=VALUE]' with its step time's ratio to the mode's, round by round")
+    ap.add_argument("--env-only", action="store_true",
+                    help="run each mode with its --env variants only (not as it is): a variant alone in a call")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run each mode and its --env variants this many times, alternating (step times pooled)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mode")
@@ -438,9 +440,11 @@ def main(argv=None) -> int:
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     try:
-        variants = [("", {})] + parse_env(args.env)
+        variants = ([] if args.env_only else [("", {})]) + parse_env(args.env)
     except ValueError as e:
         ap.error(str(e))
+    if not variants:
+        ap.error("--env-only needs at least one --env")
     # CODA_AUTOTUNE as the user set it: unset is the library's default (the tuning store, the shipped configs of
     # this GPU, else the heuristic; never tunes); 0 is the heuristic alone (the step reports before session 21)
     from . import _git, _version
@@ -470,7 +474,7 @@ def main(argv=None) -> int:
                 res["mode"], res["wall_s"] = name, time.time() - t0
                 runs[label].append(res)
                 if not res.get("error"):
-                    base = runs[""][-1]
+                    base = runs[""][-1] if runs.get("") else {"error": "not run"}
                     ratio = ("" if not label or base.get("error") else
                              f", {SR.median(res['step_ms_all']) / SR.median(base['step_ms_all']):.3f}x {mode}'s")
                     print(f"  {name}: {SR.median(res['step_ms_all']):.1f} ms/step{ratio}, "

@@ -17,7 +17,7 @@ object is then byte-identical to the one the parent would compile, tests/test_pr
 computes the recipe's key, and stores the compiled object in ``<cache dir>/kernels/`` (``compile_cache``); recipes
 whose object is already there are skipped. Epilogues travel by pickle: a traced epilogue's sympy expressions are
 rebuilt under ``sympy.evaluate(False)`` (no re-simplification) without its Python function, and the worker checks
-a structural fingerprint of the epilogue (``srepr`` of every expression) against the parent's; a recipe that
+a structural fingerprint of the epilogue (every expression as a DAG) against the parent's; a recipe that
 cannot be pickled, or that a worker could not compile, is compiled in the parent. The real step then finds every
 kernel on disk (``how == "disk"``) and links it, compiling nothing. In the background (:class:`Background`, for a
 step that torch.compile compiles meanwhile) the workers' kernels are registered in flight: a compile point that
@@ -291,8 +291,11 @@ def _structure(obj: Any, out: list, depth: int = 0) -> None:
     import sympy as sp
     if depth > 20:
         out.append("...")
-    elif isinstance(obj, sp.Basic):
-        out.append(sp.srepr(obj))
+    elif isinstance(obj, sp.Basic):  # the DSL's DAG key: no srepr (it sorts Add / Mul arguments, asking sympy's
+        # assumptions, which can raise InconsistentAssumptions on an unevaluated -1*0.0; and its tree grows
+        # exponentially with reused subexpressions)
+        from coda.dsl import _dag_key
+        out.append(repr(_dag_key([obj])[0]))
     elif isinstance(obj, dict):
         for k in sorted(obj, key=repr):
             out.append(repr(k))
@@ -310,7 +313,7 @@ def _structure(obj: Any, out: list, depth: int = 0) -> None:
 
 
 def structure_fingerprint(epi: Any) -> str:
-    """sha256 over the epilogue's class and every attribute (sympy expressions by ``srepr``; its Python function
+    """sha256 over the epilogue's class and every attribute (sympy expressions as DAGs; its Python function
     left out): equal in a worker iff the unpickled epilogue emits the same code."""
     out = [f"{type(epi).__module__}.{type(epi).__qualname__}"]
     for name in sorted(vars(epi)):

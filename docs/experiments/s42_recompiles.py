@@ -11,6 +11,7 @@ import torch
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--attention", choices=["inductor", "fused"], default="fused")
+    ap.add_argument("--stock", action="store_true", help="the stock model and torch's AdamW (no coda.fuse)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=128)
@@ -22,7 +23,11 @@ def main():
     ap.add_argument("--cprofile", action="store_true", help="cProfile the first step: the top functions")
     ap.add_argument("--log-compiles", action="store_true", help="print every kernel load / compile with its time")
     ap.add_argument("--stacks-after", type=float, default=0, help="dump every thread's stack after this many s")
+    ap.add_argument("--silent-side-effects", action="store_true",
+                    help="torch._dynamo.config.side_effect_replay_policy = 'silent' (no user stack a mutation)")
     args = ap.parse_args()
+    if args.silent_side_effects:
+        torch._dynamo.config.side_effect_replay_policy = "silent"
     if args.stacks_after:
         import faulthandler
         faulthandler.dump_traceback_later(args.stacks_after, repeat=True)
@@ -49,8 +54,11 @@ def main():
                       max_position_embeddings=4 * args.seq)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(dev, getattr(torch, args.dtype))
-    coda.fuse(model)
-    opt = coda.optim.AdamW(model.parameters(), lr=1e-3)
+    if args.stock:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        coda.fuse(model)
+        opt = coda.optim.AdamW(model.parameters(), lr=1e-3)
     f = torch.compile(model)
     from torch._dynamo.utils import counters
     for s in range(args.steps):
@@ -69,6 +77,7 @@ def main():
             st = pstats.Stats(prof)
             st.sort_stats("cumulative").print_stats(45)
             st.sort_stats("tottime").print_stats(25)
+            st.print_callers("prefixed_lines|indent|_torchscript_schema_to_signature_impl")  # who formats text
         opt.step()
         opt.zero_grad(set_to_none=True)
         if dev == "cuda":
