@@ -109,9 +109,9 @@ class FusedAttention(_NormConsumer):
     repeat as in the stock model), because that measured faster there: llama-1b on an H100, fused + compile
     140.1 ms per step this way, 142.8 ms with this block's fused GEMM under compile (stock + compile 136.6 ms;
     python -m coda.bench --model llama-1b, one machine). Eager runs the fused GEMM. With it False
-    (``CODA_INDUCTOR_UNDER_COMPILE=none``) the first compiled step takes long on the GPU and grows faster than the
-    layer count (H200, llama-1b widths, torch 2.11: dynamo + inductor ~20 s at 4 layers, ~47 s at 8; at 16 layers
-    no first step within ~480 s; docs/NOTES.md, session 42), another reason for the default.
+    (``CODA_INDUCTOR_UNDER_COMPILE=none``) the first compiled step on torch 2.11 grew faster than quadratically with
+    the layer count (H200: no first step of llama-1b within ~480 s) until ``ops._common.inductor_fallbacks`` (CPU,
+    torch 2.11: 8 layers of a tiny Llama 107 -> 19 s; docs/NOTES.md, session 42).
     """
 
     inductor_under_compile = "attention" in INDUCTOR_UNDER_COMPILE

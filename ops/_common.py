@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -165,8 +166,46 @@ def custom_op(name: str, eager=None, mutates_args: tuple = ()):
     def wrap(fn):
         op = torch.library.custom_op(f"coda::{name}", fn, mutates_args=mutates_args)
         _impls[name] = (eager or fn, op)
+        register = op.register_fake
+
+        def register_fake(fake):  # the fake first makes the ops inductor fallbacks (inductor_fallbacks)
+            @functools.wraps(fake)
+            def run(*args, **kwargs):
+                inductor_fallbacks()
+                return fake(*args, **kwargs)
+            return register(run)
+        op.register_fake = register_fake
         return op
     return wrap
+
+
+_fallbacks: set = set()  # the ops made inductor fallbacks
+
+
+def inductor_fallbacks() -> None:
+    """Every CODA op as an explicit inductor fallback, with the layout constraint inductor would choose itself (its
+    implicit path in torch/_inductor/graph.py's call_function), once inductor's lowering module is loaded: run by
+    the ops' fake implementations, so under torch.compile before inductor lowers a graph. Why: torch 2.11's
+    implicit path formats each op's arguments for an INFO log line eagerly -- the string of every IR node upstream,
+    nested -- which grows faster than quadratically with a graph's chain of custom ops (a fused llama-1b step with
+    the attention fused under compile had no first step after 8 minutes on an H200; on the CPU 8 layers took 107 s
+    against 19 s for 4); torch 2.13 defers that string. Where the private API differs, nothing is registered and
+    inductor takes its implicit path as before."""
+    if len(_fallbacks) == len(_impls):
+        return
+    low = sys.modules.get("torch._inductor.lowering")
+    if low is None:
+        return
+    try:
+        from torch._library.utils import get_layout_constraint_tag
+        for name in [n for n in _impls if n not in _fallbacks]:
+            op = getattr(torch.ops.coda, name).default
+            if op not in low.lowerings:
+                constraint = low.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+                low.make_fallback(op, layout_constraint=constraint)
+            _fallbacks.add(name)
+    except Exception:  # a moved private API: inductor's implicit fallbacks, as without this
+        _fallbacks.update(_impls)
 
 
 def _spec(args) -> tuple:

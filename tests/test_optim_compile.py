@@ -118,3 +118,24 @@ def test_compiled_fused_llama_trains_as_torch_adamw(fp32_ops, monkeypatch, atten
     _train(f, opt_a, batches[1:])
     for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         torch.testing.assert_close(pa, pb, rtol=2e-5, atol=2e-6, msg=n)
+
+
+def test_every_op_is_an_explicit_inductor_fallback(fp32_ops):
+    """Under torch.compile the ops' fake implementations make every CODA op an explicit inductor fallback with the
+    layout constraint inductor's implicit path would give it (``ops._common.inductor_fallbacks``): torch 2.11's
+    implicit path formats the whole upstream IR into an unused log string, which made the first compiled step of a
+    fused model with the attention fused under compile grow faster than quadratically with its depth (8 layers of
+    a tiny Llama on the CPU: 107 s before, 19 s after; session 42)."""
+    import torch._inductor.lowering as low
+    from torch._library.utils import get_layout_constraint_tag
+
+    from coda.ops import _common
+    torch._dynamo.reset()
+    m = _mlp()
+    torch.compile(m, fullgraph=True)(torch.randn(2, 8, 64, requires_grad=True)).sum().backward()
+    assert set(_common._fallbacks) == set(_common._impls) and len(_common._impls) > 20
+    for name in _common._impls:
+        op = getattr(torch.ops.coda, name).default
+        assert op in low.lowerings, name
+        want = low.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        assert low.maybe_layout_constraints(op) is want, name
