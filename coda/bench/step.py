@@ -474,8 +474,8 @@ def main(argv=None) -> int:
                 res["mode"], res["wall_s"] = name, time.time() - t0
                 runs[label].append(res)
                 if not res.get("error"):
-                    base = runs[""][-1] if runs.get("") else {"error": "not run"}
-                    ratio = ("" if not label or base.get("error") else
+                    base = (runs.get("") or [None])[-1]  # the mode as it is (none with --env-only)
+                    ratio = ("" if not label or base is None or base.get("error") else
                              f", {SR.median(res['step_ms_all']) / SR.median(base['step_ms_all']):.3f}x {mode}'s")
                     print(f"  {name}: {SR.median(res['step_ms_all']):.1f} ms/step{ratio}, "
                           f"{args.batch * args.seq / SR.median(res['step_ms_all']) * 1e3:,.0f} tok/s, peak "
