@@ -250,13 +250,15 @@ def _residual_layer_forward(self, *args, **kwargs):
     else:
         x, rest = kwargs.pop("hidden_states"), ()
     n = self.input_layernorm(x)
+    normed = []  # o_proj's epilogue also forms the MLP's h * gamma and h's sums of squares (FusedAttention)
     if getattr(self.self_attn, "emit_next_norm", False) and getattr(self.self_attn, "add_residual", False) and \
-            getattr(self.mlp, "norm_weight", None) is not None:  # o_proj's epilogue also forms the MLP's h * gamma
-        kwargs = {**kwargs, "next_norm_weight": self.mlp.norm_weight}
+            getattr(self.mlp, "norm_weight", None) is not None and isinstance(self.mlp, SwiGLUMLP):
+        kwargs = {**kwargs, "next_norm_weight": self.mlp.norm_weight, "next_norm_out": normed}
     a = self.self_attn(n, *rest, **kwargs) if rest else self.self_attn(hidden_states=n, **kwargs)
     a = a[0] if isinstance(a, tuple) else a
     h = a if getattr(self.self_attn, "add_residual", False) else x + a  # FusedAttention adds x itself
-    return self.mlp(self.post_attention_layernorm(h))
+    m = self.post_attention_layernorm(h)
+    return self.mlp(m, normed=normed[0]) if normed and m is h else self.mlp(m)
 
 
 def _causal_lm_forward(self, *args, labels=None, **kwargs):

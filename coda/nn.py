@@ -47,9 +47,10 @@ __all__ = ["RMSNormLinear", "SwiGLUMLP", "LMHeadCrossEntropy", "DeferredRMSNorm"
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
 # Blocks whose norm / GEMM / activation are left to inductor while torch.compile traces (the stock math on the same
-# weights), where that measured faster than the fused kernels: FusedAttention.inductor_under_compile,
-# SwiGLUMLP.inductor_under_compile (class attributes; their defaults from CODA_INDUCTOR_UNDER_COMPILE, "attention").
-INDUCTOR_UNDER_COMPILE = os.environ.get("CODA_INDUCTOR_UNDER_COMPILE", "attention").split(",")
+# weights) instead of the fused kernels: FusedAttention.inductor_under_compile, SwiGLUMLP.inductor_under_compile
+# (class attributes; their defaults from CODA_INDUCTOR_UNDER_COMPILE, a comma-separated subset of "attention,mlp";
+# default "none": both fused under compile, the faster one on the H200, session 43).
+INDUCTOR_UNDER_COMPILE = os.environ.get("CODA_INDUCTOR_UNDER_COMPILE", "none").split(",")
 
 
 def _cast(w: Tensor, dtype) -> Tensor:
@@ -343,7 +344,9 @@ class SwiGLUMLP(_NormConsumer):
         """(w_gate, w_up) views of ``weight_gu`` (the stock weights)."""
         return ops.deinterleave_gate_up(self.weight_gu)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, normed: Optional[tuple] = None) -> Tensor:
+        """``normed``: (x * gamma, x's rows' sums of squares) formed by x's producer (coda.fuse's layer forward
+        passes what FusedAttention's o_proj epilogue emitted), else looked up (``recall_normed``) or computed."""
         dtype, gamma = _compute_dtype(x), self.norm_weight
         if dtype in _FUSED_DTYPES and compiling() and self.inductor_under_compile:
             n = x if gamma is None else rms_norm(x, gamma, self.eps)
@@ -353,8 +356,9 @@ class SwiGLUMLP(_NormConsumer):
                 and self.down_proj.bias is None:  # norm + gate/up + SwiGLU + down [+ x]: ops.mlp, 2 GEMMs, whose
             # backward writes dacc from da's GEMM (the SwiGLU backward as its 1 -> 2 epilogue: da never stored)
             args = (x.to(dtype), gamma, _cast(self.weight_gu, dtype), _cast(self.down_proj.weight, dtype), self.eps)
-            normed = recall_normed(x, gamma) if x.dtype == dtype else None  # x * gamma and r's sums from x's
-            # producer (FusedAttention.emit_next_norm), else the gate/up GEMM's own pre-pass
+            if normed is None or x.dtype != dtype:  # x * gamma and r's sums from x's producer
+                # (FusedAttention.emit_next_norm), else the gate/up GEMM's own pre-pass
+                normed = recall_normed(x, gamma) if x.dtype == dtype else None
             if self.add_residual and SUMSQ_CHAIN and not compiling():  # the next block's norm takes r from the down
                 # projection's epilogue (the rows' sums of squares of the stream it writes; recall_sumsq)
                 return remember_sumsq(*ops.mlp(*args, residual=True, return_sumsq=True, normed=normed))

@@ -104,14 +104,13 @@ class FusedAttention(_NormConsumer):
     """See the module docstring. Parameters: ``weight_qkv`` ((Hq + 2 Hkv) d, H), ``o_proj`` (the stock module,
     shared), the norm (a shared :class:`DeferredRMSNorm`); buffer ``freqs`` (one frequency per column pair).
 
-    ``inductor_under_compile`` (class attribute; default True, see ``coda.nn.INDUCTOR_UNDER_COMPILE``): under
-    ``torch.compile`` the norm, QKV GEMM and RoPE are left to inductor (the stock math on the same weights, GQA by
-    repeat as in the stock model), because that measured faster there: llama-1b on an H100, fused + compile
-    140.1 ms per step this way, 142.8 ms with this block's fused GEMM under compile (stock + compile 136.6 ms;
-    python -m coda.bench --model llama-1b, one machine). Eager runs the fused GEMM. With it False
-    (``CODA_INDUCTOR_UNDER_COMPILE=none``) the first compiled step on torch 2.11 grew faster than quadratically with
-    the layer count (H200: no first step of llama-1b within ~480 s) until ``ops._common.inductor_fallbacks`` (CPU,
-    torch 2.11: 8 layers of a tiny Llama 107 -> 19 s; docs/NOTES.md, session 42).
+    ``inductor_under_compile`` (class attribute; default False, see ``coda.nn.INDUCTOR_UNDER_COMPILE``): True leaves
+    the norm, QKV GEMM and RoPE to inductor under ``torch.compile`` (the stock math on the same weights, GQA by
+    repeat as in the stock model). The fused block is faster there now: llama-1b on an H200 (session 43, one
+    machine), fused + compile 122.9 ms a step with it fused, 124.0 left to inductor, first step 28 s against 53
+    (stock + compile 129.5). Before ``ops._common.inductor_fallbacks`` (session 42) the first compiled step of the
+    fused block grew faster than quadratically with the layer count on torch 2.11 (no first step of llama-1b within
+    ~480 s), and in session 22 (H100) inductor's path had measured 140.1 ms against 142.8.
     """
 
     inductor_under_compile = "attention" in INDUCTOR_UNDER_COMPILE
@@ -128,7 +127,8 @@ class FusedAttention(_NormConsumer):
     gqa_by_repeat = False
     # with add_residual: o_proj's epilogue also writes h * gamma of the next RMSNorm (the fused MLP's weight, which
     # coda.fuse's layer forward passes as ``next_norm_weight``) and h's rows' sums of squares, which the MLP's
-    # gate/up GEMM takes instead of its scale_sumsq pass (coda.nn.recall_normed; eager only). CODA_O_NORM_CHAIN=0
+    # gate/up GEMM takes instead of its scale_sumsq pass (appended to the layer forward's ``next_norm_out`` list,
+    # which hands them to the MLP call, eager and under torch.compile; else coda.nn.recall_normed). CODA_O_NORM_CHAIN=0
     # turns it off (H100 llama-1b, session 32: fused + graph 129.4 / 129.0 ms with it vs 129.3 / 129.8 without).
     emit_next_norm = os.environ.get("CODA_O_NORM_CHAIN", "1") == "1"
 
@@ -229,18 +229,23 @@ class FusedAttention(_NormConsumer):
         if mask is None and 1 < tq < tk:  # a chunk after cached positions: causal, aligned bottom-right
             mask = torch.ones(tq, tk, dtype=torch.bool, device=x.device).tril(tk - tq)
         gqa = self.n_kv != self.n_heads
-        if gqa and (_nn.compiling() or self.gqa_by_repeat):  # under compile inductor fuses the repeat into the
-            # RoPE kernel, as for stock
+        if gqa and ((_nn.compiling() and not fused) or self.gqa_by_repeat):  # inductor's RoPE kernel (compile,
+            # block left to inductor) writes the repeated heads, as for stock; else SDPA takes them as they are
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
             gqa = False
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and tq == tk and tq > 1,
                                            enable_gqa=gqa)
         o = o.transpose(1, 2).reshape(B, T, hq)
         if xr:  # x + o_proj(o) in one GEMM; its backward hands dx's residual part to the QKV op (no add kernels)
-            gamma = kwargs.get("next_norm_weight") if self.emit_next_norm and not _nn.compiling() else None
-            if gamma is not None and tuple(gamma.shape) == (self.hidden_size,):
+            gamma = kwargs.get("next_norm_weight") if self.emit_next_norm else None
+            box = kwargs.get("next_norm_out")  # coda.fuse's layer forward: (h * gamma, sums) go to its MLP call
+            if gamma is not None and tuple(gamma.shape) == (self.hidden_size,) and (box is not None
+                                                                                   or not _nn.compiling()):
                 out, hg, ss = ops.linear_residual(o, _cast(self.o_proj.weight, o.dtype), xr[0], norm_weight=gamma)
-                _nn.remember_sumsq(out, ss, hg, gamma)
+                if box is not None:
+                    box.append((hg, ss))
+                else:  # (eager only: keyed by the tensor object)
+                    _nn.remember_sumsq(out, ss, hg, gamma)
             else:
                 out = ops.linear_residual(o, _cast(self.o_proj.weight, o.dtype), xr[0])
         else:

@@ -69,7 +69,7 @@ from coda.optim import eager_backward, updates_in_backward
 from ._builder import backward_op, forward_op
 from ._common import (IN_DTYPES, backward_gemm, call, check_inputs, check_tensors, custom_op, eager_call,
                       epilogue_pass, gemm_for, kernel_aligned, update_args, update_in_backward)
-from .cross_entropy_fast import forward_with_grads, plan_rows
+from .cross_entropy_fast import defer_taken, forward_with_grads, plan_rows
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES", "MEMORY_BUDGET"]
 # also used by coda.distributed (vocabulary-parallel CE): tail_logits, chunk_columns, finish_loss, lean_backward,
@@ -364,10 +364,12 @@ def _op(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction:
 # ------------------------------------------------------------------------------------------------ fast mode
 def _op_fast_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, softcap, rows, check, need_x,
                   need_w, defer, slots=None, token=None):
-    # (defer is passed only by eager calls, which do not trace this)
+    # (a compiled graph defers dW's GEMM only where coda.optim updates the weight in its backward: slots)
+    taken = defer and defer_taken(x, weight.shape[0], rows, need_w, reduction)
     return (x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=torch.float32),
             x.new_empty(x.shape) if need_x else x.new_empty((0,)),
-            weight.new_empty(weight.shape) if need_w else weight.new_empty((0,)), x.new_empty((0,)))
+            weight.new_empty(weight.shape) if need_w and not taken else weight.new_empty((0,)),
+            x.new_empty((x.shape[0], weight.shape[0])) if taken else x.new_empty((0,)))
 
 
 def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -400,30 +402,35 @@ def _update_in_backward(weight: torch.Tensor, dw: torch.Tensor, g: torch.Tensor,
 
 
 @custom_op("linear_cross_entropy_update", mutates_args=("token",))
-def _update_op(weight: Tensor, dw: Tensor, g: Tensor, slots: list[int], token: Tensor) -> Tensor:
+def _update_op(weight: Tensor, dw: Tensor, g: Tensor, dz: Tensor, x: Tensor, slots: list[int],
+               token: Tensor) -> Tensor:
     """A compiled graph's in-backward update of the LM head (``ops._builder``'s update twins do the same for the
-    other ops): coda.optim's AdamW step of ``weight`` on dw * g as one K = 0 pass, the optimizer found by the
-    weight's slot; where none takes it, dw * g goes to the Parameter's ``.grad``. Declares only ``token``
-    mutated (what keeps the op in the graph); returns an empty tensor."""
+    other ops): coda.optim's AdamW step of ``weight`` on dw * g as one K = 0 pass or, with a deferred dW (dz, x
+    non-empty), in the epilogue of dW's GEMM dz^T x, the optimizer found by the weight's slot; where none takes it,
+    dw * g goes to the Parameter's ``.grad``. Declares only ``token`` mutated (what keeps the op in the graph);
+    returns an empty tensor."""
     from coda import optim
     with optim.slot_updates([weight], slots):
-        done = _update_in_backward(weight, dw, g, dw.new_empty(0), dw.new_empty(0))
+        done = _update_in_backward(weight, dw, g, dz, x)
     if not done:
+        if dz.numel():
+            dw = backward_gemm(dz.t(), x.t(), ENTRY)
         optim.accumulate_grad(slots[0], (dw * g).to(dw.dtype))
     return dw.new_empty(0)
 
 
 @_update_op.register_fake
-def _update_fake(weight, dw, g, slots, token):
+def _update_fake(weight, dw, g, dz, x, slots, token):
     return dw.new_empty(0)
 
 
 def _backward_fast(ctx, grad_loss, *_):
     """The gradients formed by the forward, times the upstream gradient: in place in eager mode (the saved tensors
     are this call's own and are released after this node; no second V x H buffer), out of place under
-    torch.compile (its graphs are functional). A deferred dW (eager only: dz non-empty) is formed here, its GEMM
-    carrying coda.optim's update, else dW = dz^T x before the scale."""
+    torch.compile (its graphs are functional). A deferred dW (dz non-empty) is formed here, its GEMM carrying
+    coda.optim's update (under torch.compile: ``linear_cross_entropy_update``), else dW = dz^T x before the scale."""
     dx, dw, dz, weight, x = ctx.saved_tensors
+    x = dz.new_empty(0) if x is None else x  # (saved only with a deferred dW)
     g = grad_loss.to(torch.float32)
     need_x, need_w = ctx.coda_extra
     eager = getattr(ctx, "coda_eager", False)
@@ -434,8 +441,8 @@ def _backward_fast(ctx, grad_loss, *_):
             x = (x.float() * gx).to(x.dtype)
     if eager and need_w and _update_in_backward(weight, dw, g.new_ones(()) if gw is None else gw, dz, x):
         need_w, dw = False, None  # coda.optim updated the weight: no gradient
-    elif not eager and need_w and ctx.coda_slots and gw is not None and not dz.numel():  # torch.compile's update
-        call("linear_cross_entropy_update", weight, dw, gw, ctx.coda_slots, ctx.coda_token, ctx=ctx)
+    elif not eager and need_w and ctx.coda_slots and gw is not None:  # torch.compile's update
+        call("linear_cross_entropy_update", weight, dw, gw, dz, x, ctx.coda_slots, ctx.coda_token, ctx=ctx)
         need_w, dw = False, None
     elif need_w and dz.numel():
         dw = backward_gemm(dz.t(), x.t(), ENTRY)  # the deferred dW, not updated in its GEMM
@@ -526,7 +533,7 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
     (``reduction="none"`` with a weight gradient: in eager calls, when the whole M x V logits gradient fits
     ``DEFER_BUDGET`` or ``memory_budget``, kept for the backward, which needs the upstream vector to form dW), else
     "lean". When ``coda.optim.AdamW`` updates ``weight`` in the
-    backward (eager), the fast mode keeps the whole M x V logits gradient until the backward if it fits
+    backward (eager, or a compiled graph's backward: ``linear_cross_entropy_update``), the fast mode keeps the whole M x V logits gradient until the backward if it fits
     ``DEFER_BUDGET`` (4 GB, env ``CODA_CE_DEFER_BUDGET``; 0: never; an explicit ``memory_budget`` bounds it instead)
     and runs dW's GEMM there with the update in its epilogue: memory for time (H100, session 34: the LM head's dW and
     update 7.47 -> 5.69 ms a llama-1b step, its peak 19.4 -> 20.2 GB)."""
@@ -541,15 +548,18 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
     H = x.shape[-1]
     # coda.optim's update in dW's GEMM, run by the backward over all rows (ops/cross_entropy_fast.py)
     # (reduction="none": dW's GEMM waits for the upstream vector in the backward, whichever optimizer)
-    defer = weight.requires_grad and eager_call() and (
-        reduction == "none" or DEFER_BUDGET > 0 and updates_in_backward(weight))
+    # (under torch.compile: where the graph's backward updates the weight, linear_cross_entropy_update; not "none")
+    upd = update_args(weight, when=weight.requires_grad)
+    defer = weight.requires_grad and (
+        eager_call() and (reduction == "none" or DEFER_BUDGET > 0 and updates_in_backward(weight))
+        or bool(upd) and upd[0][0] >= 0 and reduction != "none" and DEFER_BUDGET > 0)
     rows = _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget, defer=defer)
     if rows is not None:
         need_x, need_w = x.requires_grad, weight.requires_grad
         # under torch.compile the weight coda.optim holds is updated by the backward (linear_cross_entropy_update)
         loss, *_ = call("linear_cross_entropy_fast", x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
                         reduction, float(label_smoothing), float(z_loss), softcap, rows, check, need_x, need_w, defer,
-                        *update_args(weight, when=need_w))
+                        *upd)
         return loss.reshape(target.shape) if reduction == "none" else loss
     loss, _ = call("linear_cross_entropy", x.reshape(-1, H), weight, target.reshape(-1), ignore_index, reduction,
                    float(label_smoothing), float(z_loss), softcap, chunk_size, check)

@@ -13,8 +13,8 @@ chunk of ``rows`` rows [m0, m1) (phases):
 4. dW (+)= dz^T x_c (GEMM 3; the first chunk writes dW, later ones add to it through the ``accumulate``
    epilogue: dW is rounded to its dtype once per chunk).
 
-Deferred dW (``defer``, when ``coda.optim.AdamW`` updates the weight in the backward and all M rows are one
-chunk): GEMM 4 is left for the backward, which runs it once over all rows (K = M) with the AdamW update of the
+Deferred dW (``defer``, when ``coda.optim.AdamW`` updates the weight in the backward -- eager, or in a compiled
+graph's backward, ``linear_cross_entropy_update`` -- and all M rows are one chunk): GEMM 4 is left for the backward, which runs it once over all rows (K = M) with the AdamW update of the
 weight in its epilogue (``epilogues.adamw.adamw_times``: g = acc grad_output) -- no dW is stored, accumulated over
 chunks or read back by a K = 0 update pass. The price is memory: the whole dz (M x V in x's dtype) lives until the
 backward instead of a chunk until the end of the forward (``cross_entropy.DEFER_BUDGET``), less the V x H dW the
@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from coda import _validate
 from coda.epilogues.cross_entropy import accumulate, ce_forward, ce_forward_logits
 from coda.kernels.ce_grad import softmax_grad_, softmax_grad_reference_
 
@@ -76,6 +77,18 @@ def target_logit(z: Tensor, tgt: Tensor) -> Tensor:
     return z.gather(1, col.unsqueeze(1)).squeeze(1).float().masked_fill_(col != tgt, 0.0)
 
 
+def defer_taken(x: Tensor, V: int, rows: int, need_w: bool, reduction: str) -> bool:
+    """Whether :func:`forward_with_grads` takes a requested ``defer``, from shapes, dtypes and strides only (the fake
+    implementation under torch.compile asks it too): the weight gradient is needed, all M rows are one chunk,
+    V % 8 == 0 and dW = dz^T x meets the kernel's 16-byte rules (``coda._validate.check_gemm_args``: M, H and x's
+    row stride multiples of 8; ``reduction="none"``: always, its dW needs dz). A pointer the kernel can't take
+    leaves dW's GEMM to ``backward_gemm`` in the backward."""
+    M, H = x.shape
+    return need_w and rows >= M > 0 and V % ALIGN == 0 and (reduction == "none" or (
+        x.dtype in _validate.IN_DTYPES and M % ALIGN == 0 and H % ALIGN == 0 and x.stride(-1) == 1
+        and x.stride(0) % ALIGN == 0))
+
+
 def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, tcol: Tensor, reduction: str,
                        eps: float, zl: float, rows: int, need_x: bool, need_w: bool, entry: str, tail_logits,
                        softcap: Optional[float] = None, combine=None, defer: bool = False):
@@ -97,8 +110,7 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
     if reduction == "mean":
         scale = scale / n_valid.clamp_min(1).to(torch.float32)
     buf = x.new_empty((rows * v8,))
-    defer = defer and need_w and rows >= M > 0 and v8 == V and (  # ("none": always; its dW needs dz)
-        reduction == "none" or kernel_aligned(buf[:M * v8].view(M, v8).t(), x.t()))
+    defer = defer and defer_taken(x, V, rows, need_w, reduction)
     dx = x.new_empty((M, H)) if need_x else None
     dw = torch.empty((V, H), dtype=weight.dtype, device=weight.device) if need_w and not defer else None
     lse = torch.empty((M,), dtype=torch.float32, device=x.device)
@@ -165,4 +177,4 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
     return lse, stats, dx, dw, dz
 
 
-__all__ = ["plan_rows", "forward_with_grads", "target_logit", "MIN_ROWS"]
+__all__ = ["plan_rows", "defer_taken", "forward_with_grads", "target_logit", "MIN_ROWS"]

@@ -148,9 +148,12 @@ def test_fusable_rules():
     assert "biases" in attention_fusable(attn)
 
 
-def test_under_compile_the_block_leaves_norm_qkv_rope_to_inductor(monkeypatch):
-    """Documented behaviour (FusedAttention.inductor_under_compile): while torch.compile traces, the block runs the
-    stock math on its own weights (same result), not the fused op; outside compile the fused op runs."""
+def test_under_compile_the_block_leaves_norm_qkv_rope_to_inductor_when_asked(monkeypatch):
+    """Documented behaviour (FusedAttention.inductor_under_compile, off by default): with it on, while torch.compile
+    traces, the block runs the stock math on its own weights (same result), not the fused op; outside compile, and
+    under compile with it off, the fused op runs."""
+    import coda.nn
+    assert FusedAttention.inductor_under_compile is ("attention" in coda.nn.INDUCTOR_UNDER_COMPILE)
     import coda.ops
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=1,
@@ -164,6 +167,7 @@ def test_under_compile_the_block_leaves_norm_qkv_rope_to_inductor(monkeypatch):
     fused = attn(x, None, None)
     assert calls == [1]
     monkeypatch.setattr(__import__("coda.nn").nn, "compiling", lambda: True)
+    monkeypatch.setattr(type(attn), "inductor_under_compile", True)
     stock_math = attn(x, None, None)
     assert calls == [1]
     assert ((fused.float() - stock_math.float()).norm() / fused.float().norm()).item() < 2e-2
@@ -231,3 +235,24 @@ def test_linear_residual_with_the_next_norm_weight():
     torch.library.opcheck(torch.ops.coda.linear_residual_norm.default, (o[0], w, res[0], gam.detach()))
     with pytest.raises(ValueError, match="norm_weight"):
         linear_residual(o, w, res, norm_weight=torch.ones(47))
+
+
+@pytest.mark.parametrize("inductor", [False, True])
+def test_grouped_query_heads_under_compile(monkeypatch, inductor):
+    """Under torch.compile the fused block hands SDPA the grouped k, v heads as they are (enable_gqa, as in eager);
+    left to inductor (``inductor_under_compile``) it repeats them, as the stock model does (inductor writes them
+    from its RoPE kernel)."""
+    import coda.nn
+    import coda.nn_attention as na
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    attn = _fused_copy(LlamaForCausalLM(cfg).to(torch.bfloat16)).model.layers[0].self_attn
+    seen, real = [], na.F.scaled_dot_product_attention
+    monkeypatch.setattr(na.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append((k.shape[1], kw["enable_gqa"])) or real(q, k, v, **kw))
+    monkeypatch.setattr(coda.nn, "compiling", lambda: True)
+    monkeypatch.setattr(type(attn), "inductor_under_compile", inductor)
+    attn(torch.randn(2, 8, 64, dtype=torch.bfloat16), None, None)
+    assert seen == ([(4, False)] if inductor else [(2, True)])

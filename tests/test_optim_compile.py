@@ -108,7 +108,12 @@ def test_compiled_fused_llama_trains_as_torch_adamw(fp32_ops, monkeypatch, atten
     batches = [torch.randint(0, 128, (2, 24), generator=g) for _ in range(3)]
     _train(torch.compile(b), opt_b, batches)
     f = torch.compile(a)
+    import coda.ops.cross_entropy as ce
+    deferred, real = [], ce._update_in_backward
+    monkeypatch.setattr(ce, "_update_in_backward", lambda w, dw, g, dz, x: deferred.append(dz.numel() > 0) or
+                        real(w, dw, g, dz, x))
     f(batches[0], labels=batches[0]).loss.backward()
+    assert deferred == [True]  # the LM head's dW GEMM ran in the backward with the update in its epilogue
     no_grad = {n for n, p in a.named_parameters() if p.grad is None}
     updated = (".mlp.weight_gu", ".mlp.down_proj", "embed_tokens", "lm_head")
     updated += (".self_attn.weight_qkv", ".self_attn.o_proj") if attention == "fused" else ()
