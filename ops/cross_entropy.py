@@ -552,7 +552,8 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
     upd = update_args(weight, when=weight.requires_grad)
     defer = weight.requires_grad and (
         eager_call() and (reduction == "none" or DEFER_BUDGET > 0 and updates_in_backward(weight))
-        or bool(upd) and upd[0][0] >= 0 and reduction != "none" and DEFER_BUDGET > 0)
+        or len(upd) == 2 and upd[0][0] >= 0 and reduction != "none" and DEFER_BUDGET > 0)  # (torch 2.11's dynamo
+    # breaks the graph on bool(list): then the forward graph's saved optimizer token is bumped by the LM head's)
     rows = _fast_rows(x, weight, reduction, label_smoothing, mode, memory_budget, defer=defer)
     if rows is not None:
         need_x, need_w = x.requires_grad, weight.requires_grad
