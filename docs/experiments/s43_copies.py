@@ -58,7 +58,7 @@ def main():
             key = (name[:90], " <- ".join(chain))
             agg[key][0] += k.duration / 1000.0
             agg[key][1] += 1
-    for (name, chain), (ms, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:25]:
+    for (name, chain), (ms, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:8]:
         print(f"{ms:8.3f} ms x{n:3d}  {name}\n           {chain}")
 
 
