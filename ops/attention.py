@@ -60,11 +60,18 @@ def _op(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, freqs
     return _forward(x, norm_weight, weight, positions, freqs, eps)
 
 
-def _forward(x, norm_weight, weight, positions, freqs, eps, sumsq=None):
+def _forward(x, norm_weight, weight, positions, freqs, eps, sumsq=None, blocks=None):
+    """(y, r); ``blocks``: column counts (even, summing to N) of separate outputs, one GEMM each into its own
+    tensor (the rows of the operand b and the column pairs' frequencies sliced), returned as a list for y."""
     gemm = gemm_for(x.device, ENTRY)
     a, b, r = normed_operands(x, norm_weight, weight, eps, gemm, sumsq)
-    y = gemm(a, b, epilogue=rope_rmsnorm, r=r, pos=positions, freq=freqs)
-    return y, r
+    if blocks is None:
+        return gemm(a, b, epilogue=rope_rmsnorm, r=r, pos=positions, freq=freqs), r
+    ys, c0 = [], 0
+    for n in blocks:
+        ys.append(gemm(a, b[c0:c0 + n], epilogue=rope_rmsnorm, r=r, pos=positions, freq=freqs[c0 // 2:(c0 + n) // 2]))
+        c0 += n
+    return ys, r
 
 
 def _fake_backward(dy, h, norm_weight, weight, r, y, positions, freqs, need_weight):
@@ -160,8 +167,10 @@ def _qkv_backward(ctx, dq, dk, dv, dres=None, _dr=None):
     return (dh if need_x else None, dgamma if need_gamma else None, grad_of(dw) if need_w else None, *rest)
 
 
-# under the dispatcher (torch.compile, export) the outputs are copies: a custom op's outputs may not alias its
-# inputs or one another
+# under the dispatcher (torch.compile, export) a custom op's outputs may not alias its inputs or one another: q, k, v
+# come from three GEMMs into their own tensors (the same waves as one GEMM at llama-1b's shapes: 4 + 1 + 1 of 128 x
+# 256 tiles on 132 SMs against 6), not from copies of one output's column blocks (strided copies: 1.10 ms a llama-1b
+# step on the H200, session 43 call 5); the residual stream x is copied (cheaper than adding its gradient apart)
 @forward_op("rmsnorm_linear_rope_qkv", fake=_fake_qkv, backward=_qkv_backward, eager=_qkv_views,
             outputs=lambda i: 4 if i[8] else 3, saved=lambda i, out: (*i[:3], out[4], *out[:3], *i[3:5]),
             slots=10)
@@ -171,6 +180,10 @@ def _qkv_op(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, f
     """x (M, K) -> q (M, nq), k (M, nk), v (M, N - nq - nk), x again (``residual``; else an empty tensor), r (M,).
     ``sumsq`` (M,) fp32: x's rows' sums of squares (r without a pass over x), or None. ``slots``, ``token``:
     ``coda.optim.compile_slots`` of the weight under torch.compile (updated in the backward), else None."""
+    blocks = (nq, nk, weight.shape[0] - nq - nk)
+    if all(n % 8 == 0 for n in blocks):  # whole column pairs and 16-byte output rows in each block
+        (q, k, v), r = _forward(x, norm_weight, weight, positions, freqs, eps, sumsq, blocks=blocks)
+        return q, k, v, (x.clone() if residual else x.new_empty(0)), r
     out = _qkv_views(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual, sumsq)
     return (*(t.contiguous() for t in out[:3]), out[3].clone(), out[4])
 

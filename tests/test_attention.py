@@ -256,3 +256,24 @@ def test_grouped_query_heads_under_compile(monkeypatch, inductor):
     monkeypatch.setattr(type(attn), "inductor_under_compile", inductor)
     attn(torch.randn(2, 8, 64, dtype=torch.bfloat16), None, None)
     assert seen == ([(4, False)] if inductor else [(2, True)])
+
+
+@pytest.mark.parametrize("d,nh,nkv,M", [(8, 2, 1, 64), (16, 4, 2, 24), (6, 2, 1, 40)])
+def test_qkv_dispatcher_outputs_equal_the_eager_views(d, nh, nkv, M):
+    """Under the dispatcher (torch.compile) coda::rmsnorm_linear_rope_qkv returns q, k, v as tensors of their own
+    (a custom op's outputs may not alias): one GEMM per block where every block is a multiple of 8 columns (d 8,
+    16), else copies of the one GEMM's column blocks (d 6: k, v of 6 columns); either way equal to the eager views
+    (bf16 on the CPU reference path), contiguous, sharing no storage, the residual a copy of x."""
+    from coda.ops import attention as att
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    K, N = 32, (nh + 2 * nkv) * d
+    x = torch.randn(M, K, generator=g).bfloat16()
+    gam, w = (1 + 0.1 * torch.randn(K, generator=g)).bfloat16(), (torch.randn(N, K, generator=g) / 8).bfloat16()
+    pos, fr = torch.arange(M, dtype=torch.float32), rope_freqs(d, nh + 2 * nkv, rotary_heads=nh + nkv)
+    args = (x, gam, w, pos, fr, 1e-6, nh * d, nkv * d, True)
+    want = att._qkv_views(*args)
+    got = torch.ops.coda.rmsnorm_linear_rope_qkv.default(*args)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ptrs = [t.untyped_storage().data_ptr() for t in got[:4]]
+    assert all(t.is_contiguous() for t in got[:4]) and len(set(ptrs)) == 4 and ptrs[3] != x.data_ptr()
