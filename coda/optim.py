@@ -63,7 +63,7 @@ _registry: dict = {}  # (data_ptr, shape) -> (weakref to the Parameter, optimize
 # under torch.compile: a registered Parameter's ``_coda_slot`` (an int, kept for the Parameter's life) -> the same
 # entry; the compiled graph carries the int, the backward op finds the optimizer by it at run time
 _slots: dict = {}
-_tokens: dict = {}  # slot -> its optimizer's token on the Parameter's device (compile_slots)
+_tokens: dict = {}  # slot -> the token of that weight, on its device, held by its optimizer (compile_slots)
 _slot_ids = itertools.count()
 
 
@@ -96,7 +96,7 @@ def slot_updates(weights, slots):
 def compile_slots(*weights) -> tuple:
     """(slots, token) of ``weights`` for a compiled graph's in-backward update (read while torch.compile traces an
     op's entry): each weight's ``_coda_slot`` when an :class:`AdamW` with ``in_backward=True`` registered it and it
-    requires a gradient, else -1, and that optimizer's token (a 0-d tensor on the weights' device: the update op
+    requires a gradient, else -1, and the first such weight's token (a 0-d tensor on its device: the update op
     declares it mutated, so the graph keeps the op and orders it; the weights' own writes stay outside the graph,
     as in eager, because a graph may not mutate a leaf that requires grad); ``([], None)`` when no weight has a
     slot (the op then returns gradients, as before)."""
@@ -223,7 +223,9 @@ class AdamW(torch.optim.AdamW):
         self._hyper: dict = {}  # (group, step, device, hyper-parameters) -> (8, 4) fp32 device tensor
         self._const: dict = {}  # capturable: (group, device) -> (hyper-parameters, the step-independent rows)
         self._ones: dict = {}  # device -> the K = 0 update pass's scale operand (kernel_step)
-        self._tokens: dict = {}  # device -> the token compiled graphs' update ops declare mutated (compile_slots)
+        # slot -> the token compiled graphs' update ops of that weight declare mutated (compile_slots): one per weight,
+        # so that a graph's backward bumps no token another graph saved (a graph break between two layers)
+        self._tokens: dict = {}
         if in_backward:
             me = weakref.ref(self)
             for gi, group in enumerate(self.param_groups):
@@ -233,9 +235,8 @@ class AdamW(torch.optim.AdamW):
                         if getattr(p, "_coda_slot", None) is None:
                             p._coda_slot = next(_slot_ids)
                         _slots[p._coda_slot] = _registry[_key(p)]
-                        if p.device not in self._tokens:
-                            self._tokens[p.device] = torch.zeros((), device=p.device)
-                        _tokens[p._coda_slot] = self._tokens[p.device]
+                        self._tokens[p._coda_slot] = torch.zeros((), device=p.device)
+                        _tokens[p._coda_slot] = self._tokens[p._coda_slot]
 
     # -- the in-backward update ----------------------------------------------------------------------------------
     def _in_backward(self, p: torch.Tensor, gi: int) -> Optional[dict]:
