@@ -203,9 +203,9 @@ class FusedAttention(_NormConsumer):
                                                        sumsq=ss)
             # (q, k, v apart: their gradients go to the backward as they are, un-rotated in one pass with the
             # norm's row dots; a split's backward would first cat them into one buffer)
-        else:  # norm + QKV (fused unless float32 / float64 or under torch.compile, where it is the stock math that
-            # inductor fuses around cuBLAS's GEMM), then Qwen2's biases, Qwen3's head norms (weights in CODA's pair
-            # order) and RoPE on the column pairs in torch
+        else:  # norm + QKV (fused unless float32 / float64 or left to inductor under torch.compile, where it is the
+            # stock math that inductor fuses around cuBLAS's GEMM), then Qwen2's biases, Qwen3's head norms (weights
+            # in CODA's pair order) and RoPE on the column pairs in torch
             xr = ()
             if fused:
                 z = ops.rmsnorm_linear(x.to(dtype), self.norm_weight, _cast(self.weight_qkv, dtype), self.eps)
