@@ -168,10 +168,12 @@ def custom_op(name: str, eager=None, mutates_args: tuple = ()):
         _impls[name] = (eager or fn, op)
         register = op.register_fake
 
-        def register_fake(fake):  # the fake first makes the ops inductor fallbacks (inductor_fallbacks)
+        def register_fake(fake):  # the fake first makes the ops inductor fallbacks (inductor_fallbacks) and tags
+            # torch.compile's caches with this CODA's sources (tag_compile_caches)
             @functools.wraps(fake)
             def run(*args, **kwargs):
                 inductor_fallbacks()
+                tag_compile_caches()
                 return fake(*args, **kwargs)
             return register(run)
         op.register_fake = register_fake
@@ -180,6 +182,27 @@ def custom_op(name: str, eager=None, mutates_args: tuple = ()):
 
 
 _fallbacks: set = set()  # the ops made inductor fallbacks
+_tag: list = []  # the cache key tag tag_compile_caches() added, once per process
+
+
+def tag_compile_caches() -> None:
+    """Add CODA's version and a hash of its Python sources (``coda``, ``coda.ops``, ``coda.epilogues``) to
+    ``torch.compiler.config.cache_key_tag`` (appended to a user's own tag), once per process: run by the ops' fake
+    implementations, so while torch.compile traces, before it looks a graph up in its FX graph and AOT autograd
+    caches. Those caches key a graph by the graph, not by what the custom ops in it do: after CODA changed what an op
+    returns or saves for the same arguments (an upgrade, an edit), a stale compiled graph from the old CODA was
+    served (session 43: a weight that the compiled backward no longer updated as it should)."""
+    if _tag:
+        return
+    try:
+        from coda.runtime.keys import coda_version, package_source_hash
+        tag = f"coda-{coda_version()}-{package_source_hash()[:16]}"
+        cfg = torch.compiler.config
+        if tag not in cfg.cache_key_tag:
+            cfg.cache_key_tag = f"{cfg.cache_key_tag}+{tag}" if cfg.cache_key_tag else tag
+        _tag.append(tag)
+    except Exception:  # no such config (an older torch): the caches as they are
+        _tag.append(None)
 
 
 def inductor_fallbacks() -> None:

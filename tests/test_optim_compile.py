@@ -164,3 +164,20 @@ def test_every_op_is_an_explicit_inductor_fallback(fp32_ops):
         assert op in low.lowerings, name
         want = low.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
         assert low.maybe_layout_constraints(op) is want, name
+
+
+def test_compile_caches_are_tagged_with_codas_sources(fp32_ops, monkeypatch):
+    """Tracing a CODA op adds CODA's version and source hash to torch.compile's cache key tag (appended to the
+    user's own), once: a compiled graph cached by another CODA is not served (``ops._common.tag_compile_caches``)."""
+    from coda.ops import _common
+    from coda.runtime.keys import package_source_hash
+    monkeypatch.setattr(_common, "_tag", [])
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
+    torch._dynamo.reset()
+    m = _mlp()
+    torch.compile(m)(torch.randn(2, 8, 64))
+    tag = torch.compiler.config.cache_key_tag
+    assert tag.startswith("mine+coda-") and package_source_hash()[:16] in tag and _common._tag == [tag[5:]]
+    _common.tag_compile_caches()
+    assert torch.compiler.config.cache_key_tag == tag
+    assert len(package_source_hash()) == 64
