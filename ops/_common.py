@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import pathlib
 import sys
 
 import torch
@@ -185,6 +187,20 @@ _fallbacks: set = set()  # the ops made inductor fallbacks
 _tag: list = []  # the cache key tag tag_compile_caches() added, once per process
 
 
+@functools.lru_cache(maxsize=None)
+def package_source_hash() -> str:
+    """sha256 of every Python source of the installed ``coda``, ``coda.ops`` and ``coda.epilogues`` packages (what
+    the ops do under torch.compile: :func:`tag_compile_caches`)."""
+    import coda
+    import coda.epilogues
+    h = hashlib.sha256()
+    for base in (pathlib.Path(coda.__file__).resolve().parent, pathlib.Path(__file__).resolve().parent,
+                 pathlib.Path(coda.epilogues.__file__).resolve().parent):
+        for f in sorted(base.rglob("*.py")):
+            h.update(str(f.relative_to(base)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def tag_compile_caches() -> None:
     """Add CODA's version and a hash of its Python sources (``coda``, ``coda.ops``, ``coda.epilogues``) to
     ``torch.compiler.config.cache_key_tag`` (appended to a user's own tag), once per process: run by the ops' fake
@@ -195,7 +211,7 @@ def tag_compile_caches() -> None:
     if _tag:
         return
     try:
-        from coda.runtime.keys import coda_version, package_source_hash
+        from coda.runtime.keys import coda_version
         tag = f"coda-{coda_version()}-{package_source_hash()[:16]}"
         cfg = torch.compiler.config
         if tag not in cfg.cache_key_tag:

@@ -170,7 +170,7 @@ def test_compile_caches_are_tagged_with_codas_sources(fp32_ops, monkeypatch):
     """Tracing a CODA op adds CODA's version and source hash to torch.compile's cache key tag (appended to the
     user's own), once: a compiled graph cached by another CODA is not served (``ops._common.tag_compile_caches``)."""
     from coda.ops import _common
-    from coda.runtime.keys import package_source_hash
+    from coda.ops._common import package_source_hash
     monkeypatch.setattr(_common, "_tag", [])
     monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
     torch._dynamo.reset()

@@ -203,21 +203,6 @@ def kernel_source_hash(root: Optional[str] = None) -> str:
     return h.hexdigest()
 
 
-@functools.lru_cache(maxsize=None)
-def package_source_hash() -> str:
-    """sha256 of every Python source of the installed ``coda``, ``coda.ops`` and ``coda.epilogues`` packages (what
-    the ops do under torch.compile: ``ops._common.tag_compile_caches``)."""
-    import coda
-    import coda.epilogues
-    import coda.ops
-    h = hashlib.sha256()
-    for pkg in (coda, coda.ops, coda.epilogues):
-        base = pathlib.Path(pkg.__file__).resolve().parent
-        for f in sorted(base.rglob("*.py")):
-            h.update(str(f.relative_to(base)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
 def kernel_key(arch: str, max_clusters: int, cfg: Any, epi: Any, in_dtype: Any, out_dtype: Any,
                arg_sig: tuple, source_hash: Optional[str] = None) -> str:
     """sha256 hex naming one compiled kernel on disk."""
