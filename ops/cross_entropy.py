@@ -401,6 +401,11 @@ def _update_in_backward(weight: torch.Tensor, dw: torch.Tensor, g: torch.Tensor,
                                   s=g) is not None
 
 
+def _deferred_dw(dz: Tensor, x: Tensor) -> Tensor:
+    """The deferred dW = dz^T x, where no in-backward update took it."""
+    return backward_gemm(dz.t(), x.t(), ENTRY)
+
+
 @custom_op("linear_cross_entropy_update", mutates_args=("token",))
 def _update_op(weight: Tensor, dw: Tensor, g: Tensor, dz: Tensor, x: Tensor, slots: list[int],
                token: Tensor) -> Tensor:
@@ -414,7 +419,7 @@ def _update_op(weight: Tensor, dw: Tensor, g: Tensor, dz: Tensor, x: Tensor, slo
         done = _update_in_backward(weight, dw, g, dz, x)
     if not done:
         if dz.numel():
-            dw = backward_gemm(dz.t(), x.t(), ENTRY)
+            dw = _deferred_dw(dz, x)
         optim.accumulate_grad(slots[0], (dw * g).to(dw.dtype))
     return dw.new_empty(0)
 
@@ -445,7 +450,7 @@ def _backward_fast(ctx, grad_loss, *_):
         call("linear_cross_entropy_update", weight, dw, gw, dz, x, ctx.coda_slots, ctx.coda_token, ctx=ctx)
         need_w, dw = False, None
     elif need_w and dz.numel():
-        dw = backward_gemm(dz.t(), x.t(), ENTRY)  # the deferred dW, not updated in its GEMM
+        dw = _deferred_dw(dz, x)  # not updated in its GEMM
     # a second eager backward through this graph (retain_graph=True) fails autograd's version check of the saved
     # tensors (tests/test_cross_entropy.py): an error, never g1 * g2 * grad; mode="lean" allows it
     scale = _scale_in_place if eager else (lambda t, s: (t * s).to(t.dtype))
