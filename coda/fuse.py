@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import coda.nn as _nn
 from coda.nn import DeferredRMSNorm, LMHeadCrossEntropy, SwiGLUMLP
 from coda.nn_attention import FusedAttention, attention_fusable, find_inv_freq
 
@@ -227,6 +228,7 @@ def _fuse_residuals(model: nn.Module) -> None:
     projection's epilogue adds h, its dX GEMM's epilogue adds the residual gradient) by patching the layer's
     ``forward`` (an instance attribute). Only layers whose stock forward is known to return the hidden state as a
     tensor: examples/llama_model.py's and Hugging Face's with a ``-> torch.Tensor`` annotation (transformers 5)."""
+    patched = []
     for layer in model.modules():
         m = getattr(layer, "mlp", None)
         if _cls(layer) not in LAYER_CLASSES or not isinstance(m, SwiGLUMLP) or not hasattr(m, "_coda_stock"):
@@ -239,6 +241,13 @@ def _fuse_residuals(model: nn.Module) -> None:
         if isinstance(getattr(layer, "self_attn", None), FusedAttention):
             layer.self_attn.add_residual = True
         layer.forward = types.MethodType(_residual_layer_forward, layer)
+        patched.append(layer)
+    # under torch.compile (where the eager side table of recall_sumsq records nothing) the down projection's sums of
+    # squares reach the next layer's QKV GEMM through a list shared by the two layers, filled and emptied within the
+    # traced region (empty between calls: no guard changes, no recompiles)
+    for prev, nxt in zip(patched, patched[1:]):
+        if isinstance(getattr(nxt, "self_attn", None), FusedAttention):
+            prev._coda_sumsq_out = nxt._coda_sumsq_in = []
 
 
 def _residual_layer_forward(self, *args, **kwargs):
@@ -250,6 +259,12 @@ def _residual_layer_forward(self, *args, **kwargs):
     else:
         x, rest = kwargs.pop("hidden_states"), ()
     n = self.input_layernorm(x)
+    box = getattr(self, "_coda_sumsq_in", None)
+    if box is not None and len(box) == 1:  # (the previous layer's output, its rows' sums of squares): this layer's
+        # norm takes r from them (len, not bool: torch 2.11's dynamo breaks the graph on bool(list))
+        prev, ss = box.pop()
+        if prev is x and n is x and type(self.self_attn).forward is FusedAttention.forward:
+            kwargs = {**kwargs, "input_sumsq": ss}
     normed = []  # o_proj's epilogue also forms the MLP's h * gamma and h's sums of squares (FusedAttention)
     if getattr(self.self_attn, "emit_next_norm", False) and getattr(self.self_attn, "add_residual", False) and \
             getattr(self.mlp, "norm_weight", None) is not None and isinstance(self.mlp, SwiGLUMLP):
@@ -258,7 +273,11 @@ def _residual_layer_forward(self, *args, **kwargs):
     a = a[0] if isinstance(a, tuple) else a
     h = a if getattr(self.self_attn, "add_residual", False) else x + a  # FusedAttention adds x itself
     m = self.post_attention_layernorm(h)
-    return self.mlp(m, normed=normed[0]) if normed and m is h else self.mlp(m)
+    kw = {"normed": normed[0]} if normed and m is h else {}
+    if _nn.compiling() and getattr(self, "_coda_sumsq_out", None) is not None and \
+            type(self.mlp).forward is SwiGLUMLP.forward:  # (not a subclass with its own forward: tensor parallel)
+        kw["sumsq_out"] = self._coda_sumsq_out  # (this layer's output, its sums of squares) for the next layer
+    return self.mlp(m, **kw)
 
 
 def _causal_lm_forward(self, *args, labels=None, **kwargs):
@@ -301,7 +320,8 @@ def unfuse(model: nn.Module) -> nn.Module:
             m.up_proj.weight = nn.Parameter(w_up.detach().clone(), requires_grad=rg)
             m.down_proj = fused.down_proj
             layer.mlp, layer.post_attention_layernorm = m, norm
-            layer.__dict__.pop("forward", None)  # the stock forward (adds the residual) again
+            for attr in ("forward", "_coda_sumsq_in", "_coda_sumsq_out"):  # the stock forward (adds the residual)
+                layer.__dict__.pop(attr, None)
     for name, layer in model.named_modules():
         fused = getattr(layer, "self_attn", None)
         if isinstance(fused, FusedAttention) and hasattr(fused, "_coda_stock"):

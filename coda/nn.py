@@ -344,9 +344,11 @@ class SwiGLUMLP(_NormConsumer):
         """(w_gate, w_up) views of ``weight_gu`` (the stock weights)."""
         return ops.deinterleave_gate_up(self.weight_gu)
 
-    def forward(self, x: Tensor, normed: Optional[tuple] = None) -> Tensor:
+    def forward(self, x: Tensor, normed: Optional[tuple] = None, sumsq_out: Optional[list] = None) -> Tensor:
         """``normed``: (x * gamma, x's rows' sums of squares) formed by x's producer (coda.fuse's layer forward
-        passes what FusedAttention's o_proj epilogue emitted), else looked up (``recall_normed``) or computed."""
+        passes what FusedAttention's o_proj epilogue emitted), else looked up (``recall_normed``) or computed.
+        ``sumsq_out`` (under torch.compile, from coda.fuse's layer forward): a list to which (the output, its rows'
+        sums of squares from the down projection's epilogue) is appended for the next layer's norm."""
         dtype, gamma = _compute_dtype(x), self.norm_weight
         if dtype in _FUSED_DTYPES and compiling() and self.inductor_under_compile:
             n = x if gamma is None else rms_norm(x, gamma, self.eps)
@@ -362,6 +364,11 @@ class SwiGLUMLP(_NormConsumer):
             if self.add_residual and SUMSQ_CHAIN and not compiling():  # the next block's norm takes r from the down
                 # projection's epilogue (the rows' sums of squares of the stream it writes; recall_sumsq)
                 return remember_sumsq(*ops.mlp(*args, residual=True, return_sumsq=True, normed=normed))
+            if self.add_residual and SUMSQ_CHAIN and sumsq_out is not None:  # the same hop under torch.compile
+                y, ss = ops.mlp(*args, residual=True, return_sumsq=True, normed=normed)
+                sumsq_out.clear()  # one entry at most, whatever ran before (a layer run twice: recomputation)
+                sumsq_out.append((y, ss))
+                return y
             return ops.mlp(*args, residual=self.add_residual, normed=normed)
         elif dtype in _FUSED_DTYPES:
             n = x.to(dtype)

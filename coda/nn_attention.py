@@ -197,7 +197,8 @@ class FusedAttention(_NormConsumer):
                                                           pos, self.freqs, self.eps), [hq, hk, hk], dim=-1)
         elif one_gemm:  # norm + QKV + RoPE: one GEMM
             res_in_op = self.add_residual and type(self.o_proj) is nn.Linear and self.o_proj.bias is None
-            ss = _nn.recall_sumsq(x) if x.dtype == dtype else None  # r from the previous block's epilogue
+            ss = kwargs.get("input_sumsq")  # r from the previous block's epilogue: coda.fuse's layer forward
+            ss = (ss if ss is not None else _nn.recall_sumsq(x)) if x.dtype == dtype else None  # or the side table
             q, k, v, *xr = ops.rmsnorm_linear_rope_qkv(x.to(dtype), self.norm_weight, _cast(self.weight_qkv, dtype),
                                                        pos, self.freqs, self.eps, (hq, hk), residual=res_in_op,
                                                        sumsq=ss)

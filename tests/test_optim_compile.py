@@ -181,3 +181,38 @@ def test_compile_caches_are_tagged_with_codas_sources(fp32_ops, monkeypatch):
     _common.tag_compile_caches()
     assert torch.compiler.config.cache_key_tag == tag
     assert len(package_source_hash()) == 64
+
+
+def test_compiled_layers_hand_the_sums_of_squares_on(fp32_ops, monkeypatch):
+    """Under torch.compile (fullgraph) each decoder layer's down projection hands its output's rows' sums of squares
+    to the next layer's QKV GEMM (coda.fuse's per-layer list; the eager side table records nothing while tracing):
+    every layer but the first gets them, the lists are empty after the call (nothing kept, no recompile on the
+    next step), and the loss equals the run in which every layer reduces its input itself."""
+    from test_optim import _models
+    monkeypatch.setattr(coda.nn_attention.FusedAttention, "inductor_under_compile", False)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    losses, real = [], coda.ops.rmsnorm_linear_rope_qkv
+    for chain in (True, False):
+        torch._dynamo.reset()
+        a, _ = _models()
+        layers = a.model.layers
+        assert len(layers) >= 2 and all(isinstance(l.self_attn, coda.nn_attention.FusedAttention) for l in layers)
+        if not chain:
+            for l in layers:
+                l.__dict__.pop("_coda_sumsq_in", None)
+                l.__dict__.pop("_coda_sumsq_out", None)
+        seen = []
+
+        def spy(*args, sumsq=None, **kw):
+            seen.append(sumsq is not None)
+            return real(*args, sumsq=sumsq, **kw)
+        monkeypatch.setattr(coda.ops, "rmsnorm_linear_rope_qkv", spy)
+        f = torch.compile(a, fullgraph=True)
+        torch._dynamo.utils.counters.clear()
+        losses.append(f(ids, labels=ids).loss)
+        assert seen == ([False] + [True] * (len(layers) - 1) if chain else [False] * len(layers))
+        assert all(not getattr(l, "_coda_sumsq_in", []) for l in layers)
+        seen.clear()  # (dynamo guards on the spy's list being empty)
+        f(ids, labels=ids)  # the layers' lists held nothing between calls: no guard changed
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
