@@ -208,11 +208,15 @@ def test_family_fused_step_on_gpu(kind):
 
 
 def test_unfuse_restores_the_stock_layer_forward():
+    """unfuse removes what fuse set on each decoder layer: the patched forward and the lists through which a
+    layer hands its output's sums of squares to the next one under torch.compile (every layer after the first)."""
     model = _tiny_hf("Qwen2")
     _fuse(model)
-    assert all("forward" in vars(layer) for layer in model.model.layers)
+    layers = model.model.layers
+    assert len(layers) >= 2 and all("forward" in vars(layer) for layer in layers)
+    assert all(vars(a)["_coda_sumsq_out"] is vars(b)["_coda_sumsq_in"] for a, b in zip(layers, layers[1:]))
     coda.unfuse(model)
-    assert all("forward" not in vars(layer) for layer in model.model.layers)
+    assert all(not {"forward", "_coda_sumsq_in", "_coda_sumsq_out"} & set(vars(layer)) for layer in layers)
 
 
 @pytest.mark.parametrize("kind", ["Mistral", "Qwen2", "Qwen3"])
