@@ -361,11 +361,12 @@ class SwiGLUMLP(_NormConsumer):
             if normed is None or x.dtype != dtype:  # x * gamma and r's sums from x's producer
                 # (FusedAttention.emit_next_norm), else the gate/up GEMM's own pre-pass
                 normed = recall_normed(x, gamma) if x.dtype == dtype else None
-            if self.add_residual and SUMSQ_CHAIN and not compiling():  # the next block's norm takes r from the down
-                # projection's epilogue (the rows' sums of squares of the stream it writes; recall_sumsq)
-                return remember_sumsq(*ops.mlp(*args, residual=True, return_sumsq=True, normed=normed))
-            if self.add_residual and SUMSQ_CHAIN and sumsq_out is not None:  # the same hop under torch.compile
+            if self.add_residual and SUMSQ_CHAIN and (sumsq_out is not None or not compiling()):  # the next
+                # block's norm takes r from the down projection's epilogue (the rows' sums of squares of the stream
+                # it writes): through sumsq_out (coda.fuse's layer forward), else the side table (recall_sumsq)
                 y, ss = ops.mlp(*args, residual=True, return_sumsq=True, normed=normed)
+                if sumsq_out is None:
+                    return remember_sumsq(y, ss)
                 sumsq_out.clear()  # one entry at most, whatever ran before (a layer run twice: recomputation)
                 sumsq_out.append((y, ss))
                 return y

@@ -4,7 +4,7 @@ import os
 import pytest
 
 # The GPU suites pin their configs or use the heuristic default: tuning every new shape would take minutes.
-# tests/test_autotune.py turns tuning on where it tests it.
+# tests/test_autotune.py and test_kernel_cache.py unset it (the autotune_unset fixture).
 os.environ.setdefault("CODA_AUTOTUNE", "0")
 
 
@@ -34,3 +34,11 @@ def cache(tmp_path, monkeypatch):
     at._memory.clear()
     yield d
     at._memory.clear()
+
+
+@pytest.fixture
+def autotune_unset(monkeypatch):
+    """CODA_AUTOTUNE unset for this test (this file sets it to 0 for the GPU suites): the library's default, store
+    lookups and no tuning (tests/test_autotune.py and test_kernel_cache.py; the former turns tuning on where it
+    tests it)."""
+    monkeypatch.delenv("CODA_AUTOTUNE", raising=False)

@@ -28,11 +28,7 @@ gemm_mod = importlib.import_module("coda.gemm")
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def _autotune_on(monkeypatch):
-    """conftest.py turns tuning off for the GPU suites; this file tests the unset default (store lookups, no
-    tuning) and turns tuning on (CODA_AUTOTUNE=1) where it tests it."""
-    monkeypatch.delenv("CODA_AUTOTUNE", raising=False)
+pytestmark = pytest.mark.usefixtures("autotune_unset")  # conftest.py: the library's default
 
 
 def outputs_epilogue(n_out):

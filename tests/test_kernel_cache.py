@@ -30,10 +30,7 @@ BF16 = torch.bfloat16
 FAKE_DEV = keys.DeviceInfo("Fake H100", 132, "sm_90a")
 
 
-@pytest.fixture(autouse=True)
-def _autotune_on(monkeypatch):
-    """The unset CODA_AUTOTUNE default (conftest.py turns tuning off for the GPU suites)."""
-    monkeypatch.delenv("CODA_AUTOTUNE", raising=False)
+pytestmark = pytest.mark.usefixtures("autotune_unset")  # conftest.py: the library's default
 
 
 @pytest.fixture(scope="module")
