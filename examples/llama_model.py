@@ -6,10 +6,14 @@ Same structure and names as Hugging Face's ``LlamaForCausalLM`` (``model.embed_t
 Attention: RoPE (rotate-half) + ``F.scaled_dot_product_attention`` (causal), grouped-query heads.
 ``LlamaForCausalLM.forward(input_ids, labels=None)`` returns the logits, or with labels the mean next-token loss
 (labels shifted inside, ignore_index -100, as Hugging Face's).
+Optional config flags give the Qwen variants: ``attention_bias`` (Qwen2: biases on q_proj, k_proj, v_proj),
+``qk_norm`` (Qwen3: ``self_attn.q_norm`` / ``k_norm``, an RMSNorm over each head of q and k before RoPE) and
+``head_dim`` (default hidden_size // num_attention_heads); with their defaults the model is the Llama one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +32,13 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
+    head_dim: Optional[int] = None  # None: hidden_size // num_attention_heads
+    attention_bias: bool = False  # Qwen2: biases on q_proj, k_proj, v_proj (not o_proj)
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k (q_norm, k_norm) before RoPE
+
+
+def _head_dim(cfg: LlamaConfig) -> int:
+    return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
 
 
 class LlamaRMSNorm(nn.Module):
@@ -52,17 +63,23 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        h, d = cfg.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.head_dim = _head_dim(cfg)
+        h, d, b = cfg.hidden_size, self.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=b)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=b)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=b)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        if cfg.qk_norm:  # Qwen3 (created only then: the Llama model's parameters and their order stay as they are)
+            self.q_norm = LlamaRMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        if hasattr(self, "q_norm"):  # per head, before the transpose and RoPE (Hugging Face's Qwen3Attention)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         rep = self.n_heads // self.n_kv
@@ -102,7 +119,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        d = cfg.hidden_size // cfg.num_attention_heads
+        d = _head_dim(cfg)
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 

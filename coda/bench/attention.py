@@ -18,11 +18,12 @@ def main(argv=None) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from .gemm import median_of_runs
+    from . import step_report as SR
     from .step import PRESETS
 
     cfg = PRESETS[args.model]
     B, T, nh, nkv = args.batch, args.seq, cfg["heads"], cfg["kv_heads"]
-    d = cfg["hidden"] // nh
+    d = SR.head_dim(cfg)
     torch.manual_seed(0)
     packed = torch.randn(B, T, (nh + 2 * nkv) * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(B, nh, T, d, device="cuda", dtype=torch.bfloat16)

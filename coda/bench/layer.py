@@ -25,6 +25,7 @@ def main(argv=None) -> int:
     from coda.nn_attention import FusedAttention
 
     from .gemm import median_of_runs
+    from . import step_report as SR
     from .step import PRESETS, build_model
 
     cfg = dict(PRESETS[args.model], layers=1)
@@ -34,7 +35,7 @@ def main(argv=None) -> int:
     B, T, H = args.batch, args.seq, cfg["hidden"]
     x = torch.randn(B, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(B, T, H, device="cuda", dtype=torch.bfloat16)
-    d = H // cfg["heads"]
+    d = SR.head_dim(cfg)
     inv = model.model.inv_freq.float()
     ang = torch.outer(torch.arange(T, device="cuda", dtype=torch.float32), inv)
     emb = torch.cat((ang, ang), -1)

@@ -42,11 +42,24 @@ from typing import Optional
 from . import power
 from . import step_report as SR
 
-PRESETS = {  # hidden, intermediate, layers, heads, kv heads, vocab
+# hidden, intermediate, layers, heads, kv heads, vocab; optional: head_dim (default hidden // heads), qkv_bias (Qwen2:
+# biases on q/k/v), qk_norm (Qwen3: per-head RMSNorm on q and k). The Qwen presets keep few layers (one H100 holds a
+# step at batch 2 x 4096) and give the tuner (python -m autotune --model PRESET) their GEMM shapes
+PRESETS = {
     "small": dict(hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=8, vocab=32000),
     "llama-1b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256),
     "llama-8b-4l": dict(hidden=4096, intermediate=14336, layers=4, heads=32, kv_heads=8, vocab=128256),
+    "qwen2.5-7b-2l": dict(hidden=3584, intermediate=18944, layers=2, heads=28, kv_heads=4, vocab=152064, qkv_bias=True),
+    "qwen2.5-32b-1l": dict(hidden=5120, intermediate=27648, layers=1, heads=40, kv_heads=8, vocab=152064,
+                           qkv_bias=True),
+    "qwen3-8b-2l": dict(hidden=4096, intermediate=12288, layers=2, heads=32, kv_heads=8, vocab=151936, head_dim=128,
+                        qk_norm=True),
+    "qwen3-32b-1l": dict(hidden=5120, intermediate=25600, layers=1, heads=64, kv_heads=8, vocab=151936, head_dim=128,
+                         qk_norm=True),
     "tiny": dict(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, vocab=256),  # CPU smoke tests
+    "tiny-qwen2": dict(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, vocab=256, qkv_bias=True),
+    "tiny-qwen3": dict(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, vocab=256, head_dim=32,
+                       qk_norm=True),
 }
 MODES = ("stock", "stock+compile", "fused", "fused+compile", "stock+compile-ro", "fused+compile-ro",
          "fused-noattn", "fused-noattn+compile", "stock+graph", "fused+graph")  # -noattn: attention=False
@@ -81,10 +94,19 @@ def build_model(cfg: dict, seq: int):
     mod = _model_module()
     kw = dict(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
               num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-              num_key_value_heads=cfg["kv_heads"], max_position_embeddings=max(seq, 256))
+              num_key_value_heads=cfg["kv_heads"], max_position_embeddings=max(seq, 256),
+              head_dim=cfg.get("head_dim") or cfg["hidden"] // cfg["heads"])
+    bias, qk_norm = bool(cfg.get("qkv_bias")), bool(cfg.get("qk_norm"))
     if mod is not None:
-        return mod.LlamaForCausalLM(mod.LlamaConfig(**kw)), "examples/llama_model.py"
+        return (mod.LlamaForCausalLM(mod.LlamaConfig(**kw, attention_bias=bias, qk_norm=qk_norm)),
+                "examples/llama_model.py")
     import transformers
+    if qk_norm:  # Qwen3 (its q/k/v biases: attention_bias, off in the Qwen3 models)
+        hf = transformers.Qwen3Config(**kw, attention_bias=bias, attn_implementation="sdpa")
+        return transformers.Qwen3ForCausalLM(hf), f"transformers {transformers.__version__} (Qwen3)"
+    if bias:  # Qwen2: biases on q/k/v only (Llama's attention_bias would put one on o_proj too)
+        hf = transformers.Qwen2Config(**kw, attn_implementation="sdpa")
+        return transformers.Qwen2ForCausalLM(hf), f"transformers {transformers.__version__} (Qwen2)"
     hf = transformers.LlamaConfig(**kw, attn_implementation="sdpa")
     return transformers.LlamaForCausalLM(hf), f"transformers {transformers.__version__}"
 

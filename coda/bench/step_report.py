@@ -50,13 +50,18 @@ def classify(name: str) -> str:
 # -- model FLOPs -------------------------------------------------------------------------------------------------
 def linear_shapes(cfg: dict) -> list:
     """(in, out, count) of every projection of a Llama-style model; ``cfg`` has hidden, intermediate, layers,
-    heads, kv_heads, vocab."""
+    heads, kv_heads, vocab (optional head_dim: default hidden // heads)."""
     h, i, n = cfg["hidden"], cfg["intermediate"], cfg["layers"]
-    d = h // cfg["heads"]
-    kv = cfg["kv_heads"] * d
-    return [(h, h, n), (h, kv, n), (h, kv, n), (h, h, n),        # q, k, v, o
+    d = head_dim(cfg)
+    q, kv = cfg["heads"] * d, cfg["kv_heads"] * d
+    return [(h, q, n), (h, kv, n), (h, kv, n), (q, h, n),        # q, k, v, o
             (h, i, n), (h, i, n), (i, h, n),                      # gate, up, down
             (h, cfg["vocab"], 1)]                                 # lm_head
+
+
+def head_dim(cfg: dict) -> int:
+    """A preset's head_dim: its own, else hidden // heads."""
+    return cfg.get("head_dim") or cfg["hidden"] // cfg["heads"]
 
 
 def step_flops(cfg: dict, batch: int, seq: int) -> dict:
@@ -64,7 +69,7 @@ def step_flops(cfg: dict, batch: int, seq: int) -> dict:
     attention 3 x (QK^T and PV: 2 x 2 B heads T^2 d, halved by the mask) per layer."""
     m = batch * seq
     gemm = 3 * 2 * m * sum(a * b * c for a, b, c in linear_shapes(cfg))
-    d = cfg["hidden"] // cfg["heads"]
+    d = head_dim(cfg)
     attn = 3 * cfg["layers"] * (2 * 2 * batch * cfg["heads"] * seq * seq * d) // 2
     return {"gemm": gemm, "attention": attn, "total": gemm + attn}
 
