@@ -42,6 +42,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ..config import GemmConfig
 from . import epilogue_wg, l2_prefetch, lse, schedule, visit
+from .ring_view import RingView
 from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, staged_operands,  # noqa: F401 (the x-slots)
                        smem_plan, tile_operand_cols)
 from .operand_kinds import TILE
@@ -251,7 +252,11 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
             if tidx == 0:
                 for j in cutlass.range_constexpr(self.ld_bufs):
                     cute.arch.mbarrier_init(ld_mbar + j, 1)
-        tile_ld = dict(atoms=ld_atoms, tensors=ld_tensors, smem=sLds, mbar=ld_mbar)
+        # (with the output buffers that half-width and 1 -> 2 epilogues write element by element, as RingViews)
+        tile_ld = dict(atoms=ld_atoms, tensors=ld_tensors, smem=sLds, mbar=ld_mbar,
+                       views=[RingView(t, sl) for t, sl in zip(sLds, ld_smems)],
+                       out_views=[RingView(t, sl) for t, sl in zip(sOuts, epi_smems)]
+                       if (self.half or self.expand) and not self.ewg else [])
 
         consumer_wgs = 1 if cfg.pingpong else 2  # warpgroups that read each stage
         mainloop = pipeline.PipelineTmaAsync.create(
@@ -360,7 +365,7 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
         # ---- epilogue partitions (shared by every tile; the epilogue warps of epi_wg have their own)
         epi, scalars = None, {}
         if cutlass.const_expr(not self.ewg):
-            epi = self._epi_setup(tiled_mma, etidx, cwg, sOuts, mD)
+            epi = self._epi_setup(tiled_mma, etidx, cwg, sOuts, mD, tile_ld["out_views"])
             scalars = self._read_scalars(op_tensors)
         tiles_done = cutlass.Int32(0)
 
@@ -467,9 +472,10 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
 
     # ------------------------------------------------------------------------------------------------- epilogue
     @cute.jit
-    def _epi_setup(self, tiled_mma, etidx, cwg, sOuts, mD):
+    def _epi_setup(self, tiled_mma, etidx, cwg, sOuts, mD, out_views):
         """Register->shared-memory copy partitions of the epilogue sub-tile, one per tile output. With no tile
-        output (an epilogue of reductions only) the D-typed partition still gives the register/coordinate map."""
+        output (an epilogue of reductions only) the D-typed partition still gives the register/coordinate map.
+        Half-width and 1 -> 2 outputs are written element by element through :class:`RingView` addresses."""
         d_layout = self.d_layout
         atom_c = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(d_layout.is_m_major_c(), 4), self.d_dtype)
         tiled_copy_c = cute.make_tiled_copy_C_atom(atom_c, tiled_mma)
@@ -492,7 +498,7 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
         # this thread's (row, column) in the sub-tile for each register (the half-width stores address smem by it)
         cloc = thr0.partition_S(cute.make_identity_tensor(self.epi_tile))
         return dict(parts=parts, tiled=tiled0, thr=thr0, souts=sOuts, tiled_mma=tiled_mma, rshape=rshape,
-                    cloc=cloc)
+                    cloc=cloc, views=out_views)
 
     def _ld_buf(self, tiles_done, e, cwg):
         """(ring buffer, mbarrier phase) of TileMN sub-tile e of this consumer's tiles_done-th tile: the sub-tiles
@@ -539,6 +545,8 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
                   red_tensors, cwg, stage):
         cfg = self.cfg
         pp = cfg.pingpong
+        for view in stage["ld"]["views"] + epi["views"]:  # offsets traced in an earlier epilogue: out of scope
+            view.memo = {}
         M, N = mD.shape[0], (mD.shape[1] * 2 if self.half else mD.shape[1] // 2 if self.expand else mD.shape[1])
         rD = cute.make_rmem_tensor(epi["rshape"], self.acc_dtype)
         n_v = cute.size(rD)
@@ -585,7 +593,7 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
                 if cutlass.const_expr(len(self.tma_tiles) > 0):  # this sub-tile's TileMN values have landed
                     b, phase = self._ld_buf(tiles_done, e, cwg)
                     cute.arch.mbarrier_wait(stage["ld"]["mbar"] + b, phase)
-                    tiles = {self.epi.operands[i].name: (stage["ld"]["smem"][k], b)
+                    tiles = {self.epi.operands[i].name: stage["ld"]["views"][k].buffer(b)
                              for k, i in enumerate(self.tma_tiles)}
                 lazy = SubTile(self, cSub, c_sub, op_tensors, M, N,
                                   (lbase, e * cfg.epi_n, staged, stage["scalars"], tiles))
@@ -618,10 +626,12 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
             if cutlass.const_expr(self.half):  # one value per pair, at (row, column / 2) of the half-width buffer
                 for i in cutlass.range_constexpr(len(names)):
                     vals = results[names[i]]
+                    sBuf = epi["views"][i].buffer(buf)
                     for p in cutlass.range_constexpr(n_v // 2):
                         r, c = epi["cloc"][2 * p]
-                        epi["souts"][i][(r, c // 2, buf)] = self.out_dtypes[i](vals[p])
+                        cute.make_tensor(sBuf.ptr(p, r, c // 2), cute.make_layout(1))[0] = self.out_dtypes[i](vals[p])
             if cutlass.const_expr(self.expand):  # two values per element, at (row, 2 column + 0 / 1)
+                sBuf = epi["views"][0].buffer(buf)
                 for v in cutlass.range_constexpr(n_v):
                     w = column_pair(c_sub, v)  # trace time; v == w + 1 was written with w
                     if cutlass.const_expr(w == v):  # columns c, c + 1: 4 values, one write
@@ -629,11 +639,12 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
                         f = cute.make_rmem_tensor((4,), self.out_dtypes[0])
                         for i, (u, key) in enumerate(((v, "out"), (v, ODD_OUT), (v + 1, "out"), (v + 1, ODD_OUT))):
                             f[i] = self.out_dtypes[0](results[key][u])
-                        cute.autovec_copy(f, cute.zipped_divide(epi["souts"][0][(r, None, buf)], (4,))[None, c // 2])
+                        cute.autovec_copy(f, cute.make_tensor(sBuf.ptr(v, r, 2 * c, 4), cute.make_layout(4)))
                     elif cutlass.const_expr(w is None):
                         r, c = epi["cloc"][v]
                         for h, key in ((0, "out"), (1, ODD_OUT)):
-                            epi["souts"][0][(r, 2 * c + h, buf)] = self.out_dtypes[0](results[key][v])
+                            cute.make_tensor(sBuf.ptr((v, h), r, 2 * c + h), cute.make_layout(1))[0] = \
+                                self.out_dtypes[0](results[key][v])
             # one barrier per sub-tile: before it, the store warp waits until at most epi_stages - 2 of its stores
             # still read shared memory, i.e. the store of sub-tile e - epi_stages + 1 is done with the buffer that
             # sub-tile e + 1 writes after the barrier (sub-tile e's buffer was freed the same way one barrier ago).

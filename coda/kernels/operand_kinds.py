@@ -15,7 +15,7 @@ declaration stays the string (it is part of compile keys, and ``o.kind == "tile"
   accumulator register (:meth:`OperandKind.load`) and which registers share it (:meth:`OperandKind.memo_key`).
 
 The kernel side works on ``sub_tile.SubTile`` (``lazy``): its ``staged`` {name: (smem, slot)}, ``scalars`` {name:
-value}, ``tiles`` {name: (smem ring, buffer)} and its ``local`` / ``coord`` coordinate helpers. ``cutlass`` is only
+value}, ``tiles`` {name: this sub-tile's ring buffer} and its ``local`` / ``coord`` coordinate helpers. ``cutlass`` is only
 imported by the kernel-side methods: the host side stays importable without it.
 """
 from __future__ import annotations
@@ -208,26 +208,30 @@ class _TileMN(OperandKind):
 
     def load(self, lazy, op, t, v, pair, row, col, n_cols):
         import cutlass
+        import cutlass.cute as cute
         if op.name in lazy.tiles:  # TMA-loaded: this sub-tile's ring buffer
-            sT, b = lazy.tiles[op.name]
+            sT = lazy.tiles[op.name]
             w = lazy.partner(v) if not pair else None
             if w is not None:  # registers w, w + 1: one row, columns c, c + 1 (c even): one 32-bit read for both
-                two = lazy.shared(("tile2", op.name, w), lambda: self._load_two(lazy, sT, b, w))
+                two = lazy.shared(("tile2", op.name, w), lambda: self._load_two(lazy, sT, w))
                 return two[v - w].to(cutlass.Float32)
             c = lazy.local(v, 1, sub=True)
-            return sT[(lazy.local(v, 0), c // 2 if pair else c, b)].to(cutlass.Float32)
+            one = cute.make_tensor(sT.ptr((lazy.delta(v, 0), lazy.delta(v, 1), pair), lazy.local(v, 0),
+                                          c // 2 if pair else c), cute.make_layout(1))
+            return one[0].to(cutlass.Float32)
         # element by element; clamped indices: out-of-range elements are computed but never stored
         return t[cutlass.min(row(), lazy.M - 1), cutlass.min(col(), n_cols - 1), lazy.coord(v, 2)].to(
             cutlass.Float32)
 
     @staticmethod
-    def _load_two(lazy, sT, b, w):
+    def _load_two(lazy, sT, w):
         """Columns c, c + 1 (c even) of register w's row in the ring buffer, as one vector read (the two lie in
         one 16-byte chunk of the swizzled layout, so they stay adjacent)."""
         import cutlass.cute as cute
-        f = cute.make_rmem_tensor((2,), sT.element_type)
-        row = cute.zipped_divide(sT[(lazy.local(w, 0), None, b)], (2,))  # the row in 2-element chunks
-        cute.autovec_copy(row[None, lazy.local(w, 1, sub=True) // 2], f)
+        f = cute.make_rmem_tensor((2,), sT.view.dtype)
+        two = cute.make_tensor(sT.ptr((lazy.delta(w, 0), lazy.delta(w, 1)), lazy.local(w, 0),
+                                      lazy.local(w, 1, sub=True), 2), cute.make_layout(2))
+        cute.autovec_copy(two, f)
         return f
 
 

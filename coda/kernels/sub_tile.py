@@ -30,7 +30,7 @@ class SubTile:
         self.cSub, self.c_static, self.M, self.N = cSub, c_static, M, N
         self.ops = list(zip(kernel.epi.operands, op_tensors))
         # (register 0's sub-tile-local coordinates, the sub-tile's first column in the tile, staged
-        # {name: (smem, slot)}, run-time scalars {name: value}, TMA-loaded TileMN {name: (smem ring, buffer)})
+        # {name: (smem, slot)}, run-time scalars {name: value}, TMA-loaded TileMN {name: the sub-tile's ring buffer})
         self.lbase, self.col0, self.staged, self.scalars, self.tiles = local
         self.memo = {}
 
@@ -48,6 +48,10 @@ class SubTile:
         base = self.shared(("base",), lambda: self.cSub[0])
         d = 0 if i == 2 else self.c_static[v][i] - self.c_static[0][i]
         return base[i] if d == 0 else self.shared(("c", i, d), lambda: base[i] + d)
+
+    def delta(self, v, i):
+        """Mode i of register v's static offset from register 0 (the same in every sub-tile and thread)."""
+        return self.c_static[v][i] - self.c_static[0][i]
 
     def local(self, v, i, sub: bool = False):
         """Mode i (0 row, 1 column) of register v's coordinate inside the CTA tile (the sub-tile: sub)."""

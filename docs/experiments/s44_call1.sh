@@ -5,7 +5,7 @@
 # Then the GPU test of the compiled update (06fc8e6's per-weight tokens, 2fae1d8's dispatcher QKV).
 cd "$(dirname "$0")/../.." || exit 1
 unset CODA_AUTOTUNE
-export CODA_COMMIT=${CODA_COMMIT:?set CODA_COMMIT: the device copy's .git is stale}
+export CODA_COMMIT=${CODA_COMMIT:?set CODA_COMMIT: the device copy of .git is stale}
 S="--model llama-1b --optimizer coda-adamw --steps 10 --profile-steps 1 --head-reps 2"
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 timeout 470 python -m coda.bench.step $S --modes stock+compile,fused,fused+graph,fused+compile --timeout 115 \

@@ -4,7 +4,7 @@
 # then the step report at the final code (stock + compile, fused, fused + compile; CODA_AUTOTUNE unset: the shipped
 # configs; MODES= a subset, MODES='' none).
 cd "$(dirname "$0")/../.." || exit 1
-export CODA_COMMIT=${CODA_COMMIT:?set CODA_COMMIT: the device copy's .git is stale}
+export CODA_COMMIT=${CODA_COMMIT:?set CODA_COMMIT: the device copy of .git is stale}
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 CODA_AUTOTUNE=0 JOBS=3 PER_FILE_TIMEOUT=190 timeout 195 bash tests/gpu_suite.sh "$OUT/suite" \
     tests/test_optim_gpu.py tests/test_attention_gpu.py tests/test_cross_entropy_gpu.py 2>&1 | tail -4
