@@ -12,7 +12,7 @@ import coda
 from coda.bench import step as S
 from coda.bench import step_report as SR
 from coda.nn_attention import FusedAttention
-from test_fuse_families import _spread, fp32_ops  # noqa: F401 (a fixture)
+from test_fuse_families import _matches_stock, _spread, fp32_ops  # noqa: F401 (a fixture)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3"])
@@ -38,18 +38,7 @@ def test_tiny_presets_fuse_and_match_stock(fp32_ops, preset):  # noqa: F811
         assert (a.bias_qkv is not None) == bool(cfg.get("qkv_bias"))
         assert (a.q_norm is not None) == bool(cfg.get("qk_norm"))
     assert list(fused.state_dict()) == list(stock.state_dict())
-    ids = torch.randint(0, cfg["vocab"], (2, 24), generator=torch.Generator().manual_seed(1))
-    ls, lf = stock(ids, labels=ids), fused(ids, labels=ids)
-    ls.backward()
-    lf.backward()
-    assert abs(ls.item() - lf.item()) <= 1e-5 * abs(ls.item()), (ls.item(), lf.item())
-    gs = {n: p.grad for n, p in stock.named_parameters() if p.grad is not None}
-    gf = coda.stock_grads(fused)
-    assert gs.keys() == gf.keys()
-    for k in gs:
-        err = ((gf[k].double() - gs[k].double()).norm() / gs[k].double().norm()).item()
-        assert err <= 1e-4, (k, err)
-
+    _matches_stock(stock, fused)
 
 def test_head_dim_preset_shapes_and_flops_by_hand():
     cfg = S.PRESETS["qwen3-32b-1l"]
