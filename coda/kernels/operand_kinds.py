@@ -15,8 +15,9 @@ declaration stays the string (it is part of compile keys, and ``o.kind == "tile"
   accumulator register (:meth:`OperandKind.load`) and which registers share it (:meth:`OperandKind.memo_key`).
 
 The kernel side works on ``sub_tile.SubTile`` (``lazy``): its ``staged`` {name: (smem, slot)}, ``scalars`` {name:
-value}, ``tiles`` {name: this sub-tile's ring buffer} and its ``local`` / ``coord`` coordinate helpers. ``cutlass`` is only
-imported by the kernel-side methods: the host side stays importable without it.
+value}, ``tiles`` {name: this sub-tile's ring buffer (``ring_view.RingBuffer``)} and its ``local`` / ``coord`` /
+``delta`` coordinate helpers. ``cutlass`` is only imported by the kernel-side methods: the host side stays importable
+without it.
 """
 from __future__ import annotations
 
