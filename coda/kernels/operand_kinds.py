@@ -15,9 +15,9 @@ declaration stays the string (it is part of compile keys, and ``o.kind == "tile"
   accumulator register (:meth:`OperandKind.load`) and which registers share it (:meth:`OperandKind.memo_key`).
 
 The kernel side works on ``sub_tile.SubTile`` (``lazy``): its ``staged`` {name: (smem, slot)}, ``scalars`` {name:
-value}, ``tiles`` {name: this sub-tile's ring buffer (``ring_view.RingBuffer``)} and its ``local`` / ``coord`` /
-``delta`` coordinate helpers. ``cutlass`` is only imported by the kernel-side methods: the host side stays importable
-without it.
+value}, ``tiles`` {name: this sub-tile's ring buffer (``ring_view.RingBuffer``)} and its ``local`` / ``coord``
+coordinate helpers. ``cutlass`` is only imported by the kernel-side methods: the host side stays importable without
+it.
 """
 from __future__ import annotations
 
@@ -217,8 +217,7 @@ class _TileMN(OperandKind):
                 two = lazy.shared(("tile2", op.name, w), lambda: self._load_two(lazy, sT, w))
                 return two[v - w].to(cutlass.Float32)
             c = lazy.local(v, 1, sub=True)
-            one = cute.make_tensor(sT.ptr((lazy.delta(v, 0), lazy.delta(v, 1), pair), lazy.local(v, 0),
-                                          c // 2 if pair else c), cute.make_layout(1))
+            one = cute.make_tensor(sT.ptr(lazy.local(v, 0), c // 2 if pair else c), cute.make_layout(1))
             return one[0].to(cutlass.Float32)
         # element by element; clamped indices: out-of-range elements are computed but never stored
         return t[cutlass.min(row(), lazy.M - 1), cutlass.min(col(), n_cols - 1), lazy.coord(v, 2)].to(
@@ -230,8 +229,7 @@ class _TileMN(OperandKind):
         one 16-byte chunk of the swizzled layout, so they stay adjacent)."""
         import cutlass.cute as cute
         f = cute.make_rmem_tensor((2,), sT.view.dtype)
-        two = cute.make_tensor(sT.ptr((lazy.delta(w, 0), lazy.delta(w, 1)), lazy.local(w, 0),
-                                      lazy.local(w, 1, sub=True), 2), cute.make_layout(2))
+        two = cute.make_tensor(sT.ptr(lazy.local(w, 0), lazy.local(w, 1, sub=True), 2), cute.make_layout(2))
         cute.autovec_copy(two, f)
         return f
 

@@ -6,8 +6,9 @@ on the byte address, as TMA's swizzle modes do), so indexing them applied the sw
 address, buffer base included: three integer instructions (add, shift, xor) a 32-bit access, recomputed for every
 buffer. The buffers start at multiples of 1024 bytes, above every bit the swizzle reads or writes (the 32 / 64 /
 128-byte modes: bits 4-9), so the swizzle of an element's byte offset inside a buffer is the same in each:
-:class:`RingBuffer` applies it to that offset alone -- a function of the thread and the register, traced once per
-epilogue and shared by every sub-tile, tile and operand of the same layout -- and adds the buffer's address after.
+:class:`RingBuffer` applies it to that offset alone -- a function of the thread and the register, which the
+compiler then computes once and shares across sub-tiles, tiles and operands of the same layout -- and adds the
+buffer's address after.
 CPU, sm_90a SASS per accumulator element of the epilogue (``docs/experiments/s45_epi_sass.py``): the SwiGLU
 backward 33.0 -> 29.1, the SwiGLU forward (half-width outputs) 9.8 -> 7.6, the norm backward + residual 23.5 ->
 22.3; H200 step A/B in docs/NOTES.md (session 45).
@@ -41,9 +42,7 @@ def _opaque(x):
 
 class RingView:
     """A ring of equal shared-memory buffers (``sT``: allocated with layout ``sl.outer`` (rows, cols, buffers) and
-    swizzle ``sl.inner`` in the pointer), addressed as the module docstring says. ``memo`` holds the swizzled
-    offsets traced in the current epilogue: the epilogue empties it where it starts (a value traced in an earlier
-    epilogue is out of scope)."""
+    swizzle ``sl.inner`` in the pointer), addressed as the module docstring says."""
 
     def __init__(self, sT, sl):
         self.dtype, self.outer, self.sw = sT.element_type, cute.slice_(sl.outer, (None, None, 0)), sl.inner
@@ -51,7 +50,6 @@ class RingView:
         self.stride = sl.outer((0, 0, 1)) * self.esize  # bytes between buffers
         check(self.stride, self.sw.num_bits, self.sw.num_base, self.sw.num_shift)
         self.base = sT.iterator.toint()
-        self.memo = {}  # {(row, column) of a register relative to register 0's: its swizzled byte offset}
 
     def swizzled(self, off):
         return swizzle(off, self.sw.num_bits, self.sw.num_base, self.sw.num_shift)
@@ -67,11 +65,7 @@ class RingBuffer:
     def __init__(self, view, addr):
         self.view, self.addr = view, addr
 
-    def ptr(self, key, row, col, n=1):
-        """``key``: (row, col)'s static offset from the thread's register 0 -- the same in every sub-tile, so the
-        swizzled offset is traced once per epilogue (``RingView.memo``, emptied where each epilogue is traced)."""
+    def ptr(self, row, col, n=1):
         v = self.view
-        off = v.memo.get(key)
-        if off is None:
-            off = v.memo[key] = _opaque(v.swizzled(cute.crd2idx((row, col), v.outer) * v.esize))
+        off = _opaque(v.swizzled(cute.crd2idx((row, col), v.outer) * v.esize))
         return cute.make_ptr(v.dtype, self.addr + off, cute.AddressSpace.smem, assumed_align=n * v.esize)

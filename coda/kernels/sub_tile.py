@@ -49,10 +49,6 @@ class SubTile:
         d = 0 if i == 2 else self.c_static[v][i] - self.c_static[0][i]
         return base[i] if d == 0 else self.shared(("c", i, d), lambda: base[i] + d)
 
-    def delta(self, v, i):
-        """Mode i of register v's static offset from register 0 (the same in every sub-tile and thread)."""
-        return self.c_static[v][i] - self.c_static[0][i]
-
     def local(self, v, i, sub: bool = False):
         """Mode i (0 row, 1 column) of register v's coordinate inside the CTA tile (the sub-tile: sub)."""
         d = self.c_static[v][i] - self.c_static[0][i] + (self.col0 if i == 1 and not sub else 0)
