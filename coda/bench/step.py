@@ -95,7 +95,7 @@ def build_model(cfg: dict, seq: int):
     kw = dict(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
               num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
               num_key_value_heads=cfg["kv_heads"], max_position_embeddings=max(seq, 256),
-              head_dim=cfg.get("head_dim") or cfg["hidden"] // cfg["heads"])
+              head_dim=SR.head_dim(cfg))
     bias, qk_norm = bool(cfg.get("qkv_bias")), bool(cfg.get("qk_norm"))
     if mod is not None:
         return (mod.LlamaForCausalLM(mod.LlamaConfig(**kw, attention_bias=bias, qk_norm=qk_norm)),
