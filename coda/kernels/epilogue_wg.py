@@ -193,6 +193,7 @@ class EpilogueWarpgroup:
             col = n * cfg.tile_n + c_loc  # the lane's first accumulator column
             j0 = col // pw  # its first operand column
             full = col + VEC <= N
+            vecn = self._ewg_vecn(ops, j0, ne, N // pw)  # the lane's VecN values: the same in all its rows
             for k in cutlass.range_constexpr(ne * len(self.red_m)):
                 rcol[k] = cutlass.Float32(0.0)
             cute.arch.barrier(barrier_id=BAR_FULL, number_of_threads=HANDOFF_THREADS)
@@ -229,7 +230,7 @@ class EpilogueWarpgroup:
                         acc = staged[u][i * pw].to(cutlass.Float32)
                         if cutlass.const_expr(self.pair_mode):
                             acc = (acc, staged[u][i * pw + 1].to(cutlass.Float32))
-                        res = self._ewg_element(acc, ops, cur[u], i, scalars, row, j0 + i,
+                        res = self._ewg_element(acc, ops, vecn, cur[u], i, scalars, row, j0 + i,
                                                 cutlass.min(j0 + i, N // pw - 1))
                         self._ewg_pack(res_frags, res, i)
                         inb = j0 + i < N // pw
@@ -353,16 +354,36 @@ class EpilogueWarpgroup:
                 else:
                     frags[i][0] = t[rc, l].to(cutlass.Float32)
 
-    def _ewg_element(self, acc, ops, loaded, e, scalars, row, col, cc) -> dict:
+    @cute.jit
+    def _ewg_vecn(self, ops, j0, ne, n_op) -> dict:
+        """{operand index: the ne values of a VecN operand at the lane's columns j0 .. j0 + ne - 1 (clamped)},
+        read once per tile: a lane keeps its columns for all its rows of the tile. (Read per element, as before
+        session 45, each was a global load with its address and clamp in every row: the compiler cannot hoist a
+        load past the loop's global stores.)"""
+        out = {}
+        for i, o in enumerate(self.epi.operands):
+            # held across the row loop: only where the lane has registers to spare (ewg_unroll > 1; the AdamW
+            # update's three TileMN operands leave none: 20 bytes spilled at 168 registers) -- else read per row
+            if cutlass.const_expr(o.spec is VEC_N and ewg_unroll(self.epi) > 1):
+                f = cute.make_rmem_tensor((ne,), ops[i].element_type)  # 16-bit: two a register
+                for e in cutlass.range_constexpr(ne):
+                    f[e] = ops[i][cutlass.min(j0 + e, n_op - 1)]
+                out[i] = f
+        return out
+
+    def _ewg_element(self, acc, ops, vecn, loaded, e, scalars, row, col, cc) -> dict:
         """The epilogue at a lane's evaluation ``e`` of a row (``acc``: fp32, a pair's two; ``col``: the operands'
         column, ``cc`` it clamped), traced inline: its results by name (fp32). ``loaded``: the row's TileMN
-        fragments and VecM value (:meth:`_ewg_load`); VecN values are read here."""
+        fragments and VecM value (:meth:`_ewg_load`); ``vecn``: the tile's VecN values (:meth:`_ewg_vecn`), else
+        they are read here."""
         vals = {}
         for i, o in enumerate(self.epi.operands):
             if o.spec is TILE:
                 vals[o.name] = loaded[i][e].to(cutlass.Float32)
             elif o.spec is VEC_M:
                 vals[o.name] = loaded[i][0]
+            elif o.spec is VEC_N and i in vecn:
+                vals[o.name] = vecn[i][e].to(cutlass.Float32)
             elif o.spec is VEC_N:
                 vals[o.name] = ops[i][cc].to(cutlass.Float32)
             else:
