@@ -191,10 +191,11 @@ def test_shipped_h100_file_schema_and_provenance():
     store34 = "docs/tune_h100/llama1b_s34.json"  # session 34: the O projection and QKV forwards, quick level
     store37 = "docs/tune_h100/llama1b_lmhead_dx_s37.json"  # session 37: the one-chunk LM head dX (coda.optim)
     store39 = "docs/tune_h100/llama8b4l_near_s39.json"  # session 39: the llama-8b-4l step's problems, near level
-    stores = (store, store25, store28, store30, store31, store32, store34, store37, store39)
+    store46 = "docs/tune_h100/qwen3_8b_2l_near_s46.json"  # session 46: the qwen3-8b-2l step's problems, near level
+    stores = (store, store25, store28, store30, store31, store32, store34, store37, store39, store46)
     dates = {store: "2026-11-26", store25: "2026-11-26", store28: "2026-11-27", store30: "2026-11-27",
              store31: "2026-11-27", store32: "2026-11-27", store34: "2026-11-27", store37: "2026-11-28",
-             store39: "2026-11-28"}
+             store39: "2026-11-28", store46: "2026-12-07"}
     assert files == {"docs/tune_h100/tuned_gemm.json", "docs/tune_h100/tuned_fused.json", *stores}
     rows = {}
     for s in prov["sources"]:
@@ -221,8 +222,9 @@ def test_shipped_h100_file_schema_and_provenance():
     # is a new epilogue id, session 32's two as well; session 34's two replace a session 21 and a session 32 entry;
     # session 37's one is a new problem; session 39's nine are new problems (the llama-8b-4l step's; its logits
     # entry, 128 x 192 ping-pong, is dropped: it spills), and two of session 21's are dropped as stale (their
-    # epilogue ids match no epilogue of this version)
-    assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == 13 + 4 + 1 + 1 + 2 + 1 + 9
+    # epilogue ids match no epilogue of this version); session 46's eight are the qwen3-8b-2l step's problems with
+    # a main loop (its K = 0 passes have no K to key a shipped entry: skipped)
+    assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == 13 + 4 + 1 + 1 + 2 + 1 + 9 + 8
     assert 'shipped/*.json' in (ROOT / "pyproject.toml").read_text()
 
 
