@@ -99,3 +99,15 @@ def test_transformers_fallback_builds_the_family(monkeypatch):
         assert type(model).__name__ == cls and attn.o_proj.bias is None
         assert (attn.q_proj.bias is not None) == (preset == "tiny-qwen2")
         assert attn.q_proj.out_features == (128 if preset == "tiny-qwen3" else 64)
+
+
+def test_llama_70b_tp8_preset_is_one_rank_of_the_70b_model():
+    """Llama-3-70B (H 8192, I 28672, 64 / 8 heads of 128, V 128256) split 8 ways: one rank's projections."""
+    full = dict(hidden=8192, intermediate=28672, heads=64, kv_heads=8, head_dim=128, vocab=128256)
+    cfg = S.PRESETS["llama-70b-tp8-2l"]
+    assert cfg["hidden"] == full["hidden"] and cfg["head_dim"] == full["head_dim"]
+    for k in ("intermediate", "heads", "kv_heads", "vocab"):
+        assert cfg[k] * 8 == full[k], k
+    q, kv, h, i = 8 * 128, 1 * 128, 8192, 3584
+    assert SR.linear_shapes(cfg) == [(h, q, 2), (h, kv, 2), (h, kv, 2), (q, h, 2), (h, i, 2), (h, i, 2), (i, h, 2),
+                                     (h, 16032, 1)]
