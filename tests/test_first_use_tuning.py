@@ -192,10 +192,13 @@ def test_shipped_h100_file_schema_and_provenance():
     store37 = "docs/tune_h100/llama1b_lmhead_dx_s37.json"  # session 37: the one-chunk LM head dX (coda.optim)
     store39 = "docs/tune_h100/llama8b4l_near_s39.json"  # session 39: the llama-8b-4l step's problems, near level
     store46 = "docs/tune_h100/qwen3_8b_2l_near_s46.json"  # session 46: the qwen3-8b-2l step's problems, near level
-    stores = (store, store25, store28, store30, store31, store32, store34, store37, store39, store46)
+    store46b = "docs/tune_h100/llama70b_tp8_2l_near_s46.json"  # session 46: a 70B TP8 rank's step, partly tuned
+    store46c = "docs/tune_h100/qwen25_7b_2l_near_s46.json"  # session 46: the qwen2.5-7b-2l step, partly tuned
+    stores = (store, store25, store28, store30, store31, store32, store34, store37, store39, store46, store46b,
+              store46c)
     dates = {store: "2026-11-26", store25: "2026-11-26", store28: "2026-11-27", store30: "2026-11-27",
              store31: "2026-11-27", store32: "2026-11-27", store34: "2026-11-27", store37: "2026-11-28",
-             store39: "2026-11-28", store46: "2026-12-07"}
+             store39: "2026-11-28", store46: "2026-12-07", store46b: "2026-12-07", store46c: "2026-12-07"}
     assert files == {"docs/tune_h100/tuned_gemm.json", "docs/tune_h100/tuned_fused.json", *stores}
     rows = {}
     for s in prov["sources"]:
@@ -223,8 +226,9 @@ def test_shipped_h100_file_schema_and_provenance():
     # session 37's one is a new problem; session 39's nine are new problems (the llama-8b-4l step's; its logits
     # entry, 128 x 192 ping-pong, is dropped: it spills), and two of session 21's are dropped as stale (their
     # epilogue ids match no epilogue of this version); session 46's eight are the qwen3-8b-2l step's problems with
-    # a main loop (its K = 0 passes have no K to key a shipped entry: skipped)
-    assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == 13 + 4 + 1 + 1 + 2 + 1 + 9 + 8
+    # a main loop (its K = 0 passes have no K to key a shipped entry: skipped), four of a 70B TP8 rank's step and five
+    # of qwen2.5-7b-2l's (both tuned in part: the call's time limit)
+    assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == 13 + 4 + 1 + 1 + 2 + 1 + 9 + 8 + 4 + 5
     assert 'shipped/*.json' in (ROOT / "pyproject.toml").read_text()
 
 
