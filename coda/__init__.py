@@ -38,6 +38,7 @@ _DSL = ["epilogue", "VecM", "VecN", "Scalar", "TileMN", "EpilogueError", "row", 
         "exp2", "log", "log2", "sqrt", "rsqrt", "sigmoid", "tanh", "sin", "cos", "silu", "gelu", "relu", "abs",
         "minimum", "maximum", "where", "cast", "pairs"]
 _LAZY.update({n: ("coda.dsl", n) for n in _DSL})
+_LAZY["segment_sum"] = ("coda.dsl_segment", "segment_sum")  # a segmented row reduction (coda/dsl_segment.py)
 
 __all__ = ["__version__", *_LAZY]
 

@@ -14,6 +14,7 @@ import math
 import sympy as sp
 
 from .dsl import CastBF16, CastF16, ProductAngle, Sigmoid
+from .dsl_segment import SegmentSum
 
 TWO_PI = 2.0 * math.pi
 
@@ -127,6 +128,8 @@ def _node(e, leaves, B, memo):
         return B.cmp(op, ev(e.lhs), ev(e.rhs))
     if isinstance(e, (sp.And, sp.Or)):
         return _fold(B.and_ if isinstance(e, sp.And) else B.or_, e.args, ev)
+    if isinstance(e, SegmentSum):
+        return B.segment_sum(ev(e.args[0]), int(e.args[1]))
     if isinstance(e, sp.ITE):
         return B.select(ev(e.args[0]), ev(e.args[1]), ev(e.args[2]))
     if isinstance(e, sp.Not):
@@ -213,6 +216,10 @@ class TorchOps:
     def cast(self, x, dt):
         return x.to(self.t.bfloat16 if dt == "bf16" else self.t.float16).to(x.dtype)
 
+    def segment_sum(self, x, size: int):
+        from .dsl_segment import torch_segment_sum
+        return torch_segment_sum(self.t, x, size, self.like.shape)
+
     def angle(self, coef: float, factors):
         """``coef * prod(factors)`` reduced to about [-pi, pi]: product and reduction in float64 (a product of two
         fp32 values is exact there; the float64 remainder is off by ~1e-16 |p|, 1e-11 rad at p = 1.3e5), then
@@ -233,6 +240,10 @@ class CuteOps:
 
     def const(self, v): return self.F(v)
     def boolean(self, v): return self.c.Boolean(v)
+
+    def segment_sum(self, x, size):  # (coda.gemm refuses such epilogues first: coda.dsl_segment.check_kernel)
+        raise NotImplementedError("coda.segment_sum has no kernel lowering yet (a pre-pass over the register "
+                                  "accumulator before the epilogue's sub-tile loop: coda/dsl_segment.py)")
     def add(self, a, b): return a + b
     def mul(self, a, b): return a * b
     def div(self, a, b): return self.cute.math.div(a, b, approx=True, ftz=True) if self.fastmath else a / b

@@ -31,6 +31,7 @@ from __future__ import annotations
 import sympy as sp
 
 from .dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, Operand, Piecewise, operand_symbol, rebuild
+from .dsl_segment import SegmentSum
 
 GRAD, VALUE, TIE, DGRAD = "grad_", "value_", "tie_", "d_"
 RESERVED_PREFIXES = (GRAD, VALUE, TIE)  # operand names of the backward programs (refused at decoration: coda.dsl)
@@ -122,6 +123,12 @@ def derivative(expr: sp.Expr, z: sp.Symbol) -> sp.Expr:
             r = sp.S.Zero
         elif isinstance(e, sp.Add):
             r = _sum([d(a) for a in e.args])
+        elif isinstance(e, SegmentSum):  # sums over other elements: no elementwise derivative (reverse mode only)
+            if d(e.args[0]) is not sp.S.Zero:
+                raise ValueError("coda.where: a branch that depends on the differentiated value through "
+                                 "coda.segment_sum has no elementwise derivative; write the branch without the "
+                                 "segment sum or move the segment sum out of the where")
+            r = sp.S.Zero
         elif isinstance(e, sp.Piecewise):
             pieces = [(d(v), c) for v, c in e.args]
             r = (sp.S.Zero if all(dv is sp.S.Zero for dv, _ in pieces)
@@ -254,6 +261,9 @@ def _gradients(terms: list, zs) -> dict:
         if not parts or e in targets:
             continue
         bar = _sum(parts)
+        if isinstance(e, SegmentSum):  # every element of a group reads the sum: the argument's adjoint is summed too
+            contrib.setdefault(e.args[0], []).append(SegmentSum(bar, e.args[1]))
+            continue
         if isinstance(e, sp.Piecewise):
             for z in zs:
                 dz = derivative(e, z)

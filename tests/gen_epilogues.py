@@ -19,6 +19,7 @@ KINDS = {"vec_m": coda.VecM, "vec_n": coda.VecN, "scalar": coda.Scalar, "tile": 
 UNARY = ["neg", "sq", "cube", "exp_nsq", "log1p_sq", "sqrt1p_sq", "rsqrt1p_sq", "sigmoid", "tanh", "silu", "gelu",
          "gelu_erf", "relu", "abs", "recip1p_sq", "exp2_ntanh", "sin_3tanh", "cos_tanh"]
 BINARY = ["add", "sub", "mul", "div1p_sq", "minimum", "maximum", "where_gt", "sin_prod"]
+SEGMENT = ["segsum3"]  # coda.segment_sum over groups of 3 columns (pairs): specs(segment=True) only (no kernel yet)
 
 
 def _unary(name, x, m):
@@ -48,6 +49,8 @@ def _unary(name, x, m):
         return m.gelu(x)
     if name == "gelu_erf":
         return m.gelu_erf(x)
+    if name == "segsum3":
+        return m.segment_sum(x, 3)
     return getattr(m, name)(x)
 
 
@@ -90,6 +93,7 @@ class CodaMath:
     const = staticmethod(lambda v: v)
     gelu = staticmethod(lambda x: coda.gelu(x, "tanh"))
     gelu_erf = staticmethod(lambda x: coda.gelu(x, "none"))
+    segment_sum = staticmethod(lambda x, size: coda.segment_sum(x, size))
 
 
 class TorchMath:
@@ -102,9 +106,17 @@ class TorchMath:
     const = staticmethod(lambda v: torch.tensor(v, dtype=torch.float64))
     gelu = staticmethod(lambda x: torch.nn.functional.gelu(x, approximate="tanh"))
     gelu_erf = staticmethod(lambda x: torch.nn.functional.gelu(x, approximate="none"))
+    grid = None  # the element grid (..., M, N) of the evaluation in progress (torch_eval): segment sums need N
+
+    @staticmethod
+    def segment_sum(x, size):
+        """The sum over each row's aligned groups of ``size`` columns, broadcast back (written here, not coda's)."""
+        *lead, n = TorchMath.grid
+        x = torch.broadcast_to(x, TorchMath.grid)
+        return torch.stack([x[..., j - j % size:j - j % size + size].sum(-1) for j in range(n)], -1)
 
 
-def programs(leaves, depth=3):
+def programs(leaves, depth=3, unary=tuple(UNARY)):
     """Programs of nesting depth <= ``depth`` (at most 2**depth leaves). Bounded depth, not only a bounded leaf
     count: chains of unary ops are free in leaves, and sympy's assumption queries on deeply nested tanh/gelu take
     exponential time (see README, Errors and limits)."""
@@ -112,14 +124,16 @@ def programs(leaves, depth=3):
                      st.floats(-2, 2, allow_nan=False).map(lambda v: ("const", round(v, 3))))
     if depth == 0:
         return leaf
-    sub = programs(leaves, depth - 1)
-    return st.one_of(leaf, st.tuples(st.just("u"), st.sampled_from(UNARY), sub),
+    sub = programs(leaves, depth - 1, unary)
+    return st.one_of(leaf, st.tuples(st.just("u"), st.sampled_from(list(unary)), sub),
                      st.tuples(st.just("b"), st.sampled_from(BINARY), sub, sub))
 
 
 @st.composite
-def specs(draw, allow_row_col=True):
-    """(operand kinds, main program, extra outputs, reductions): the recipe of one random epilogue."""
+def specs(draw, allow_row_col=True, segment=False):
+    """(operand kinds, main program, extra outputs, reductions): the recipe of one random epilogue; ``segment``:
+    with segment sums among the unary ops (evaluated by the reference only: the kernel has no lowering yet)."""
+    unary = (*UNARY, *SEGMENT) if segment else tuple(UNARY)
     n_ops = draw(st.integers(0, 3))
     kinds = [draw(st.sampled_from(sorted(KINDS))) for _ in range(n_ops)]
     names = [f"p{i}" for i in range(n_ops)]
@@ -127,15 +141,15 @@ def specs(draw, allow_row_col=True):
     pairs = draw(st.sampled_from([None, None, "half", "full"]))
     accs = ["g", "u"] if pairs else ["acc", "acc"]
     leaves = accs + names + (["row", "col"] if allow_row_col and draw(st.booleans()) else [])
-    main = draw(programs(leaves))
+    main = draw(programs(leaves, unary=unary))
     if pairs == "full":
         return dict(kinds=dict(zip(names, kinds)), main=main, extras={}, reds={}, pairs=pairs,
-                    main_odd=draw(programs(leaves)))
-    extras = {f"x{i}": draw(programs(leaves)) for i in range(draw(st.integers(0, 1)))}
+                    main_odd=draw(programs(leaves, unary=unary)))
+    extras = {f"x{i}": draw(programs(leaves, unary=unary)) for i in range(draw(st.integers(0, 1)))}
     reds = {}
     for i in range(draw(st.integers(0, 2))):  # in a pairs epilogue: one value per pair reduced
         axis_op = draw(st.sampled_from([("n", "sum"), ("n", "max"), ("n", "logsumexp"), ("m", "sum")]))
-        reds[f"r{i}"] = (*axis_op, draw(programs(leaves)))
+        reds[f"r{i}"] = (*axis_op, draw(programs(leaves, unary=unary)))
     return dict(kinds=dict(zip(names, kinds)), main=main, extras=extras, reds=reds, pairs=pairs)
 
 
@@ -170,6 +184,19 @@ def make_epilogue(spec, name="gen"):
     return coda.epilogue(fn)
 
 
+def segment_in_where(spec) -> bool:
+    """Whether a segment sum lies under a where_gt (whose backward raises where the sum depends on the variable)."""
+    def walk(p, under):
+        if p[0] in ("leaf", "const"):
+            return False
+        if p[0] == "u" and p[1] in SEGMENT and under:
+            return True
+        inner = under or (p[0] == "b" and p[1] == "where_gt")
+        return any(walk(q, inner) for q in p[2:])
+    progs = [spec["main"], spec.get("main_odd"), *spec["extras"].values(), *(p for (_, _, p) in spec["reds"].values())]
+    return any(walk(p, False) for p in progs if p is not None)
+
+
 def _leaf_iter(spec):
     progs = [spec["main"], *spec["extras"].values(), *(p for (_, _, p) in spec["reds"].values())]
     if "main_odd" in spec:
@@ -192,6 +219,7 @@ def torch_eval(spec, acc, ops):
     else:
         env = {"acc": acc}
     M, N = acc.shape[-2:]
+    TorchMath.grid = acc.shape
     for n, k in spec["kinds"].items():
         v = ops[n]
         env[n] = (torch.as_tensor(v, dtype=acc.dtype) if k == "scalar" else
@@ -229,4 +257,4 @@ def random_operands(spec, L, M, N, dtype=torch.float64, device="cpu", gen=None):
     return ops
 
 
-__all__ = ["specs", "make_epilogue", "torch_eval", "random_operands", "math"]
+__all__ = ["specs", "make_epilogue", "torch_eval", "random_operands", "segment_in_where", "math"]
