@@ -638,9 +638,16 @@ class DslEpilogue(Epilogue):
     # -- kernel (CuTeDSL, trace time) -------------------------------------------------------------------------
     def visit(self, acc, env):
         """``acc``: the element's fp32 accumulator, or in a pairs epilogue the pair (even, odd); ``env.col`` is
-        then the pair index j."""
-        import cutlass
+        then the pair index j. ``env.segments``: the element's segment sums, formed by the kernel before
+        (coda.dsl_segment), as leaves."""
         from ._eval import CuteOps
+        leaves = self.kernel_leaves(acc, env)
+        leaves.update(getattr(env, "segments", None) or {})
+        return self._evaluate(leaves, CuteOps(fastmath=self.fastmath))
+
+    def kernel_leaves(self, acc, env) -> dict:
+        """{symbol: value} of one element in the kernel (the accumulator, coordinates and operands it uses)."""
+        import cutlass
         leaves = {ACC_EVEN: acc[0], ACC_ODD: acc[1]} if self.pair_mode else {ACC: acc}
         used = self.symbols
         if ROW in used:
@@ -651,7 +658,7 @@ class DslEpilogue(Epilogue):
             s = operand_symbol(o.name)
             if s in used:
                 leaves[s] = env[o.name]
-        return self._evaluate(leaves, CuteOps(fastmath=self.fastmath))
+        return leaves
 
     def _evaluate(self, leaves, ops):
         from ._eval import evaluate

@@ -14,9 +14,11 @@ differentiated value through a segment sum has no elementwise forward-mode deriv
 ValueError.
 
 Where it runs: the torch reference (``coda.reference.gemm``, ``coda.ops`` on CPU tensors, every backward program
-evaluated by torch). The GEMM kernel has no lowering yet (a pre-pass over the register accumulator before the
-epilogue's sub-tile loop: the design is in docs/NOTES.md, session 45, "Next"): ``coda.gemm`` refuses such an
-epilogue with ValueError before any launch, and ``coda.check`` reports the kernel build as failed.
+evaluated by torch) and, opt-in (``CODA_SEGMENT_KERNEL=1``: it compiles for sm_90a without spills but has not run on
+a GPU yet), the GEMM kernel's consumer epilogue: a pre-pass over the register accumulator before the sub-tile loop
+(``coda/kernels/segment.py``; groups of whole 8-column chunks inside a tile, arguments without TileMN operands, no
+segment sum inside another's argument, not in the epilogue warps: :func:`kernel_problems`). Without the variable
+``coda.gemm`` refuses such an epilogue with ValueError before any launch.
 """
 from __future__ import annotations
 
@@ -84,13 +86,75 @@ def epilogue_segment_sizes(epi) -> tuple:
     return got
 
 
+KERNEL_ENV = "CODA_SEGMENT_KERNEL"  # "1": coda.gemm runs segment sums in the kernel (built, not yet GPU-verified)
+
+
 def check_kernel(epi) -> None:
-    """ValueError where ``coda.gemm``'s kernel would have to run an epilogue with segment sums (not built yet)."""
+    """ValueError where ``coda.gemm``'s kernel would run an epilogue with segment sums: the kernel's pre-pass
+    (``coda/kernels/segment.py``) compiles for sm_90a but has not run on a GPU yet, so it is opt-in
+    (``CODA_SEGMENT_KERNEL=1``) until it has."""
+    import os
     sizes = epilogue_segment_sizes(epi)
-    if sizes:
+    if sizes and os.environ.get(KERNEL_ENV) != "1":
         raise ValueError(f"epilogue {epi.name!r} uses coda.segment_sum (groups of {', '.join(map(str, sizes))}), "
-                         "which the GEMM kernel does not run yet: evaluate it with coda.reference.gemm (CPU tensors "
-                         "take that path in coda.ops)")
+                         "which the GEMM kernel does not run by default yet: evaluate it with coda.reference.gemm "
+                         f"(CPU tensors take that path in coda.ops), or set {KERNEL_ENV}=1 for the kernel's "
+                         "pre-pass (built, not yet verified on a GPU)")
 
 
-__all__ = ["SegmentSum", "segment_sum", "segment_sizes", "epilogue_segment_sizes", "check_kernel"]
+def segment_nodes(epi) -> list:
+    """The distinct ``SegmentSum`` nodes of a traced epilogue's evaluated expressions (what ``visit`` reads as
+    leaves when the kernel formed them), arguments before their users; cached on the epilogue."""
+    got = epi.__dict__.get("_segment_nodes")
+    if got is None:
+        got, seen = [], set()
+
+        def walk(e):
+            if e in seen or not isinstance(e, sp.Basic):
+                return
+            seen.add(e)
+            for a in e.args:
+                walk(a)
+            if isinstance(e, SegmentSum):
+                got.append(e)
+        for e in epi._cse_out.values():
+            walk(e)
+        epi.__dict__["_segment_nodes"] = got
+    return got
+
+
+def kernel_problems(epi, tile_n: int) -> list:
+    """Why the consumer epilogue's pre-pass cannot form ``epi``'s segment sums at tiles of ``tile_n`` columns ([]:
+    it can): a group must be whole 8-column chunks of the accumulator fragment (a thread's columns 8 i + 2 (lane %
+    4) + {0, 1}: its group is then static, and the 4 lanes of a quad finish it) inside one tile; the argument
+    reads the accumulator, coordinates and VecM / VecN / Scalar operands (TileMN sub-tiles arrive later, through
+    their ring); no segment sum inside another's argument."""
+    out, width = [], 2 if epi.pair_mode else 1
+    tiles = {operand_symbol_name(o.name): o.name for o in epi.operands if o.kind == "tile"}
+    nodes = segment_nodes(epi)
+    for node in nodes:
+        cols = int(node.args[1]) * width
+        if cols % 8 or tile_n % cols:
+            out.append(f"a group of {cols} accumulator columns must be a multiple of 8 dividing tile_n={tile_n}")
+        read = sorted(tiles[str(x)] for x in node.args[0].free_symbols if str(x) in tiles)
+        if read:
+            out.append(f"the argument of a segment sum reads TileMN operand(s) {read}")
+        if any(other is not node and node.args[0].has(other) for other in nodes):
+            out.append("a segment sum inside another's argument")
+    return out
+
+
+def operand_symbol_name(name: str) -> str:
+    from .dsl import operand_symbol
+    return str(operand_symbol(name))
+
+
+def segment_args(epi, acc, env) -> list:
+    """The kernel values of the segment sums' arguments at one element (the order of :func:`segment_nodes`)."""
+    from ._eval import CuteOps, evaluate
+    leaves, ops, memo = epi.kernel_leaves(acc, env), CuteOps(fastmath=epi.fastmath), {}
+    return [evaluate(node.args[0], leaves, ops, memo) for node in segment_nodes(epi)]
+
+
+__all__ = ["SegmentSum", "segment_sum", "segment_sizes", "epilogue_segment_sizes", "segment_nodes", "segment_args",
+           "kernel_problems", "check_kernel", "KERNEL_ENV"]

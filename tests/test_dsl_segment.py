@@ -80,10 +80,10 @@ def test_errors():
         return coda.where(acc > 0, coda.segment_sum(acc, 2), acc)
     with pytest.raises(ValueError, match="no elementwise derivative"):
         backward_epilogue(in_where, ("out",), ())
-    # the GEMM kernel has no lowering yet: refused before any launch, on any device (nothing is written)
+    # the kernel's pre-pass is opt-in until GPU-verified: refused before any launch (nothing is written)
     x, wt = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
     out = torch.full((8, 8), float("nan"), dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="does not run yet: evaluate it with coda.reference.gemm"):
+    with pytest.raises(ValueError, match="does not run by default yet: evaluate it with coda.reference.gemm"):
         coda.gemm(x, wt, epilogue=qk_norm, out=out, w=torch.rand(8), eps=0.1)
     assert out.isnan().all()
 
@@ -137,3 +137,52 @@ def test_linear_with_qk_norm_trains_on_the_cpu_reference_path():
     for name, o, r, t in zip(("y", "dx", "dW", "dw"), ours, ref, bf):
         err, err_t = ((o - r).norm() / r.norm()).item(), ((t - r).norm() / r.norm()).item()
         assert err <= 2 * err_t + 1e-3, (name, err, err_t)
+
+
+@coda.epilogue
+def qk64(acc, w: coda.VecN, eps: coda.Scalar):
+    """QK-norm over heads of 64 columns (the kernel's pre-pass: whole 8-column chunks inside a tile)."""
+    return acc * coda.rsqrt(coda.segment_sum(acc * acc, 64) / 64.0 + eps) * w
+
+
+@coda.epilogue
+def rot_norm(acc, r: coda.VecM):
+    """A pairs (2 -> 2) epilogue normalised over groups of 32 pairs (64 columns), times a row scale."""
+    a, b = coda.pairs(acc)
+    s = coda.rsqrt(coda.segment_sum(a * a + b * b, 32) / 64.0 + 1e-6)
+    return a * s * r, b * s * r
+
+
+@pytest.mark.parametrize("epi", [qk64, rot_norm], ids=lambda e: e.name)
+def test_kernel_prepass_compiles_for_sm90a_without_spills(epi):
+    """The consumer epilogue's pre-pass (coda/kernels/segment.py) builds for sm_90a at the cooperative and ping-pong
+    tiles: WGMMAs present, no spills; the PTX has the quad's butterfly shuffles."""
+    from coda.check import compile_variant
+    from coda.config import GemmConfig
+    for cfg in (GemmConfig(tile_m=128, tile_n=256, cluster_m=2), GemmConfig(tile_m=64, tile_n=256, pingpong=True)):
+        row = compile_variant(cfg, epi, count=("shfl.sync.bfly",))
+        assert row["ok"], row["error"]
+        assert row["count"]["shfl.sync.bfly"] >= 2 * (cfg.tile_n // 64) * 2, row["count"]
+
+
+def test_kernel_problems_are_named():
+    from coda.config import GemmConfig
+    from coda.dsl_segment import kernel_problems
+    from coda.kernels import segment
+
+    @coda.epilogue
+    def with_tile(acc, t: coda.TileMN):
+        return acc * coda.segment_sum(acc * t, 64)
+
+    @coda.epilogue
+    def nested(acc):
+        return coda.segment_sum(coda.segment_sum(acc, 8) * acc, 64)
+
+    assert kernel_problems(qk64, 256) == [] and kernel_problems(rot_norm, 128) == []
+    assert "dividing tile_n=96" in kernel_problems(qk64, 96)[0]
+    assert "reads TileMN operand(s) ['t']" in kernel_problems(with_tile, 256)[0]
+    assert any("inside another's argument" in p for p in kernel_problems(nested, 256))
+    with pytest.raises(ValueError, match="epilogue warps"):
+        segment.check(qk64, GemmConfig(epi_wg=True))
+    assert segment.check(qk64, GemmConfig()) is True and segment.check(coda.kernels.epilogue.Epilogue(),
+                                                                        GemmConfig()) is False

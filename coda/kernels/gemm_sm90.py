@@ -41,7 +41,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ..config import GemmConfig
-from . import epilogue_wg, l2_prefetch, lse, schedule, visit
+from . import epilogue_wg, l2_prefetch, lse, schedule, segment, visit
 from .ring_view import RingView
 from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, staged_operands,  # noqa: F401 (the x-slots)
                        smem_plan, tile_operand_cols)
@@ -84,6 +84,7 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
         self.ewg = cfg.epi_wg  # the epilogue in warps of the producer warpgroup (kernels/epilogue_wg.py)
         if self.ewg:
             epilogue_wg.check(epi)
+        self.segments = segment.check(epi, cfg)  # coda.segment_sum: the consumer epilogue's pre-pass (segment.py)
 
     def __str__(self):
         """What CuTeDSL's name mangling puts into the kernel's name: the epilogue's, so that profiles tell the
@@ -579,6 +580,11 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
         lbase = epi["cloc"][0]  # this thread's register 0 in the sub-tile: (row, column) local to the tile
         row_acc = [[None] * len(rows_of) for _ in self.red_n]
         cSub0 = None
+        seg = None
+        if cutlass.const_expr(self.segments):  # every segment sum of the tile, before its sub-tiles are visited
+            seg = segment.prepass(self, acc, acc_of, c_sub, n_v, n_epi, lambda e: SubTile(
+                self, epi["thr"].partition_S(cEpi[(None, None, 0, e)]), c_sub, op_tensors, M, N,
+                (lbase, e * cfg.epi_n, staged, stage["scalars"], {})))
 
         for e in cutlass.range_constexpr(n_epi):
             for v in cutlass.range_constexpr(n_v):
@@ -595,6 +601,8 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
                              for k, i in enumerate(self.tma_tiles)}
                 lazy = SubTile(self, cSub, c_sub, op_tensors, M, N,
                                   (lbase, e * cfg.epi_n, staged, stage["scalars"], tiles))
+                if cutlass.const_expr(seg is not None):
+                    lazy.segments = lambda v, e=e: seg[(e, v)]
                 results = self._visit_pairs(rD, lazy, c_sub, n_v) if self.pair_mode else self._visit_all(rD, lazy, n_v)
             else:
                 results = {"out": [rD[v] for v in range(n_v)]}

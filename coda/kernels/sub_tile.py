@@ -33,6 +33,7 @@ class SubTile:
         # {name: (smem, slot)}, run-time scalars {name: value}, TMA-loaded TileMN {name: the sub-tile's ring buffer})
         self.lbase, self.col0, self.staged, self.scalars, self.tiles = local
         self.memo = {}
+        self.segments = None  # register v -> {SegmentSum node: value} (kernels/segment.py's pre-pass), if any
 
     def partner(self, v):
         return column_pair(self.c_static, v)
@@ -68,4 +69,6 @@ class SubTile:
             loaders[op.name] = (lambda op=op, t=t: self.shared(
                 ("op", op.name) + op.spec.memo_key(rs, cs),
                 lambda: op.spec.load(self, op, t, v, pair, row, col, n_cols)))
-        return EpiEnv(row, col, loaders)
+        env = EpiEnv(row, col, loaders)
+        env.segments = self.segments(v) if self.segments is not None else None
+        return env
