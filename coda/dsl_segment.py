@@ -60,30 +60,11 @@ def torch_segment_sum(torch, x, size: int, grid):
     return x.unflatten(-1, (n // size, size)).sum(-1, keepdim=True).expand(*grid[:-1], n // size, size).flatten(-2)
 
 
-def segment_sizes(exprs) -> tuple:
-    """The group sizes of the segment sums in ``exprs`` (each distinct subexpression visited once)."""
-    seen, sizes, stack = set(), set(), list(exprs)
-    while stack:
-        e = stack.pop()
-        if e in seen:
-            continue
-        seen.add(e)
-        if isinstance(e, SegmentSum):
-            sizes.add(int(e.args[1]))
-        if isinstance(e, sp.Basic):
-            stack.extend(e.args)
-    return tuple(sorted(sizes))
-
-
 def epilogue_segment_sizes(epi) -> tuple:
-    """:func:`segment_sizes` of a traced epilogue's outputs and reductions (cached on it); () for other epilogues."""
+    """The group sizes of a traced epilogue's segment sums (sorted; () for other epilogues)."""
     if not isinstance(epi, DslEpilogue):
         return ()
-    got = epi.__dict__.get("_segment_sizes")
-    if got is None:
-        got = epi.__dict__["_segment_sizes"] = segment_sizes(
-            [*epi.exprs.values(), *(e for (_, _, e) in epi.red_specs.values())])
-    return got
+    return tuple(sorted({int(node.args[1]) for node in segment_nodes(epi)}))
 
 
 KERNEL_ENV = "CODA_SEGMENT_KERNEL"  # "1": coda.gemm runs segment sums in the kernel (built, not yet GPU-verified)
@@ -156,5 +137,5 @@ def segment_args(epi, acc, env) -> list:
     return [evaluate(node.args[0], leaves, ops, memo) for node in segment_nodes(epi)]
 
 
-__all__ = ["SegmentSum", "segment_sum", "segment_sizes", "epilogue_segment_sizes", "segment_nodes", "segment_args",
+__all__ = ["SegmentSum", "segment_sum", "epilogue_segment_sizes", "segment_nodes", "segment_args",
            "kernel_problems", "check_kernel", "KERNEL_ENV"]

@@ -16,7 +16,6 @@ import cutlass
 import cutlass.cute as cute
 
 
-
 def check(epi, cfg) -> bool:
     """Whether ``epi`` has segment sums the kernel forms (ValueError where it cannot, at this config)."""
     if type(epi).__module__ != "coda.dsl":
@@ -37,11 +36,10 @@ def prepass(kernel, acc, acc_of, c_sub, n_v, n_epi, sub_tile):
     from ..dsl_segment import segment_args, segment_nodes
     epi, epi_n = kernel.epi, kernel.cfg.epi_n
     nodes = segment_nodes(epi)
-    width = 2 if epi.pair_mode else 1
-    step = 2 if epi.pair_mode else 1
+    step = 2 if epi.pair_mode else 1  # a pairs epilogue: one argument per column pair, a group of size pairs
 
     def key(i, e, v):
-        return i, c_sub[v][0], (c_sub[v][1] + e * epi_n) // (int(nodes[i].args[1]) * width)
+        return i, c_sub[v][0], (c_sub[v][1] + e * epi_n) // (int(nodes[i].args[1]) * step)
 
     sums = {}
     for e in range(n_epi):
