@@ -241,9 +241,9 @@ class CuteOps:
     def const(self, v): return self.F(v)
     def boolean(self, v): return self.c.Boolean(v)
 
-    def segment_sum(self, x, size):  # (coda.gemm refuses such epilogues first: coda.dsl_segment.check_kernel)
-        raise NotImplementedError("coda.segment_sum has no kernel lowering yet (a pre-pass over the register "
-                                  "accumulator before the epilogue's sub-tile loop: coda/dsl_segment.py)")
+    def segment_sum(self, x, size):  # the kernel's sums are leaves from the consumer epilogue's pre-pass
+        raise NotImplementedError("coda.segment_sum: the sums reach the kernel as leaves formed by the consumer "
+                                  "epilogue's pre-pass (coda/kernels/segment.py), which this kernel did not run")
     def add(self, a, b): return a + b
     def mul(self, a, b): return a * b
     def div(self, a, b): return self.cute.math.div(a, b, approx=True, ftz=True) if self.fastmath else a / b

@@ -192,7 +192,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
     check_call(epi, prob, out, operands)
     if type(epi).__module__ == "coda.dsl":  # a traced epilogue (the DSL, and sympy, load only with one)
         from .dsl_segment import check_kernel
-        check_kernel(epi)  # coda.segment_sum: no kernel lowering yet
+        check_kernel(epi)  # coda.segment_sum: the kernel's pre-pass is opt-in until GPU-verified
     if config is not None:
         config.validate()
     _device.require_hopper(prob.device, "coda.gemm")
