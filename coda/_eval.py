@@ -14,7 +14,7 @@ import math
 import sympy as sp
 
 from .dsl import CastBF16, CastF16, ProductAngle, Sigmoid
-from .dsl_segment import SegmentSum
+from .dsl_segment import SegmentSum, torch_segment_sum
 
 TWO_PI = 2.0 * math.pi
 
@@ -217,7 +217,6 @@ class TorchOps:
         return x.to(self.t.bfloat16 if dt == "bf16" else self.t.float16).to(x.dtype)
 
     def segment_sum(self, x, size: int):
-        from .dsl_segment import torch_segment_sum
         return torch_segment_sum(self.t, x, size, self.like.shape)
 
     def angle(self, coef: float, factors):

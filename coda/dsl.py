@@ -642,7 +642,7 @@ class DslEpilogue(Epilogue):
         (coda.dsl_segment), as leaves."""
         from ._eval import CuteOps
         leaves = self.kernel_leaves(acc, env)
-        leaves.update(getattr(env, "segments", None) or {})
+        leaves.update(env.segments or {})
         return self._evaluate(leaves, CuteOps(fastmath=self.fastmath))
 
     def kernel_leaves(self, acc, env) -> dict:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sympy as sp
 
-from .dsl import DslEpilogue, Value, _err, _v
+from .dsl import DslEpilogue, Value, _err, _v, operand_symbol
 
 
 class SegmentSum(sp.Function):
@@ -111,7 +111,7 @@ def kernel_problems(epi, tile_n: int) -> list:
     reads the accumulator, coordinates and VecM / VecN / Scalar operands (TileMN sub-tiles arrive later, through
     their ring); no segment sum inside another's argument."""
     out, width = [], 2 if epi.pair_mode else 1
-    tiles = {operand_symbol_name(o.name): o.name for o in epi.operands if o.kind == "tile"}
+    tiles = {str(operand_symbol(o.name)): o.name for o in epi.operands if o.kind == "tile"}
     nodes = segment_nodes(epi)
     for node in nodes:
         cols = int(node.args[1]) * width
@@ -123,11 +123,6 @@ def kernel_problems(epi, tile_n: int) -> list:
         if any(other is not node and node.args[0].has(other) for other in nodes):
             out.append("a segment sum inside another's argument")
     return out
-
-
-def operand_symbol_name(name: str) -> str:
-    from .dsl import operand_symbol
-    return str(operand_symbol(name))
 
 
 def segment_args(epi, acc, env) -> list:

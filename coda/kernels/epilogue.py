@@ -72,10 +72,11 @@ class Reduction:
 class EpiEnv:
     """What ``visit`` sees of one accumulator element: its coordinates and operand values (loaded lazily)."""
 
-    def __init__(self, row, col, loaders: Mapping[str, Callable[[], Any]]):
+    def __init__(self, row, col, loaders: Mapping[str, Callable[[], Any]], segments: Optional[dict] = None):
         # row / col may be zero-argument callables: coordinates are then only computed (traced) when used
         self._row, self._col = row, col
         self._loaders, self._cache = loaders, {}
+        self.segments = segments  # {SegmentSum node: value} formed by kernels/segment.py's pre-pass, if any
 
     @property
     def row(self):

@@ -635,7 +635,7 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
                     sBuf = epi["views"][i].buffer(buf)
                     for p in cutlass.range_constexpr(n_v // 2):
                         r, c = epi["cloc"][2 * p]
-                        cute.make_tensor(sBuf.ptr(r, c // 2), cute.make_layout(1))[0] = self.out_dtypes[i](vals[p])
+                        sBuf.at(r, c // 2)[0] = self.out_dtypes[i](vals[p])
             if cutlass.const_expr(self.expand):  # two values per element, at (row, 2 column + 0 / 1)
                 sBuf = epi["views"][0].buffer(buf)
                 for v in cutlass.range_constexpr(n_v):
@@ -645,12 +645,11 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
                         f = cute.make_rmem_tensor((4,), self.out_dtypes[0])
                         for i, (u, key) in enumerate(((v, "out"), (v, ODD_OUT), (v + 1, "out"), (v + 1, ODD_OUT))):
                             f[i] = self.out_dtypes[0](results[key][u])
-                        cute.autovec_copy(f, cute.make_tensor(sBuf.ptr(r, 2 * c, 4), cute.make_layout(4)))
+                        cute.autovec_copy(f, sBuf.at(r, 2 * c, 4))
                     elif cutlass.const_expr(w is None):
                         r, c = epi["cloc"][v]
                         for h, key in ((0, "out"), (1, ODD_OUT)):
-                            cute.make_tensor(sBuf.ptr(r, 2 * c + h), cute.make_layout(1))[0] = \
-                                self.out_dtypes[0](results[key][v])
+                            sBuf.at(r, 2 * c + h)[0] = self.out_dtypes[0](results[key][v])
             # one barrier per sub-tile: before it, the store warp waits until at most epi_stages - 2 of its stores
             # still read shared memory, i.e. the store of sub-tile e - epi_stages + 1 is done with the buffer that
             # sub-tile e + 1 writes after the barrier (sub-tile e's buffer was freed the same way one barrier ago).

@@ -209,7 +209,6 @@ class _TileMN(OperandKind):
 
     def load(self, lazy, op, t, v, pair, row, col, n_cols):
         import cutlass
-        import cutlass.cute as cute
         if op.name in lazy.tiles:  # TMA-loaded: this sub-tile's ring buffer
             sT = lazy.tiles[op.name]
             w = lazy.partner(v) if not pair else None
@@ -217,8 +216,7 @@ class _TileMN(OperandKind):
                 two = lazy.shared(("tile2", op.name, w), lambda: self._load_two(lazy, sT, w))
                 return two[v - w].to(cutlass.Float32)
             c = lazy.local(v, 1, sub=True)
-            one = cute.make_tensor(sT.ptr(lazy.local(v, 0), c // 2 if pair else c), cute.make_layout(1))
-            return one[0].to(cutlass.Float32)
+            return sT.at(lazy.local(v, 0), c // 2 if pair else c)[0].to(cutlass.Float32)
         # element by element; clamped indices: out-of-range elements are computed but never stored
         return t[cutlass.min(row(), lazy.M - 1), cutlass.min(col(), n_cols - 1), lazy.coord(v, 2)].to(
             cutlass.Float32)
@@ -229,8 +227,7 @@ class _TileMN(OperandKind):
         one 16-byte chunk of the swizzled layout, so they stay adjacent)."""
         import cutlass.cute as cute
         f = cute.make_rmem_tensor((2,), sT.view.dtype)
-        two = cute.make_tensor(sT.ptr(lazy.local(w, 0), lazy.local(w, 1, sub=True), 2), cute.make_layout(2))
-        cute.autovec_copy(two, f)
+        cute.autovec_copy(sT.at(lazy.local(w, 0), lazy.local(w, 1, sub=True), 2), f)
         return f
 
 

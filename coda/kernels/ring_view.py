@@ -59,13 +59,14 @@ class RingView:
 
 
 class RingBuffer:
-    """One buffer of a :class:`RingView`: ``ptr(row, col, n)`` is the address of n elements from (row, col) (n
+    """One buffer of a :class:`RingView`: ``at(row, col, n)`` is the n elements from (row, col) as a tensor (n
     adjacent: the caller keeps them inside one 16-byte chunk of the swizzle, where they stay adjacent)."""
 
     def __init__(self, view, addr):
         self.view, self.addr = view, addr
 
-    def ptr(self, row, col, n=1):
+    def at(self, row, col, n=1):
         v = self.view
         off = _opaque(v.swizzled(cute.crd2idx((row, col), v.outer) * v.esize))
-        return cute.make_ptr(v.dtype, self.addr + off, cute.AddressSpace.smem, assumed_align=n * v.esize)
+        ptr = cute.make_ptr(v.dtype, self.addr + off, cute.AddressSpace.smem, assumed_align=n * v.esize)
+        return cute.make_tensor(ptr, cute.make_layout(n))

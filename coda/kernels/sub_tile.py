@@ -69,6 +69,4 @@ class SubTile:
             loaders[op.name] = (lambda op=op, t=t: self.shared(
                 ("op", op.name) + op.spec.memo_key(rs, cs),
                 lambda: op.spec.load(self, op, t, v, pair, row, col, n_cols)))
-        env = EpiEnv(row, col, loaders)
-        env.segments = self.segments(v) if self.segments is not None else None
-        return env
+        return EpiEnv(row, col, loaders, self.segments(v) if self.segments is not None else None)
