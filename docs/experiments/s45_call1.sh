@@ -7,11 +7,7 @@
 cd "$(dirname "$0")/../.." || exit 1
 export CODA_COMMIT=${CODA_COMMIT:?set CODA_COMMIT: the device copy of .git is stale}
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
-CODA_AUTOTUNE=0 JOBS=7 PER_FILE_TIMEOUT=${TEST_S:-185} timeout $((${TEST_S:-185} + 5)) bash tests/gpu_suite.sh "$OUT/suite" \
-    tests/test_mlp_gpu.py tests/test_epilogue_hook_gpu.py tests/test_gated_gpu.py tests/test_rmsnorm_linear_gpu.py \
-    tests/test_optim_gpu.py tests/test_attention_gpu.py tests/test_cross_entropy_gpu.py 2>&1 | tail -9
-grep -h -E "^(FAILED|ERROR)|Error|assert" "$OUT"/suite/*.log 2>/dev/null | head -12
-unset CODA_AUTOTUNE
-S="--model llama-1b --optimizer coda-adamw --steps 8 --profile-steps 1 --head-reps 0 --modes fused --timeout 80"
-timeout ${AB_S:-300} python -m coda.bench.ab_files .ab_old ${ROUNDS:-2} -- python -m coda.bench.step $S \
-    --out "$OUT/ab_{ab}_{round}" 2>&1 | grep -E "^=== round|^\| fused|rror" | tail -12
+source docs/experiments/lib_device.sh
+gpu_tests 7 ${TEST_S:-185} tests/test_mlp_gpu.py tests/test_epilogue_hook_gpu.py tests/test_gated_gpu.py \
+    tests/test_rmsnorm_linear_gpu.py tests/test_optim_gpu.py tests/test_attention_gpu.py tests/test_cross_entropy_gpu.py
+ab_step ${ROUNDS:-2} ${AB_S:-300}

@@ -4,7 +4,6 @@
 # in coda/dsl_segment.py) -- and the DSL / epilogue GPU files it touches, JOBS at a time.
 cd "$(dirname "$0")/../.." || exit 1
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
-CODA_AUTOTUNE=0 JOBS=4 PER_FILE_TIMEOUT=${TEST_S:-240} timeout $((${TEST_S:-240} + 5)) bash tests/gpu_suite.sh "$OUT/suite" \
-    tests/test_dsl_segment_gpu.py tests/test_dsl_gpu.py tests/test_epilogue_hook_gpu.py tests/test_mlp_gpu.py \
-    2>&1 | tail -6
-grep -h -E "^(FAILED|ERROR)|Error|assert" "$OUT"/suite/*.log 2>/dev/null | head -12
+source docs/experiments/lib_device.sh
+gpu_tests 4 ${TEST_S:-240} tests/test_dsl_segment_gpu.py tests/test_dsl_gpu.py tests/test_epilogue_hook_gpu.py \
+    tests/test_mlp_gpu.py
