@@ -14,11 +14,10 @@ differentiated value through a segment sum has no elementwise forward-mode deriv
 ValueError.
 
 Where it runs: the torch reference (``coda.reference.gemm``, ``coda.ops`` on CPU tensors, every backward program
-evaluated by torch) and, opt-in (``CODA_SEGMENT_KERNEL=1``: it compiles for sm_90a without spills but has not run on
-a GPU yet), the GEMM kernel's consumer epilogue: a pre-pass over the register accumulator before the sub-tile loop
-(``coda/kernels/segment.py``; groups of whole 8-column chunks inside a tile, arguments without TileMN operands, no
-segment sum inside another's argument, not in the epilogue warps: :func:`kernel_problems`). Without the variable
-``coda.gemm`` refuses such an epilogue with ValueError before any launch.
+evaluated by torch) and the GEMM kernel's consumer epilogue: a pre-pass over the register accumulator before the
+sub-tile loop (``coda/kernels/segment.py``; groups of whole 8-column chunks inside a tile, arguments without TileMN
+operands, no segment sum inside another's argument, not in the epilogue warps: :func:`kernel_problems`, a
+ValueError before any launch otherwise). GPU-verified on the H100 in session 47 (tests/test_dsl_segment_gpu.py).
 """
 from __future__ import annotations
 
@@ -65,22 +64,6 @@ def epilogue_segment_sizes(epi) -> tuple:
     if not isinstance(epi, DslEpilogue):
         return ()
     return tuple(sorted({int(node.args[1]) for node in segment_nodes(epi)}))
-
-
-KERNEL_ENV = "CODA_SEGMENT_KERNEL"  # "1": coda.gemm runs segment sums in the kernel (built, not yet GPU-verified)
-
-
-def check_kernel(epi) -> None:
-    """ValueError where ``coda.gemm``'s kernel would run an epilogue with segment sums: the kernel's pre-pass
-    (``coda/kernels/segment.py``) compiles for sm_90a but has not run on a GPU yet, so it is opt-in
-    (``CODA_SEGMENT_KERNEL=1``) until it has."""
-    import os
-    sizes = epilogue_segment_sizes(epi)
-    if sizes and os.environ.get(KERNEL_ENV) != "1":
-        raise ValueError(f"epilogue {epi.name!r} uses coda.segment_sum (groups of {', '.join(map(str, sizes))}), "
-                         "which the GEMM kernel does not run by default yet: evaluate it with coda.reference.gemm "
-                         f"(CPU tensors take that path in coda.ops), or set {KERNEL_ENV}=1 for the kernel's "
-                         "pre-pass (built, not yet verified on a GPU)")
 
 
 def segment_nodes(epi) -> list:
@@ -133,4 +116,4 @@ def segment_args(epi, acc, env) -> list:
 
 
 __all__ = ["SegmentSum", "segment_sum", "epilogue_segment_sizes", "segment_nodes", "segment_args",
-           "kernel_problems", "check_kernel", "KERNEL_ENV"]
+           "kernel_problems"]

@@ -190,9 +190,6 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
     epi = check_epilogue(epilogue)
     prob = check_gemm_args(a, b, out=out, out_dtype=out_dtype, **out_flags(epi))
     check_call(epi, prob, out, operands)
-    if type(epi).__module__ == "coda.dsl":  # a traced epilogue (the DSL, and sympy, load only with one)
-        from .dsl_segment import check_kernel
-        check_kernel(epi)  # coda.segment_sum: the kernel's pre-pass is opt-in until GPU-verified
     if config is not None:
         config.validate()
     _device.require_hopper(prob.device, "coda.gemm")

@@ -80,12 +80,15 @@ def test_errors():
         return coda.where(acc > 0, coda.segment_sum(acc, 2), acc)
     with pytest.raises(ValueError, match="no elementwise derivative"):
         backward_epilogue(in_where, ("out",), ())
-    # the kernel's pre-pass is opt-in until GPU-verified: refused before any launch (nothing is written)
-    x, wt = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
-    out = torch.full((8, 8), float("nan"), dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="does not run by default yet: evaluate it with coda.reference.gemm"):
-        coda.gemm(x, wt, epilogue=qk_norm, out=out, w=torch.rand(8), eps=0.1)
-    assert out.isnan().all()
+    # the kernel's pre-pass: where it cannot run (here the epilogue warps) a ValueError at the kernel's construction,
+    # before any compile or launch
+    from coda.config import GemmConfig
+    from coda.kernels import segment
+    assert segment.check(qk64, GemmConfig()) is True
+    with pytest.raises(ValueError, match="epilogue warps"):
+        segment.check(qk64, GemmConfig(epi_wg=True))
+    with pytest.raises(ValueError, match="must be a multiple of 8"):  # groups of 4 columns
+        segment.check(qk_norm, GemmConfig())
 
 
 @st.composite
@@ -184,5 +187,7 @@ def test_kernel_problems_are_named():
     assert any("inside another's argument" in p for p in kernel_problems(nested, 256))
     with pytest.raises(ValueError, match="epilogue warps"):
         segment.check(qk64, GemmConfig(epi_wg=True))
+    with pytest.raises(ValueError, match="must be a multiple of 8"):  # groups of 4 columns
+        segment.check(qk_norm, GemmConfig())
     assert segment.check(qk64, GemmConfig()) is True and segment.check(coda.kernels.epilogue.Epilogue(),
                                                                         GemmConfig()) is False

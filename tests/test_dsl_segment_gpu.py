@@ -1,12 +1,11 @@
-"""coda.segment_sum in the GEMM kernel (the consumer epilogue's pre-pass, coda/kernels/segment.py; opt-in with
-CODA_SEGMENT_KERNEL=1 until this file has passed on a GPU) vs float64: the 2x rule against torch's bf16 path, ragged
+"""coda.segment_sum in the GEMM kernel (the consumer epilogue's pre-pass, coda/kernels/segment.py; first passed on
+the H100 in session 47) vs float64: the 2x rule against torch's bf16 path, ragged
 M and K, NaN-poisoned outputs all written, cooperative and ping-pong tiles, a pairs epilogue."""
 import pytest
 import torch
 
 import coda
 from coda.config import GemmConfig
-from coda.dsl_segment import KERNEL_ENV
 from test_dsl_segment import qk64, rot_norm
 
 pytestmark = pytest.mark.gpu
@@ -28,8 +27,7 @@ def _torch(z, heads, w_or_r, pairs):
 
 @pytest.mark.parametrize("cfg", CFGS, ids=lambda c: c.name)
 @pytest.mark.parametrize("epi", [qk64, rot_norm], ids=lambda e: e.name)
-def test_segment_sum_kernel_matches_float64(monkeypatch, cfg, epi):
-    monkeypatch.setenv(KERNEL_ENV, "1")
+def test_segment_sum_kernel_matches_float64(cfg, epi):
     torch.manual_seed(0)
     M, N, K = 1000, 1344, 520  # ragged M and K; N = 21 groups of 64 (the last tile partly outside N)
     pairs = epi is rot_norm
@@ -51,8 +49,12 @@ def test_segment_sum_kernel_matches_float64(monkeypatch, cfg, epi):
     assert ((want - ref).norm() / ref.norm()).item() < 1e-12
 
 
-def test_segment_sum_kernel_refused_by_default(monkeypatch):
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
-    x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=KERNEL_ENV):
-        coda.gemm(x, x, epilogue=qk64, w=torch.rand(64, device="cuda"), eps=1e-6)
+def test_segment_sum_refused_in_the_epilogue_warps():
+    """The epilogue warps do not run segment sums: ValueError naming them, before any launch (out untouched)."""
+    x = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((256, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="epi_wg"):
+        coda.gemm(x, x[:128], epilogue=qk64, out=out, config=GemmConfig(epi_wg=True),
+                  w=torch.rand(128, device="cuda"), eps=1e-6)
+    torch.cuda.synchronize()
+    assert out.isnan().all()
