@@ -2,7 +2,8 @@
 
 A :class:`GemmConfig` selects, at compile time:
 
-- the CTA tile ``tile_m x tile_n`` (``tile_k`` is fixed at 64 for 16-bit inputs: one 128-byte swizzled row);
+- the CTA tile ``tile_m x tile_n`` and its k-extent per pipeline stage, ``tile_k`` (64 elements: one 128-byte
+  swizzled row of 16-bit inputs; 32: half the stage, so that twice as many stages fit beside a large epilogue buffer);
 - the consumer schedule: *cooperative* (two consumer warpgroups split one tile along M) or *ping-pong* (each consumer
   warpgroup owns a whole tile; their mainloops are serialised by an ordering barrier so one warpgroup's epilogue
   overlaps the other's tensor-core work);
@@ -51,12 +52,11 @@ class GemmConfig:
     # (prefetch.global.L2, one 128-byte line a lane and instruction) over the last ``l2_prefetch`` k-tiles of the
     # tile's mainloop, so that the epilogue's loads hit L2 (kernels/gemm_sm90.py, ``_l2_prefetch``); 0: none
     l2_prefetch: int = 0
+    # k-extent of a pipeline stage: 64 (default) or 32 (stages of half the bytes: 6 instead of 3 beside the epilogue
+    # warps' 64 KB staged tile at 128 x 256)
+    tile_k: int = TILE_K
 
     # -- derived ---------------------------------------------------------------------------------------------------
-    @property
-    def tile_k(self) -> int:
-        return TILE_K
-
     @property
     def wg_tile_m(self) -> int:
         """Rows of the CTA tile held by one consumer warpgroup."""
@@ -74,7 +74,8 @@ class GemmConfig:
         dyn = "_dyn" if self.sched == "dynamic" else ""
         return (f"{self.tile_m}x{self.tile_n}_{sched}_c{self.cluster_m}x{self.cluster_n}"
                 f"_r{self.raster}{self.swizzle}{st}{dyn}" + ("_ewg" if self.epi_wg else "")
-                + (f"_pf{self.l2_prefetch}" if self.l2_prefetch else ""))
+                + (f"_pf{self.l2_prefetch}" if self.l2_prefetch else "")
+                + (f"_k{self.tile_k}" if self.tile_k != TILE_K else ""))
 
     def problems(self) -> list[str]:
         """Reasons this config cannot be built (empty list: valid)."""
@@ -105,6 +106,8 @@ class GemmConfig:
             out.append("sched='dynamic' is built for the cooperative schedule only")
         if self.l2_prefetch < 0 or self.l2_prefetch & (self.l2_prefetch - 1) or self.l2_prefetch > self.tile_m:
             out.append(f"l2_prefetch must be 0 or a power of two <= tile_m={self.tile_m}, got {self.l2_prefetch}")
+        if self.tile_k not in (32, 64):
+            out.append(f"tile_k must be 32 or 64, got {self.tile_k}")
         if self.epi_wg and (self.pingpong or self.tile_m != 128 or self.sched != "static"):
             out.append("epi_wg=True is built for cooperative 128-row tiles with sched='static'")
         return out
@@ -122,7 +125,7 @@ class GemmConfig:
         return per_tile * (2 if self.pingpong else 1)
 
     def ab_stage_bytes(self, in_bytes: int = 2) -> int:
-        return (self.tile_m + self.tile_n) * TILE_K * in_bytes
+        return (self.tile_m + self.tile_n) * self.tile_k * in_bytes
 
     def derive_stages(self, out_bytes: list[int], extra_smem: int = 0, in_bytes: int = 2, epi_stages: int = 2) -> int:
         """Pipeline stages that fit in the shared memory left after the epilogue (``epi_stages`` sub-tile buffers

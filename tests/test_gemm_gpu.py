@@ -69,6 +69,22 @@ def test_mn_major_operands(cfg, majors):
     run_check(8, 8, 4104, torch.bfloat16, config=cfg, majors=majors)
 
 
+K32_CONFIGS = [GemmConfig(tile_m=128, tile_n=256, cluster_m=2, tile_k=32),
+               GemmConfig(tile_m=64, tile_n=256, pingpong=True, cluster_m=2, tile_k=32),
+               GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=2, sched="dynamic", tile_k=32)]
+
+
+@pytest.mark.parametrize("majors", [("k", "k"), ("mn", "k"), ("k", "mn"), ("mn", "mn")], ids="".join)
+@pytest.mark.parametrize("cfg", K32_CONFIGS, ids=lambda c: c.name)
+def test_half_depth_stages(cfg, majors):
+    """tile_k=32: stages of 32 k-elements (a 64-byte swizzled row of K-major operands), twice as many of them;
+    K ragged against 32 and shorter than one stage."""
+    for dtype in (torch.bfloat16, torch.float16):
+        run_check(1000, 904, 456, dtype, config=cfg, majors=majors)
+    run_check(304, 136, 200, torch.bfloat16, L=3, config=cfg, majors=majors)
+    run_check(136, 264, 24, torch.bfloat16, config=cfg, majors=majors)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_out_dtypes(out_dtype):
     run_check(517, 264, 1032, torch.bfloat16, out_dtype=out_dtype)

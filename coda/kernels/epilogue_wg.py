@@ -71,11 +71,13 @@ def ring_ops(epi, tile_bytes, tile_aligned) -> dict:
 
 def ring_depth(epi, cfg, tile_bytes, tile_aligned, in_bytes: int = 2) -> int:
     """Batches of operand loads in flight per lane (the ring's positions): as many as the shared memory holds beside
-    the staged tile and 3 pipeline stages, at most RING_MAX; 0 (direct loads) below 2 or without ring operands."""
+    the staged tile and the pipeline stages -- ``cfg.stages``, else 3 of 64 k-elements (6 of 32) -- at most
+    RING_MAX; 0 (direct loads) below 2 or without ring operands."""
     lane = sum(ring_ops(epi, tile_bytes, tile_aligned).values()) * ewg_unroll(epi)
     if not lane:
         return 0
-    left = SMEM_CAPACITY - 2048 - staging_bytes(cfg) - 3 * cfg.ab_stage_bytes(in_bytes)
+    stages = cfg.stages or 3 * 64 // cfg.tile_k
+    left = SMEM_CAPACITY - 2048 - staging_bytes(cfg) - stages * cfg.ab_stage_bytes(in_bytes)
     d = min(RING_MAX, left // (EPI_THREADS * lane))
     return d if d >= 2 else 0
 

@@ -100,13 +100,13 @@ def shape_reasons(cfg: GemmConfig, epi: Any, M: int, N: int, L: int = 1) -> Opti
 
 # fields that came later, with the value an entry stored without them means ("sched": a static schedule; "epi_wg":
 # the shared epilogue, left out of stored entries while False so that they read as before)
-LATER_FIELDS = {"sched": "static", "epi_wg": False, "l2_prefetch": 0}
+LATER_FIELDS = {"sched": "static", "epi_wg": False, "l2_prefetch": 0, "tile_k": 64}
 
 
 def config_to_dict(cfg: GemmConfig) -> dict:
     d = dataclasses.asdict(cfg)
-    for k in ("epi_wg", "l2_prefetch"):  # left out at their defaults: entries read as before
-        if not d[k]:
+    for k in ("epi_wg", "l2_prefetch", "tile_k"):  # left out at their defaults: entries read as before
+        if d[k] == LATER_FIELDS[k]:
             del d[k]
     return d
 
@@ -127,7 +127,7 @@ def config_problem(d: Any) -> Optional[str]:
     choices = {"tile_m": TILE_M, "tile_n": TILE_N, "cluster_m": (1, 2), "cluster_n": (1, 2),
                "pingpong": (False, True), "raster": RASTERS, "swizzle": range(1, 65),
                "stages": (None, *range(2, 17)), "epi_n": (16, 32, 64), "sched": SCHEDS, "epi_wg": (False, True),
-               "l2_prefetch": (0, 1, 2, 4, 8, 16, 32, 64, 128)}
+               "l2_prefetch": (0, 1, 2, 4, 8, 16, 32, 64, 128), "tile_k": (32, 64)}
     types_ = {"pingpong": (bool,), "raster": (str,), "sched": (str,), "stages": (int, type(None)), "epi_wg": (bool,)}
     extra = sorted(set(d) - set(choices))
     if extra:
