@@ -219,7 +219,7 @@ class _VocabParallelCEFast(torch.autograd.Function):
             ranges.append(rng)
             return lse_g, zt_g
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        lse, stats, dx, dw, _ = forward_with_grads(x, weight, shifted, valid, shifted.to(torch.float32), reduction,
+        lse, stats, dx, dw, _, _ = forward_with_grads(x, weight, shifted, valid, shifted.to(torch.float32), reduction,
                                                    0.0, 0.0, rows, need_x, need_w, ENTRY, tail_logits, softcap,
                                                    combine=combine)
         V = _check_layout(ranges[0], target, valid, check_targets)

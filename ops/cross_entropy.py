@@ -369,7 +369,8 @@ def _op_fast_fake(x, weight, target, ignore_index, reduction, label_smoothing, z
     return (x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=torch.float32),
             x.new_empty(x.shape) if need_x else x.new_empty((0,)),
             weight.new_empty(weight.shape) if need_w and not taken else weight.new_empty((0,)),
-            x.new_empty((x.shape[0], weight.shape[0])) if taken else x.new_empty((0,)))
+            x.new_empty((x.shape[0], weight.shape[0])) if taken else x.new_empty((0,)),
+            x.new_empty((x.shape[0] + 1,) if taken else (0,), dtype=torch.float32))
 
 
 def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -434,7 +435,7 @@ def _backward_fast(ctx, grad_loss, *_):
     are this call's own and are released after this node; no second V x H buffer), out of place under
     torch.compile (its graphs are functional). A deferred dW (dz non-empty) is formed here, its GEMM carrying
     coda.optim's update (under torch.compile: ``linear_cross_entropy_update``), else dW = dz^T x before the scale."""
-    dx, dw, dz, weight, x = ctx.saved_tensors
+    dx, dw, dz, xs, weight, x = ctx.saved_tensors
     x = dz.new_empty(0) if x is None else x  # (saved only with a deferred dW)
     g = grad_loss.to(torch.float32)
     need_x, need_w = ctx.coda_extra
@@ -442,8 +443,10 @@ def _backward_fast(ctx, grad_loss, *_):
     gx = gw = g
     if g.dim():  # reduction="none": dX's rows scaled by g; dW = dz^T diag(g) x on the kept dz, x's rows scaled
         gx, gw = g.unsqueeze(1), None  # first, so dW needs no scale after (no rows: dz empty, dW zero)
-        if need_w and dz.numel():
-            x = (x.float() * gx).to(x.dtype)
+    if need_w and dz.numel():  # a deferred dW: x's rows times the forward's factors xs (exp-stored) and g ("none")
+        rows = xs[:-1].unsqueeze(1) * (gx if gw is None else 1.0)
+        x = (x.float() * rows).to(x.dtype)
+        gw = xs[-1] if gw is None else gw * xs[-1]  # (the mean's 1 / n; 1 for "sum" and "none")
     if eager and need_w and _update_in_backward(weight, dw, g.new_ones(()) if gw is None else gw, dz, x):
         need_w, dw = False, None  # coda.optim updated the weight: no gradient
     elif not eager and need_w and ctx.coda_slots and gw is not None:  # torch.compile's update
@@ -467,20 +470,25 @@ def _backward_fast(ctx, grad_loss, *_):
 def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
              z_loss: float, softcap: Optional[float], rows: int, check: str, need_x: bool,
              need_w: bool, defer: bool, slots: Optional[list[int]] = None,
-             token: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(loss, dx, dw, dz) with dx, dw the gradients for an upstream gradient of 1 (empty where not needed);
+             token: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, dx, dw, dz, xs) with dx, dw the gradients for an upstream gradient of 1 (empty where not needed);
     ``defer`` (eager calls only): dW's GEMM is left to the backward where ``forward_with_grads`` can (one chunk),
-    dz is the logits' gradient it reads (dw then empty; dz empty where not deferred); see
+    dz is the logits' gradient it reads (dw then empty; dz empty where not deferred) and xs the factors of x's rows
+    and of the product for that GEMM (``forward_with_grads``; empty where not deferred); see
     ``ops/cross_entropy_fast.py``. ``slots``, ``token``: ``coda.optim.compile_slots`` of the weight under
     torch.compile (the backward updates it in place: ``linear_cross_entropy_update``), else None."""
     V = weight.shape[0]
     _check_target_range(target, V, ignore_index, check)
     valid, tcol = _target_columns(target, ignore_index)
-    lse, stats, dx, dw, dz = forward_with_grads(x, weight, target, valid, tcol, reduction, label_smoothing, z_loss,
-                                                rows, need_x, need_w, ENTRY, tail_logits, softcap, defer=defer)
+    lse, stats, dx, dw, dz, xs = forward_with_grads(x, weight, target, valid, tcol, reduction, label_smoothing,
+                                                    z_loss, rows, need_x, need_w, ENTRY, tail_logits, softcap,
+                                                    defer=defer)
     loss = finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss)
+    if dz is not None and xs is None:  # (no rows)
+        xs = torch.ones((x.shape[0] + 1,), dtype=torch.float32, device=x.device)
     return (loss, (dx if need_x else x.new_empty((0,))), (dw if dw is not None else weight.new_empty((0,))),
-            (dz if dz is not None else x.new_empty((0,))))
+            (dz if dz is not None else x.new_empty((0,))),
+            (xs if dz is not None else x.new_empty((0,), dtype=torch.float32)))
 
 
 MEMORY_BUDGET = int(os.environ.get("CODA_CE_MEMORY_BUDGET", 10 ** 9))  # bytes of the fast mode's logits chunk
