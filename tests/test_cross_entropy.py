@@ -500,11 +500,17 @@ def test_fast_mode_reduction_none_matches_torch_2x_rule(M, V, H, smooth, zl, cap
         assert rel(a, b) <= 2 * rel(c, b) + 1e-4, (name, rel(a, b), rel(c, b))
 
 
-def test_fast_mode_reduction_none_with_the_update_in_backward(fp32_ops):
-    """reduction='none' under coda.optim.AdamW: the kept dz's dW GEMM carries the update (x's rows scaled by the
-    upstream vector): after two steps the weight equals torch.optim.AdamW's on the gradient of the same loss
-    (float32 ops, as tests/test_optim.py)."""
+@pytest.mark.parametrize("reduction,exp", [("none", "1"), ("none", "0"), ("mean", "1")])
+def test_fast_mode_reduction_none_with_the_update_in_backward(fp32_ops, monkeypatch, reduction, exp):
+    """reduction='none' (and the mean) under coda.optim.AdamW: the kept dz's dW GEMM carries the update (x's rows
+    scaled by the upstream vector and, exp-stored, by the rows' e^-lse; the mean's 1 / n the update's scalar): after
+    two steps the weight equals torch.optim.AdamW's on the gradient of the same loss (float32 ops, as
+    tests/test_optim.py); with the stored logits too (CODA_CE_EXP=0)."""
     import coda.optim
+    from coda.ops import cross_entropy_fast as fast
+    monkeypatch.setenv(fast.EXP_ENV, exp)
+    taken, real = [], fast._exp_phases
+    monkeypatch.setattr(fast, "_exp_phases", lambda *a: taken.append(real(*a)) or taken[-1])
     x, w, t = _problem(48, 96, 16, dtype=torch.float32)
     kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     wa, wb = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
@@ -512,11 +518,13 @@ def test_fast_mode_reduction_none_with_the_update_in_backward(fp32_ops):
     for step in range(2):
         up = torch.randn(48, generator=torch.Generator().manual_seed(step))
         for ws, opt in ((wa, opt_a), (wb, opt_b)):
-            (lce(x, ws, t, reduction="none") * up).sum().backward()
+            loss = lce(x, ws, t, reduction=reduction)
+            (loss * up).sum().backward() if reduction == "none" else (loss * 1.7).backward()
             if ws is wa:
                 assert wa.grad is None and not torch.equal(wa, w)  # updated in the backward, no gradient
             opt.step()
             opt.zero_grad(set_to_none=True)
+    assert [r is not None for r in taken] == ([True] * 4 if exp == "1" else [])
     torch.testing.assert_close(wa.detach(), wb.detach(), rtol=2e-5, atol=2e-6)
 
 
