@@ -45,7 +45,9 @@ the ``True`` check, which costs no device sync there); ``False`` skips it (an ou
 class no logit matches: its z_t is 0, the loss is wrong, no memory outside the tensors is touched). The sync matters
 in a training step, not in an op alone: it stops the host from queueing ahead of the GPU (llama_train small, fused
 + torch.compile on an H200: 18.8-19.0 ms per step with it, 18.45 ms without; docs/NOTES.md, session 10), which is
-why the ``coda.nn`` LM-head module uses ``"async"``. The dz chunks
+why the ``coda.nn`` LM-head module uses ``"async"``. (The fast mode's exp-stored phases read one range flag per
+logits chunk on the host whatever ``check_targets`` says: they replace a 4.2 GB pass, a net gain in the step;
+``CODA_CE_EXP=0`` turns them off.) The dz chunks
 are in x's dtype, like torch's logits gradient (fp16 underflows tiny probabilities exactly as torch's fp16 does).
 
 Registered as ``torch.ops.coda.linear_cross_entropy`` (a ``torch.library.custom_op`` with a fake implementation
