@@ -10,7 +10,7 @@ unset CODA_AUTOTUNE
 S="--model llama-1b --optimizer coda-adamw --steps 10 --profile-steps 1"
 timeout ${REPORT_S:-330} python -m coda.bench.step $S --head-reps 2 --modes stock+compile,fused,fused+graph,fused+compile \
     --timeout 110 --out "$OUT/step" 2>&1 | grep -E "first step|^\| (stock|fused)|rror|shipped" | tail -8
-for e in 0 1; do
+for e in $([ "${AB:-1}" = 1 ] && echo 0 1); do
   CODA_CE_EXP=$e timeout 60 python -m coda.bench.step $S --head-reps 0 --modes fused --timeout 55 --out "$OUT/ab_exp$e" \
       2>&1 | grep -E "^\| fused|rror" | tail -1 | sed "s/^/exp=$e: /"
 done
