@@ -8,7 +8,7 @@ source docs/experiments/lib_device.sh
 gpu_tests 2 ${TEST_S:-100} tests/test_cross_entropy_exp.py tests/test_cross_entropy_gpu.py
 unset CODA_AUTOTUNE
 S="--model llama-1b --optimizer coda-adamw --steps 10 --profile-steps 1"
-timeout ${REPORT_S:-330} python -m coda.bench.step $S --head-reps 2 --modes stock+compile,fused,fused+graph,fused+compile \
+timeout ${REPORT_S:-330} python -m coda.bench.step $S --head-reps 2 --modes ${MODES:-stock+compile,fused,fused+graph,fused+compile} \
     --timeout 110 --out "$OUT/step" 2>&1 | grep -E "first step|^\| (stock|fused)|rror|shipped" | tail -8
 for e in $([ "${AB:-1}" = 1 ] && echo 0 1); do
   CODA_CE_EXP=$e timeout 60 python -m coda.bench.step $S --head-reps 0 --modes fused --timeout 55 --out "$OUT/ab_exp$e" \
