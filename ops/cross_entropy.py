@@ -65,7 +65,7 @@ from torch import Tensor
 
 from coda.epilogues.adamw import adamw_scaled, adamw_times
 from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_cap, ce_backward_general, ce_forward,
-                                          ce_forward_cap, ce_forward_smooth, scale_by, scale_rows)
+                                          ce_forward_cap, ce_forward_smooth, scale_by)
 from coda.optim import eager_backward, updates_in_backward
 
 from ._builder import backward_op, forward_op
@@ -388,15 +388,6 @@ def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return t.mul_(g)
 
 
-def _scale_rows(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """x * s[:, None] rounded to x's dtype (s float32): on a Hopper GPU one K = 0 pass (epilogue ``scale_rows``),
-    elsewhere torch's float32 product."""
-    if x.is_cuda and x.dim() == 2 and x.dtype in IN_DTYPES and x.is_contiguous() and x.shape[1] % 8 == 0:
-        return epilogue_pass(gemm_for(x.device, ENTRY), x, x.shape[0], x.shape[1], epilogue=scale_rows, t=x,
-                             s=s.contiguous())
-    return (x.float() * s.unsqueeze(1)).to(x.dtype)
-
-
 def _update_in_backward(weight: torch.Tensor, dw: torch.Tensor, g: torch.Tensor, dz: torch.Tensor,
                         x: torch.Tensor) -> bool:
     """``coda.optim``'s AdamW step of ``weight`` on the gradient dw * g, as one K = 0 pass (``adamw_scaled``)
@@ -455,7 +446,8 @@ def _backward_fast(ctx, grad_loss, *_):
     if g.dim():  # reduction="none": dX's rows scaled by g; dW = dz^T diag(g) x on the kept dz, x's rows scaled
         gx, gw = g.unsqueeze(1), None  # first, so dW needs no scale after (no rows: dz empty, dW zero)
     if need_w and dz.numel():  # a deferred dW: x's rows times the forward's factors xs (exp-stored) and g ("none")
-        x = _scale_rows(x, xs[:-1] if gw is not None else xs[:-1] * g)
+        rows = xs[:-1].unsqueeze(1) * (gx if gw is None else 1.0)
+        x = (x.float() * rows).to(x.dtype)
         gw = xs[-1] if gw is None else gw * xs[-1]  # (the mean's 1 / n; 1 for "sum" and "none")
     if eager and need_w and _update_in_backward(weight, dw, g.new_ones(()) if gw is None else gw, dz, x):
         need_w, dw = False, None  # coda.optim updated the weight: no gradient

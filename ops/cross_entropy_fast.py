@@ -124,7 +124,7 @@ def exp_taken(x: Tensor, eps: float, softcap, combine, v8: int, V: int) -> bool:
 def _exp_phases(gemm, xc, w8, z, tgt, valid_c, scale_c, zl: float):
     """Phases 1-2 exp-stored (module docstring) on one chunk: (lse, z_t, a) with z rewritten to dz' in place, or
     None where a row falls outside the exact range (then z holds garbage: the caller reruns phase 1)."""
-    lse = torch.log(gemm(xc, w8, epilogue=ce_forward_exp(z.dtype), out=z)["se"])
+    lse = gemm(xc, w8, epilogue=ce_forward_exp(z.dtype), out=z)["lse"]
     col = tgt.clamp_min(0).unsqueeze(1)
     et = z.gather(1, col).squeeze(1).float()  # the stored exp(z_t)
     zf = 1 + 2 * zl * lse
