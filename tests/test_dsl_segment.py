@@ -191,3 +191,22 @@ def test_kernel_problems_are_named():
         segment.check(qk_norm, GemmConfig())
     assert segment.check(qk64, GemmConfig()) is True and segment.check(coda.kernels.epilogue.Epilogue(),
                                                                         GemmConfig()) is False
+
+
+def test_segment_cache_leaves_the_kernel_key_alone():
+    """``segment_nodes`` caches the DAG's segment sums on the epilogue (first use: the kernel's construction); the
+    compile cache's code fingerprint must not see it, or a kernel compiled by a precompile worker is never found."""
+    from coda.dsl_segment import segment_nodes
+    from coda.runtime.keys import code_fingerprint
+
+    @coda.epilogue
+    def fresh(acc, w: coda.VecN, eps: coda.Scalar):
+        return acc * coda.rsqrt(coda.segment_sum(acc * acc, 8) / 8.0 + eps) * w
+
+    @coda.epilogue
+    def plain(acc, w: coda.VecN):  # (its cache is an empty list: a plain value the fingerprint would hash)
+        return acc * w
+    for epi, n in ((fresh, 1), (plain, 0)):
+        before = code_fingerprint(epi)
+        assert len(segment_nodes(epi)) == n and "_segment_nodes" in epi.__dict__
+        assert code_fingerprint(epi) == before, epi.name
