@@ -141,8 +141,8 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
                        eps: float, zl: float, rows: int, need_x: bool, need_w: bool, entry: str, tail_logits,
                        softcap: Optional[float] = None, combine=None, defer: bool = False):
     """(lse, stats, dx, dw, dz, xs) for g = 1; see the module docstring. ``xs`` (with a deferred dW: M + 1 float32,
-    else None): the factors of x's rows for dW's GEMM and, last, the scale of its product (1 / n for the mean). ``combine(lse_c, zt_c)``
-    (``coda.distributed``'s vocabulary-parallel CE, ``weight`` one rank's shard and ``target`` shifted into it): a chunk's per-row
+    else None): the factors of x's rows for dW's GEMM and, last, the scale of its product (1 / n for the mean).
+    ``combine(lse_c, zt_c)`` (``coda.distributed``'s vocabulary-parallel CE, ``weight`` one rank's shard and ``target`` shifted into it): a chunk's per-row
     statistics over every shard, (lse_c, zt_c), between phases 1 and 2 (no label smoothing there).
     ``tail_logits(x_c, weight, v8)`` gives the fp32 logits of the last V % 8 columns (label smoothing with such a tail takes the lean mode: the in-place pass
     would divide eps by the chunk's width). ``softcap``: the stored logits are capped (``softcap * tanh(z /
