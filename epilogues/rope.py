@@ -32,7 +32,8 @@ from typing import Optional
 
 import coda
 
-__all__ = ["rope", "rope_rmsnorm", "rope_freqs", "permute_half_split", "unpermute_half_split"]
+__all__ = ["rope", "rope_rmsnorm", "rope_qknorm", "qknorm_operands", "rope_freqs", "permute_half_split",
+           "unpermute_half_split"]
 
 
 @coda.epilogue
@@ -53,6 +54,52 @@ def rope_rmsnorm(acc, r: coda.VecM, pos: coda.VecM, freq: coda.VecN):
     theta = pos * freq
     c, s = coda.cos(theta), coda.sin(theta)
     return x * c - y * s, x * s + y * c
+
+
+_QKNORM = {}
+
+
+def rope_qknorm(head_dim: int):
+    """:func:`rope_rmsnorm` with Qwen3's QK-norm between the projection and the rotation, for heads of ``head_dim``:
+    each q / k head's values x = r acc (its head_dim columns, i.e. head_dim / 2 pairs, one tile's) become
+    x rsqrt(mean over the head of x^2 + eps) w -- a per-head RMSNorm, its sum of squares a ``coda.segment_sum`` --
+    then rotate; v heads (``qk`` = 0) only get r. Operands (VecN, one value per column pair, as ``freq``; see
+    :func:`qknorm_operands`): ``w_even`` / ``w_odd`` the norm weight of the pair's two dims (1 on v), ``qk`` 1 on q / k
+    pairs and 0 on v; ``eps`` the norm's epsilon (Scalar). The weights are in the adjacent-pairs order
+    (:func:`permute_half_split` of the q / k rows); the per-head sum does not depend on the order. One epilogue per
+    head_dim (the group size is static)."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"rope_qknorm: head_dim must be a positive even int, got {head_dim!r}")
+    if head_dim not in _QKNORM:
+        half = head_dim // 2
+
+        def rope_qknorm(acc, r: coda.VecM, pos: coda.VecM, freq: coda.VecN, w_even: coda.VecN, w_odd: coda.VecN,
+                        qk: coda.VecN, eps: coda.Scalar):
+            x, y = coda.pairs(acc)
+            x, y = x * r, y * r
+            inv = coda.rsqrt(coda.segment_sum(x * x + y * y, half) / head_dim + eps)
+            s = qk * inv + (1 - qk)  # (qk is exactly 0 or 1: v pairs keep x, y)
+            x, y = x * s * w_even, y * s * w_odd
+            theta = pos * freq
+            c, sn = coda.cos(theta), coda.sin(theta)
+            return x * c - y * sn, x * sn + y * c
+        rope_qknorm.__name__ = rope_qknorm.__qualname__ = f"rope_qknorm_{head_dim}"
+        _QKNORM[head_dim] = coda.epilogue(rope_qknorm)
+    return _QKNORM[head_dim]
+
+
+def qknorm_operands(q_weight, k_weight, head_dim: int, nq: int, nk: int, nv: int, rotary_dim: Optional[int] = None):
+    """(w_even, w_odd, qk) of :func:`rope_qknorm` for a fused [W_q; W_k; W_v] projection of ``nq`` / ``nk`` / ``nv``
+    heads: the q_norm / k_norm weights (head_dim each, the half-split order of the model) repeated per head and
+    split into the pairs' even / odd dims in the adjacent-pairs order, 1 on v; qk = 1 on q / k pairs. float32."""
+    import torch
+    perm = _head_perm(head_dim, rotary_dim).to(q_weight.device)
+    parts = [w.detach().float()[perm].repeat(n) for w, n in ((q_weight, nq), (k_weight, nk))]
+    parts.append(torch.ones(nv * head_dim, device=q_weight.device))
+    w = torch.cat(parts)
+    qk = torch.cat((torch.ones((nq + nk) * head_dim // 2, device=q_weight.device),
+                    torch.zeros(nv * head_dim // 2, device=q_weight.device)))
+    return w[0::2].contiguous(), w[1::2].contiguous(), qk
 
 
 def rope_freqs(head_dim: int, n_heads: int, base: float = 10000.0, rotary_heads: Optional[int] = None,
