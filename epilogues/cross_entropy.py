@@ -23,7 +23,7 @@ the row's upstream gradient g. ``t`` is a float32 VecM (exact for column indices
 import coda
 
 __all__ = ["ce_forward", "ce_forward_smooth", "ce_backward", "ce_backward_general", "accumulate", "ce_forward_logits",
-           "ce_forward_cap", "ce_backward_cap", "ce_forward_exp", "row_scale"]
+           "ce_forward_cap", "ce_backward_cap", "ce_forward_exp"]
 
 
 def _row_stats(z, t, smooth: bool) -> dict:
@@ -143,7 +143,8 @@ def ce_forward_exp(dtype):
     """The fast mode's exp-stored forward epilogue (``ops/cross_entropy_fast.py``, phase 1'): stores exp(z) of the
     float32 logit (in ``dtype``, whose exponent range must be float32's: bfloat16, float32) and emits lse of the same
     float32 logits. exp(z) = p e^lse: the softmax without its row factor e^-lse, which the dX GEMM applies in its
-    epilogue (:func:`row_scale`) and dW's GEMM through x's rows, so that no pass rescales the M x V tensor."""
+    epilogue (``epilogues.rmsnorm.rmsnorm_scale``: acc times a VecM) and dW's GEMM through x's rows, so that no pass
+    rescales the M x V tensor."""
     key = str(dtype)
     if key not in _EXP:
         def ce_forward_exp(acc):
@@ -151,9 +152,3 @@ def ce_forward_exp(dtype):
         ce_forward_exp.__name__ = ce_forward_exp.__qualname__ = f"ce_forward_exp_{key.replace('torch.', '')}"
         _EXP[key] = coda.epilogue(ce_forward_exp)
     return _EXP[key]
-
-
-@coda.epilogue
-def row_scale(acc, s: coda.VecM):
-    """acc * s[row]: the exp-stored fast mode's dX = diag(e^-lse s_r) (exp(z) - fix) W."""
-    return acc * s

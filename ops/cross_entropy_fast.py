@@ -21,8 +21,8 @@ phase 2 is no pass over the chunk: with s_r the row's loss scale and a_r = e^-ls
     dz = a_r (exp(z) - [v == t] e^lse / (1 + 2 zl lse))
 
 so one element per row is rewritten (the target's, in float32 from the stored exp(z_t)), dX = diag(a) (dz' W) is
-GEMM 2 with a row-scale epilogue (``row_scale``) and dW = dz'^T diag(a) x is GEMM 3 on x's rows scaled (the mean's
-1 / n kept as a scalar for the update's epilogue: x's scaled rows stay normal bfloat16). z_t = log exp(z_t) of the
+GEMM 2 with a row-scale epilogue (``rmsnorm_scale``: acc r) and dW = dz'^T diag(a) x is GEMM 3 on x's rows scaled
+(the mean's 1 / n kept as a scalar for the update's epilogue: x's scaled rows stay normal bfloat16). z_t = log exp(z_t) of the
 stored value (a bfloat16 exp: within 2^-9 of z_t, torch's bfloat16 logits are within |z_t| 2^-9). The stored exp(z)
 is exact where every row's lse lies in [LSE_MIN, LSE_MAX] and its target's exp(z_t) did not underflow: one
 host synchronisation per chunk checks that; a chunk outside (huge logits, NaN, inf) is recomputed by the stored-
@@ -53,13 +53,15 @@ in the lean mode, with their gradient formed by torch ops.
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from coda import _validate
-from coda.epilogues.cross_entropy import accumulate, ce_forward, ce_forward_exp, ce_forward_logits, row_scale
+from coda.epilogues.cross_entropy import accumulate, ce_forward, ce_forward_exp, ce_forward_logits
+from coda.epilogues.rmsnorm import rmsnorm_scale
 from coda.kernels.ce_grad import softmax_grad_, softmax_grad_reference_
 
 from ._common import gemm_for, kernel_aligned
@@ -113,7 +115,6 @@ def defer_taken(x: Tensor, V: int, rows: int, need_w: bool, reduction: str) -> b
 def exp_taken(x: Tensor, eps: float, softcap, combine, v8: int, V: int) -> bool:
     """Whether phases 1-2 store exp(z) (module docstring): no label smoothing or soft-capping, one process's whole
     vocabulary, V % 8 == 0, bfloat16 or float32 (float32's exponent range), not capturing a CUDA graph."""
-    import os
     if os.environ.get(EXP_ENV, "1") == "0" or eps > 0 or softcap is not None or combine is not None or v8 != V:
         return False
     if x.dtype not in (torch.bfloat16, torch.float32):  # (float16's exp overflows at 11)
@@ -171,7 +172,6 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
     w8 = weight[:v8]
     dz = xs = None
     use_exp = exp_taken(x, eps, softcap, combine, v8, V)
-    inv_n = scale.new_ones(()) if reduction != "mean" else 1 / n_valid.clamp_min(1).to(torch.float32)
     for m0 in range(0, M, rows):
         m1 = min(M, m0 + rows)
         xc, z = x[m0:m1], buf[:(m1 - m0) * v8].view(m1 - m0, v8)
@@ -182,10 +182,9 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
         if got is not None:  # phases 1-2 exp-stored: dz' in z; dX's row factors a, dW's on x's rows
             lse[m0:m1], stats["zt"][m0:m1], a = got
             if defer:  # (x's rows scaled in the backward; the mean's 1 / n kept apart, xs[M])
-                if xs is None:
-                    xs = torch.empty((M + 1,), dtype=torch.float32, device=x.device)
-                    xs[M] = inv_n
-                xs[m0:m1] = a / inv_n
+                xs = torch.empty((M + 1,), dtype=torch.float32, device=x.device)  # (one chunk: M rows)
+                xs[M] = 1 / n_valid.clamp_min(1) if reduction == "mean" else 1.0
+                xs[m0:m1] = a / xs[M]
             elif need_w:
                 xw = (xc.float() * a.unsqueeze(1)).to(x.dtype)
         else:
@@ -212,7 +211,7 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
                                                                       softcap=softcap)
         if need_x:                                                         # phase 3
             if a is not None:
-                gemm(z, w8.t(), epilogue=row_scale, out=dx[m0:m1], s=a)
+                gemm(z, w8.t(), epilogue=rmsnorm_scale, out=dx[m0:m1], r=a)
             elif dz_tail is None:
                 gemm(z, w8.t(), out=dx[m0:m1])
             else:

@@ -14,6 +14,7 @@ from coda.dsl import ACC, COL, operand_symbol
 from coda.epilogues import cross_entropy as ce
 from coda.ops import cross_entropy as ce_op
 from cross_entropy_ref import rel, run, torch_loss
+from test_cross_entropy_exp import taken  # noqa: F401 (fixture)
 from test_fuse_families import fp32_ops  # noqa: F401 (fixture)
 
 lce = coda.ops.linear_cross_entropy
@@ -501,7 +502,7 @@ def test_fast_mode_reduction_none_matches_torch_2x_rule(M, V, H, smooth, zl, cap
 
 
 @pytest.mark.parametrize("reduction,exp", [("none", "1"), ("none", "0"), ("mean", "1")])
-def test_fast_mode_reduction_none_with_the_update_in_backward(fp32_ops, monkeypatch, reduction, exp):
+def test_fast_mode_reduction_none_with_the_update_in_backward(fp32_ops, taken, monkeypatch, reduction, exp):
     """reduction='none' (and the mean) under coda.optim.AdamW: the kept dz's dW GEMM carries the update (x's rows
     scaled by the upstream vector and, exp-stored, by the rows' e^-lse; the mean's 1 / n the update's scalar): after
     two steps the weight equals torch.optim.AdamW's on the gradient of the same loss (float32 ops, as
@@ -509,8 +510,6 @@ def test_fast_mode_reduction_none_with_the_update_in_backward(fp32_ops, monkeypa
     import coda.optim
     from coda.ops import cross_entropy_fast as fast
     monkeypatch.setenv(fast.EXP_ENV, exp)
-    taken, real = [], fast._exp_phases
-    monkeypatch.setattr(fast, "_exp_phases", lambda *a: taken.append(real(*a)) or taken[-1])
     x, w, t = _problem(48, 96, 16, dtype=torch.float32)
     kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     wa, wb = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
@@ -524,7 +523,7 @@ def test_fast_mode_reduction_none_with_the_update_in_backward(fp32_ops, monkeypa
                 assert wa.grad is None and not torch.equal(wa, w)  # updated in the backward, no gradient
             opt.step()
             opt.zero_grad(set_to_none=True)
-    assert [r is not None for r in taken] == ([True] * 4 if exp == "1" else [])
+    assert taken() == ([True] * 4 if exp == "1" else [])
     torch.testing.assert_close(wa.detach(), wb.detach(), rtol=2e-5, atol=2e-6)
 
 
