@@ -21,6 +21,8 @@ ValueError before any launch otherwise). GPU-verified on the H100 in session 47 
 """
 from __future__ import annotations
 
+import weakref
+
 import sympy as sp
 
 from .dsl import DslEpilogue, Value, _err, _v, operand_symbol
@@ -66,10 +68,14 @@ def epilogue_segment_sizes(epi) -> tuple:
     return tuple(sorted({int(node.args[1]) for node in segment_nodes(epi)}))
 
 
+_NODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # epilogue -> its segment_nodes (derived state)
+
+
 def segment_nodes(epi) -> list:
     """The distinct ``SegmentSum`` nodes of a traced epilogue's evaluated expressions (what ``visit`` reads as
-    leaves when the kernel formed them), arguments before their users; cached on the epilogue."""
-    got = epi.__dict__.get("_segment_nodes")
+    leaves when the kernel formed them), arguments before their users; cached beside the epilogue, not in its
+    attributes (the compile cache's key hashes those: ``coda.runtime.keys.code_fingerprint``)."""
+    got = _NODES.get(epi)
     if got is None:
         got, seen = [], set()
 
@@ -83,7 +89,7 @@ def segment_nodes(epi) -> list:
                 got.append(e)
         for e in epi._cse_out.values():
             walk(e)
-        epi.__dict__["_segment_nodes"] = got
+        _NODES[epi] = got
     return got
 
 

@@ -120,7 +120,7 @@ def _function_of(attr: Any) -> Optional[types.FunctionType]:
 
 # instance attributes that name an epilogue rather than define it: ``op_name`` (coda.dsl) counts the programs made
 # earlier in the process, so it differs between programs that build the same epilogue in another order
-_NOT_CODE = frozenset({"op_name", "_segment_nodes"})  # (_segment_nodes: a cache of the traced DAG, filled lazily)
+_NOT_CODE = frozenset({"op_name"})
 
 
 def code_fingerprint(epi: Any) -> str:
