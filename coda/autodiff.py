@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import sympy as sp
 
-from .dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, Operand, Piecewise, operand_symbol, rebuild
+from .dsl import (ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, Operand, Piecewise, odd_key, operand_symbol,
+                  rebuild)
 from .dsl_segment import SegmentSum
 
 GRAD, VALUE, TIE, DGRAD = "grad_", "value_", "tie_", "d_"
@@ -165,10 +166,10 @@ def _gradient_terms(epi: DslEpilogue, grads: tuple) -> tuple[list, list]:
             g = operand_symbol(grad_name(k))
             ops.append(Operand(grad_name(k), "tile"))
             terms.append((g, epi.exprs[k]))
-            if epi.pair_mode == "full" and k == "out":
+            if epi.pair_mode == "full":
                 # a 2 -> 2 pairs output: the upstream gradient arrives as two per-pair tiles (columns 2j and 2j+1)
-                ops.append(Operand(grad_name(ODD_OUT), "tile"))
-                terms.append((operand_symbol(grad_name(ODD_OUT)), epi.exprs[ODD_OUT]))
+                ops.append(Operand(grad_name(odd_key(k)), "tile"))
+                terms.append((operand_symbol(grad_name(odd_key(k))), epi.exprs[odd_key(k)]))
         elif k in epi.red_specs:
             axis, op, e = epi.red_specs[k]
             g = operand_symbol(grad_name(k))

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import sympy as sp
 
-from .kernels.epilogue import ODD_OUT, Epilogue, Operand, Reduction
+from .kernels.epilogue import ODD_OUT, ODD_SUFFIX, Epilogue, Operand, Reduction, odd_key
 from .kernels.operand_kinds import SCALAR, TILE, VEC_M, VEC_N
 
 __all__ = ["VecM", "VecN", "Scalar", "TileMN", "epilogue", "row", "col", "reduce_n", "reduce_m", "exp", "exp2", "log",
@@ -569,7 +569,8 @@ class DslEpilogue(Epilogue):
         self.operands = tuple(operands)
         self.exprs = dict(outputs)
         self.red_specs = dict(reductions)
-        self.outputs = tuple(k for k in outputs if k not in ("out", ODD_OUT))
+        # the second values of 2 -> 2 pairs outputs (k and odd_key(k): columns 2j, 2j + 1) are not outputs of their own
+        self.outputs = tuple(k for k in outputs if k != "out" and not _is_odd(k, outputs))
         self.stores_out = "out" in outputs  # no "out": nothing M x N stored but the extra outputs
         for o in self.operands:  # an extra output named like a TileMN operand updates it in place (Epilogue.inplace)
             if o.name in self.outputs and o.kind != "tile":
@@ -592,9 +593,14 @@ class DslEpilogue(Epilogue):
             where = f"epilogue {name!r}"
             if ACC in self.symbols:
                 raise EpilogueError(f"{where}: uses both coda.pairs(acc) and acc itself; use the pair values")
-            if self.pair_mode == "full" and (self.outputs or not self.stores_out):
-                raise EpilogueError(f"{where}: a 2 -> 2 pairs epilogue returns exactly two values")
-        elif ODD_OUT in outputs and not expand:
+            if self.pair_mode == "full" and (not self.stores_out or any(odd_key(k) not in outputs
+                                                                        for k in self.outputs)):
+                raise EpilogueError(f"{where}: a 2 -> 2 pairs epilogue returns two values for the main output and "
+                                    "for each extra output")
+            if self.pair_mode == "half" and any(_is_odd(k, outputs) for k in outputs):
+                raise EpilogueError(f"{where}: an extra output of two values (a pair) needs a main output of two "
+                                    "(a 2 -> 2 pairs epilogue)")
+        elif any(_is_odd(k, outputs) for k in outputs) and not expand:
             raise EpilogueError(f"epilogue {name!r}: a tuple of two outputs needs coda.pairs(acc)")
         # 1 -> 2 (Epilogue.expand): "out" and ODD_OUT of one accumulator element, stored at columns 2j, 2j + 1
         self.expand = bool(expand)
@@ -691,7 +697,8 @@ class DslEpilogue(Epilogue):
         for k in self.exprs:
             out[k] = torch.broadcast_to(vals[k], acc.shape)
         if self.pair_mode == "full" or self.expand:  # the two values of pair / element j at columns 2j, 2j+1
-            out["out"] = torch.stack((out["out"], out.pop(ODD_OUT)), -1).flatten(-2)
+            for k in ("out", *self.outputs):
+                out[k] = torch.stack((out[k], out.pop(odd_key(k))), -1).flatten(-2)
         for k, (axis, op, _) in self.red_specs.items():
             v = torch.broadcast_to(vals[k], acc.shape)
             dim = -1 if axis == "n" else -2
@@ -757,6 +764,11 @@ def _annotations(fn):
         return dict(getattr(fn, "__annotations__", {}))
 
 
+def _is_odd(k: str, outputs) -> bool:
+    """Whether output key ``k`` is the second value of a 2 -> 2 pairs output present in ``outputs``."""
+    return k.endswith(ODD_SUFFIX) and k[:-len(ODD_SUFFIX)] in outputs
+
+
 def _outputs(res, name):
     def value_expr(key, v):
         if isinstance(v, Reduced):
@@ -779,7 +791,12 @@ def _outputs(res, name):
         for k, v in res.items():
             if not isinstance(k, str) or not k.isidentifier():
                 raise _err(f"output names must be identifiers, got {k!r}")
-            if isinstance(v, Reduced):
+            if isinstance(v, tuple):  # two values: a 2 -> 2 pairs output (columns 2j, 2j + 1)
+                if len(v) != 2 or k.endswith(ODD_SUFFIX):
+                    raise _err(f"output {k!r}: a tuple is the two values of a 2 -> 2 pairs output (coda.pairs); "
+                               "give exactly two")
+                outputs[k], outputs[odd_key(k)] = value_expr(k, v[0]), value_expr(k, v[1])
+            elif isinstance(v, Reduced):
                 if k == "out":
                     raise _err("'out' is the main M x N output and cannot be a reduction; return the reduction "
                                "under another name (e.g. {'out': y, 's': coda.reduce_n(y)}, or {'s': ...} alone "

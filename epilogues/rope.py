@@ -59,7 +59,25 @@ def rope_rmsnorm(acc, r: coda.VecM, pos: coda.VecM, freq: coda.VecN):
 _QKNORM = {}
 
 
-def rope_qknorm(head_dim: int):
+def _check_head_dim(entry: str, head_dim) -> None:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"{entry}: head_dim must be a positive even int, got {head_dim!r}")
+
+
+def _head_norm(x, y, head_dim: int, eps):
+    """x, y (a pair's two values) times rsqrt(mean over the pair's head of x^2 + y^2 + eps): the head's RMSNorm
+    without its weight, the sum of squares a ``coda.segment_sum`` over the head's head_dim / 2 pairs."""
+    inv = coda.rsqrt(coda.segment_sum(x * x + y * y, head_dim // 2) / head_dim + eps)
+    return x * inv, y * inv, inv
+
+
+def _rotate(x, y, pos, freq):
+    theta = pos * freq
+    c, sn = coda.cos(theta), coda.sin(theta)
+    return x * c - y * sn, x * sn + y * c
+
+
+def rope_qknorm(head_dim: int, save_x: bool = False):
     """:func:`rope_rmsnorm` with Qwen3's QK-norm between the projection and the rotation, for heads of ``head_dim``:
     each q / k head's values x = r acc (its head_dim columns, i.e. head_dim / 2 pairs, one tile's) become
     x rsqrt(mean over the head of x^2 + eps) w -- a per-head RMSNorm, its sum of squares a ``coda.segment_sum`` --
@@ -67,25 +85,33 @@ def rope_qknorm(head_dim: int):
     :func:`qknorm_operands`): ``w_even`` / ``w_odd`` the norm weight of the pair's two dims (1 on v), ``qk`` 1 on q / k
     pairs and 0 on v; ``eps`` the norm's epsilon (Scalar). The weights are in the adjacent-pairs order
     (:func:`permute_half_split` of the q / k rows); the per-head sum does not depend on the order. One epilogue per
-    head_dim (the group size is static)."""
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
-        raise ValueError(f"rope_qknorm: head_dim must be a positive even int, got {head_dim!r}")
-    if head_dim not in _QKNORM:
-        half = head_dim // 2
+    head_dim (the group size is static).
 
-        def rope_qknorm(acc, r: coda.VecM, pos: coda.VecM, freq: coda.VecN, w_even: coda.VecN, w_odd: coda.VecN,
-                        qk: coda.VecN, eps: coda.Scalar):
-            x, y = coda.pairs(acc)
-            x, y = x * r, y * r
-            inv = coda.rsqrt(coda.segment_sum(x * x + y * y, half) / head_dim + eps)
-            s = qk * inv + (1 - qk)  # (qk is exactly 0 or 1: v pairs keep x, y)
-            x, y = x * s * w_even, y * s * w_odd
-            theta = pos * freq
-            c, sn = coda.cos(theta), coda.sin(theta)
-            return x * c - y * sn, x * sn + y * c
-        rope_qknorm.__name__ = rope_qknorm.__qualname__ = f"rope_qknorm_{head_dim}"
-        _QKNORM[head_dim] = coda.epilogue(rope_qknorm)
-    return _QKNORM[head_dim]
+    ``save_x=True``: for GEMMs of q or k heads only (no ``qk`` operand: every head is normed), the epilogue also
+    writes x = r acc, the values before the norm (an extra M x N output "x", unrotated, adjacent-pairs order): what
+    the backward (``coda.kernels.rope_grad``'s QK-norm) needs besides the output."""
+    _check_head_dim("rope_qknorm", head_dim)
+    key = (head_dim, bool(save_x))
+    if key not in _QKNORM:
+        if save_x:
+            def rope_qknorm(acc, r: coda.VecM, pos: coda.VecM, freq: coda.VecN, w_even: coda.VecN,
+                            w_odd: coda.VecN, eps: coda.Scalar):
+                x, y = coda.pairs(acc)
+                x, y = x * r, y * r
+                xn, yn, _ = _head_norm(x, y, head_dim, eps)
+                return {"out": _rotate(xn * w_even, yn * w_odd, pos, freq), "x": (x, y)}
+        else:
+            def rope_qknorm(acc, r: coda.VecM, pos: coda.VecM, freq: coda.VecN, w_even: coda.VecN,
+                            w_odd: coda.VecN, qk: coda.VecN, eps: coda.Scalar):
+                x, y = coda.pairs(acc)
+                x, y = x * r, y * r
+                _, _, inv = _head_norm(x, y, head_dim, eps)
+                s = qk * inv + (1 - qk)  # (qk is exactly 0 or 1: v pairs keep x, y)
+                return _rotate(x * s * w_even, y * s * w_odd, pos, freq)
+        name = f"rope_qknorm_{head_dim}" + ("_x" if save_x else "")
+        rope_qknorm.__name__ = rope_qknorm.__qualname__ = name
+        _QKNORM[key] = coda.epilogue(rope_qknorm)
+    return _QKNORM[key]
 
 
 def qknorm_operands(q_weight, k_weight, head_dim: int, nq: int, nk: int, nv: int, rotary_dim: Optional[int] = None):

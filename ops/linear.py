@@ -47,7 +47,7 @@ from torch import Tensor
 from coda.autodiff import (DGRAD, backward_epilogue, grad_name, on_preact, pair_tile_grad_epilogue,
                            pair_tile_operands, preact_keys, tie_epilogue, tie_name, tie_shares, value_name,
                            with_preact)
-from coda.dsl import ACC, ACC_EVEN, ACC_ODD, ODD_OUT, DslEpilogue, by_op_name, operand_symbol
+from coda.dsl import ACC, ACC_EVEN, ACC_ODD, DslEpilogue, by_op_name, odd_key, operand_symbol
 
 from ._builder import backward_op, forward_op
 from ._common import IN_DTYPES, call, check_inputs, epilogue_pass, gemm_for, grad_of, linear_grads
@@ -111,9 +111,9 @@ def _backward_impl(grads, x2, weight, epilogue, save_preact, names, tensors, sca
         for k, g in zip(keys, grads):
             if g is None:
                 continue
-            if k == "out" and epi.pair_mode == "full":  # 2 -> 2 pairs: even / odd columns as two per-pair tiles
+            if epi.pair_mode == "full" and k not in epi.red_specs:  # 2 -> 2 pairs: even / odd columns, two tiles
                 ops[grad_name(k)] = g[..., 0::2].contiguous()
-                ops[grad_name(ODD_OUT)] = g[..., 1::2].contiguous()
+                ops[grad_name(odd_key(k))] = g[..., 1::2].contiguous()
             else:
                 ops[grad_name(k)] = g.contiguous()
             if k in vals and k not in maxes:

@@ -96,7 +96,15 @@ class EpiEnv:
         return self._cache[name]
 
 
-ODD_OUT = "out_odd_"  # the key of a 2 -> 2 pairs epilogue's second value (column 2j+1) in ``visit`` results
+ODD_SUFFIX = "_odd_"
+
+
+def odd_key(name: str) -> str:
+    """The key of a 2 -> 2 pairs epilogue's second value (column 2j+1) of output ``name`` in ``visit`` results."""
+    return name + ODD_SUFFIX
+
+
+ODD_OUT = odd_key("out")  # the main output's second value
 
 
 class Epilogue:
@@ -108,7 +116,8 @@ class Epilogue:
     reductions: tuple[Reduction, ...] = ()
     stores_out: bool = True  # False: no main output D (e.g. only reductions: logits reduced, never stored)
     # column pairs (coda.pairs): None; "half": visit gets (acc_2j, acc_2j+1) and returns one value per pair
-    # (outputs of N/2 columns); "full": it returns "out" and ODD_OUT, the values of columns 2j and 2j+1.
+    # (outputs of N/2 columns); "full": it returns "out" and ODD_OUT, the values of columns 2j and 2j+1, and so for
+    # each extra output k (k and odd_key(k): M x N, like the main one).
     # VecN / TileMN operands of a pairs epilogue hold one value per pair.
     pair_mode: Optional[str] = None
     # 1 -> 2 ("expand"): visit gets one accumulator element (operands indexed as usual) and returns "out" and

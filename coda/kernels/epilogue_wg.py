@@ -21,7 +21,7 @@ FULL wait); other operands and a ragged edge's lanes are read directly. Outputs 
 stores, predicated on the problem's bounds. Shared memory: 3 pipeline stages + the staged tile + the ring.
 Supported: elementwise, column-pair and 1 -> 2 epilogues, extra and in-place outputs, per-row reductions (lanes
 fold, the row's lanes merge) or per-column sums (each lane over its rows, the warp merges); not both kinds in one
-epilogue.
+epilogue; a 2 -> 2 pairs epilogue with extra outputs (pairs of them) not at all.
 """
 from __future__ import annotations
 
@@ -97,6 +97,9 @@ def check(epi) -> None:
                          "epilogue warps run one kind at a time")
     if any(r.axis == "m" and r.op != "sum" for r in epi.reductions):
         raise ValueError(f"epi_wg=True: epilogue {epi.name!r}: per-column reductions are sums")
+    if epi.pair_mode == "full" and epi.outputs:
+        raise ValueError(f"epi_wg=True: epilogue {epi.name!r}: a 2 -> 2 pairs epilogue with extra outputs runs in "
+                         "the consumer warps (epi_wg=False)")
 
 
 def staging_bytes(cfg) -> int:

@@ -39,6 +39,8 @@ WARPS = THREADS // 32
 _DTYPES = (torch.bfloat16, torch.float16)
 # dq, dk, dv, q, k, v as 16-byte rows; pos, freqs, r, dacc, dr
 _launcher = Launcher("rope_grad", ((16, 1),) * 6 + ((4, 0), (16, 0), (4, 0), (16, 1), (4, 0)))
+# the QK-norm variant: xq, xk in place of q, k, then the norm weights, eps and the weight-gradient partials
+_launcher_qk = Launcher("rope_grad", _launcher.layout + ((16, 0), (4, 0), (16, 1)))
 
 
 def check_args(grads, ys, pos, freqs, r, entry: str = "rope_grad") -> tuple:
@@ -79,27 +81,55 @@ def rope_grad_reference(grads, ys, pos, freqs, r):
     return _reference(grads, ys, pos, freqs, r)
 
 
+def _unrotate(dy, pos, freqs, dt):
+    """R(-theta) of each column pair of ``dy`` (in ``dt``)."""
+    th = _angles(pos, freqs)
+    cs, sn = th.cos().to(dt), th.sin().to(dt)
+    e, o = dy[:, 0::2], dy[:, 1::2]
+    return torch.stack((e * cs + o * sn, o * cs - e * sn), -1).flatten(1)
+
+
 def _reference(grads, ys, pos, freqs, r):
     dt = torch.promote_types(grads[0].dtype, torch.float32)
     dy = torch.cat([g.to(dt) for g in grads], 1)
     y = torch.cat([t.to(dt) for t in ys], 1)
-    th = _angles(pos, freqs)
-    cs, sn = th.cos().to(dt), th.sin().to(dt)
-    e, o = dy[:, 0::2], dy[:, 1::2]
     rr = r.to(dt)
-    dacc = torch.stack((e * cs + o * sn, o * cs - e * sn), -1).flatten(1) * rr[:, None]
+    dacc = _unrotate(dy, pos, freqs, dt) * rr[:, None]
     return dacc.to(grads[0].dtype), (dy * y).sum(1) / rr
+
+
+def _qknorm_reference(grads, xs, v, pos, freqs, r, weight, eps, head_dim):
+    """:func:`rope_grad_qknorm`'s torch reference (fp32 math, float64 for float64 parts; angles in float64)."""
+    dt = torch.promote_types(grads[0].dtype, torch.float32)
+    M, d = grads[0].shape[0], head_dim
+    rr = r.to(dt)
+    dn = _unrotate(torch.cat([g.to(dt) for g in grads], 1), pos, freqs, dt)
+    parts, dot, dws, c0 = [], (grads[2].to(dt) * v.to(dt)).sum(1), [], 0
+    for i, x in enumerate(xs):
+        xh = x.to(dt).reshape(M, -1, d)
+        g = dn[:, c0:c0 + x.shape[1]].reshape(M, -1, d)
+        w = weight.to(dt)[i * d:(i + 1) * d]
+        s = torch.rsqrt(xh.pow(2).mean(-1, keepdim=True) + eps)
+        t = (xh * w * g).sum(-1, keepdim=True)
+        dx = s * w * g - xh * s ** 3 * t / d
+        dot = dot + (dx * xh).sum((1, 2))
+        dws.append((xh * s * g).sum((0, 1)))
+        parts.append(dx.reshape(M, -1))
+        c0 += x.shape[1]
+    dacc = torch.cat((*parts, dn[:, c0:]), 1) * rr[:, None]
+    return dacc.to(grads[0].dtype), dot / rr, torch.stack(dws)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the kernel
 
 
-def _kernel_class():
+def _kernel_class(qknorm: bool = False):
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
+    from cutlass.memory import SmemAllocator
 
     from coda._eval import CuteOps, reduce_angle
 
@@ -130,57 +160,209 @@ def _kernel_class():
             if m < mDq.shape[0]:
                 pos = mPos[m]
                 rr = mR[m]
-                out = cute.zipped_divide(mOut[m, None], (VEC,))
-                freq = cute.zipped_divide(mFreq, (VEC // 2,))
                 dot = Float32(0.0)
                 off = Int32(0)
                 for g_t, y_t in ((mDq, mQ), (mDk, mK), (mDv, mV)):  # the three parts, in turn (unrolled)
-                    n = g_t.shape[1]
-                    grow = cute.zipped_divide(g_t[m, None], (VEC,))
-                    yrow = cute.zipped_divide(y_t[m, None], (VEC,))
-                    for c in range(lane * VEC, n, 32 * VEC):
-                        gf = cute.make_rmem_tensor((VEC,), self.dtype)
-                        yf = cute.make_rmem_tensor((VEC,), self.dtype)
-                        ff = cute.make_rmem_tensor((VEC // 2,), Float32)
-                        cute.autovec_copy(grow[None, c // VEC], gf)
-                        cute.autovec_copy(yrow[None, c // VEC], yf)
-                        cute.autovec_copy(freq[None, (off + c) // VEC], ff)
-                        dot = dot + self._chunk(gf, yf, ff, pos, rr)
-                        cute.autovec_copy(gf, out[None, (off + c) // VEC])
-                    off = off + n
-                for k in cutlass.range_constexpr(5):  # butterfly: every lane gets the row's sum
-                    dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1 << k)
-                if lane == 0:
-                    mC[m] = dot / rr
+                    dot = dot + self._part(g_t, y_t, mOut, mFreq, off, m, lane, pos, rr)
+                    off = off + g_t.shape[1]
+                self._finish_row(mC, m, lane, dot, rr)
+
+        @cute.jit
+        def _part(self, g_t: cute.Tensor, y_t: cute.Tensor, mOut: cute.Tensor, mFreq: cute.Tensor, off: Int32,
+                  m: Int32, lane: Int32, pos: Float32, rr: Float32) -> Float32:
+            """One part without a norm: its chunks un-rotated and scaled by r into dacc's columns from ``off``;
+            returns the lane's sum(dy * y)."""
+            out = cute.zipped_divide(mOut[m, None], (VEC,))
+            freq = cute.zipped_divide(mFreq, (VEC // 2,))
+            grow = cute.zipped_divide(g_t[m, None], (VEC,))
+            yrow = cute.zipped_divide(y_t[m, None], (VEC,))
+            dot = Float32(0.0)
+            for c in range(lane * VEC, g_t.shape[1], 32 * VEC):
+                gf = cute.make_rmem_tensor((VEC,), self.dtype)
+                yf = cute.make_rmem_tensor((VEC,), self.dtype)
+                ff = cute.make_rmem_tensor((VEC // 2,), Float32)
+                cute.autovec_copy(grow[None, c // VEC], gf)
+                cute.autovec_copy(yrow[None, c // VEC], yf)
+                cute.autovec_copy(freq[None, (off + c) // VEC], ff)
+                dot = dot + self._chunk(gf, yf, ff, pos, rr)
+                cute.autovec_copy(gf, out[None, (off + c) // VEC])
+            return dot
+
+        @cute.jit
+        def _finish_row(self, mC: cute.Tensor, m: Int32, lane: Int32, dot: Float32, rr: Float32):
+            for k in cutlass.range_constexpr(5):  # butterfly: every lane gets the row's sum
+                dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1 << k)
+            if lane == 0:
+                mC[m] = dot / rr
+
+        @cute.jit
+        def _unrotate(self, g, ff: cute.Tensor, pos: Float32, scale: Float32) -> cute.Tensor:
+            """The chunk's 4 pairs of ``g`` (fp32) rotated by -theta and times ``scale``: an fp32 register tensor."""
+            B = CuteOps()
+            r = cute.make_rmem_tensor((VEC,), Float32)
+            for i in cutlass.range_constexpr(VEC // 2):
+                e, o = g[2 * i], g[2 * i + 1]
+                th = reduce_angle(B, 1.0, [pos, ff[i]])
+                cs, sn = B.cos_reduced(th), B.sin_reduced(th)
+                r[2 * i] = (e * cs + o * sn) * scale
+                r[2 * i + 1] = (o * cs - e * sn) * scale
+            return r
 
         @cute.jit
         def _chunk(self, gf: cute.Tensor, yf: cute.Tensor, ff: cute.Tensor, pos: Float32, rr: Float32) -> Float32:
             """Un-rotates the chunk's 4 pairs in ``gf`` and scales them by the row's r (in place); returns sum(dy *
             y) of its 8 elements."""
-            B = CuteOps()
             g = gf.load().to(Float32)
             y = yf.load().to(Float32)
-            r = cute.make_rmem_tensor((VEC,), Float32)
             dot = Float32(0.0)
-            for i in cutlass.range_constexpr(VEC // 2):
-                e, o = g[2 * i], g[2 * i + 1]
-                dot = dot + e * y[2 * i] + o * y[2 * i + 1]
-                th = reduce_angle(B, 1.0, [pos, ff[i]])
-                cs, sn = B.cos_reduced(th), B.sin_reduced(th)
-                r[2 * i] = (e * cs + o * sn) * rr
-                r[2 * i + 1] = (o * cs - e * sn) * rr
-            gf.store(r.load().to(self.dtype))
+            for i in cutlass.range_constexpr(VEC):
+                dot = dot + g[i] * y[i]
+            gf.store(self._unrotate(g, ff, pos, rr).load().to(self.dtype))
             return dot
 
-    return RopeGradSm90
+    if not qknorm:
+        return RopeGradSm90
+
+    class RopeGradQkNormSm90(RopeGradSm90):
+        """The QK-norm variant: one compiled variant per (element type, head_dim). q and k go in as their values
+        before the norm (x), every q / k head normed with the weights ``mW`` (q's head_dim values, then k's)."""
+
+        def __init__(self, dtype, head_dim: int):
+            super().__init__(dtype)
+            self.d = head_dim
+
+        @cute.jit
+        def __call__(self, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, stream: cuda.CUstream,
+                     mXq: cute.Tensor, mXk: cute.Tensor, mV: cute.Tensor, mPos: cute.Tensor, mFreq: cute.Tensor,
+                     mR: cute.Tensor, mOut: cute.Tensor, mC: cute.Tensor, mW: cute.Tensor, mEps: cute.Tensor,
+                     mDw: cute.Tensor):
+            M = mDq.shape[0]
+            self.kernel(rows(mDq), rows(mDk), rows(mDv), rows(mXq), rows(mXk), rows(mV), mPos, mFreq, mR, rows(mOut),
+                        mC, mW, mEps, mDw).launch(
+                grid=[cute.ceil_div(M, WARPS), 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mXq: cute.Tensor, mXk: cute.Tensor,
+                   mV: cute.Tensor, mPos: cute.Tensor, mFreq: cute.Tensor, mR: cute.Tensor, mOut: cute.Tensor,
+                   mC: cute.Tensor, mW: cute.Tensor, mEps: cute.Tensor, mDw: cute.Tensor):
+            d = self.d
+            tidx, _, _ = cute.arch.thread_idx()
+            bx, _, _ = cute.arch.block_idx()
+            lane = tidx % 32
+            warp = tidx // 32
+            m = bx * WARPS + warp
+            smem = SmemAllocator()
+            sDw = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * d), stride=(2 * d, 1)),
+                                       byte_alignment=16)
+            hd = (lane * VEC) % d  # the head dims of the lane's 8 columns (the same in every chunk: d | 256)
+            eps = mEps[0]
+            valid = m < mDq.shape[0]
+            pos = Float32(0.0)
+            rr = Float32(1.0)
+            if valid:
+                pos = mPos[m]
+                rr = mR[m]
+            dot = Float32(0.0)
+            for p, (g_t, x_t) in enumerate(((mDq, mXq), (mDk, mXk))):  # q, then k (unrolled)
+                w = cute.make_rmem_tensor((VEC,), Float32)
+                cute.autovec_copy(cute.zipped_divide(mW, (VEC,))[None, (p * d + hd) // VEC], w)
+                dwp = cute.make_rmem_tensor((VEC,), Float32)
+                dwp.fill(0.0)
+                off = Int32(0) if p == 0 else mDq.shape[1]
+                dot = dot + self._norm_part(g_t, x_t, mOut, mFreq, off, m, valid, lane, pos, rr, w, eps, dwp)
+                self._stash_dw(sDw, warp, lane, p * d + hd, dwp)
+            if valid:
+                dot = dot + self._part(mDv, mV, mOut, mFreq, mDq.shape[1] + mDk.shape[1], m, lane, pos, rr)
+                self._finish_row(mC, m, lane, dot, rr)
+            cute.arch.sync_threads()
+            for t in range(tidx, 2 * d, THREADS):  # the CTA's weight-gradient partial: its warps' sums
+                acc = Float32(0.0)
+                for i in cutlass.range_constexpr(WARPS):
+                    acc = acc + sDw[i, t]
+                mDw[bx, t] = acc
+
+        @cute.jit
+        def _stash_dw(self, sDw: cute.Tensor, warp: Int32, lane: Int32, col: Int32, dwp: cute.Tensor):
+            """The warp's sums of its lanes' weight-gradient terms (lanes with the same head dims: xor offsets
+            from d / 8 up) into ``sDw[warp, col:col + 8]`` by the first d / 8 lanes."""
+            for i in cutlass.range_constexpr(VEC):
+                v = dwp[i]
+                for k in cutlass.range_constexpr(int(math.log2(self.d // VEC)), 5):
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=1 << k)
+                dwp[i] = v
+            if lane < self.d // VEC:
+                for i in cutlass.range_constexpr(VEC):
+                    sDw[warp, col + i] = dwp[i]
+
+        @cute.jit
+        def _head_sum(self, v: Float32) -> Float32:
+            """The sum of ``v`` over the d / 8 lanes of a head (every lane of the head gets it)."""
+            for k in cutlass.range_constexpr(int(math.log2(self.d // VEC))):
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=1 << k)
+            return v
+
+        @cute.jit
+        def _norm_part(self, g_t: cute.Tensor, x_t: cute.Tensor, mOut: cute.Tensor, mFreq: cute.Tensor, off: Int32,
+                       m: Int32, valid, lane: Int32, pos: Float32, rr: Float32, w: cute.Tensor, eps: Float32,
+                       dwp: cute.Tensor) -> Float32:
+            """One normed part (q or k): per chunk dn = R(-theta) dy, the head's s = rsqrt(mean x^2 + eps),
+            t = sum_head(x w dn), dx = s w dn - x s^3 t / d, dacc = r dx; adds x s dn to ``dwp``; returns the
+            lane's sum(dx * x). Every lane runs every step (the head sums shuffle across lanes); rows past M and
+            columns past the part's width read zeros and store nothing."""
+            d = self.d
+            n = g_t.shape[1]
+            out = cute.zipped_divide(mOut[m, None], (VEC,))
+            freq = cute.zipped_divide(mFreq, (VEC // 2,))
+            grow = cute.zipped_divide(g_t[m, None], (VEC,))
+            xrow = cute.zipped_divide(x_t[m, None], (VEC,))
+            dot = Float32(0.0)
+            for j in range(cute.ceil_div(n, 32 * VEC)):
+                c = lane * VEC + j * 32 * VEC
+                gf = cute.make_rmem_tensor((VEC,), self.dtype)
+                xf = cute.make_rmem_tensor((VEC,), self.dtype)
+                ff = cute.make_rmem_tensor((VEC // 2,), Float32)
+                gf.fill(0.0)
+                xf.fill(0.0)
+                ff.fill(0.0)
+                if valid:
+                    if c < n:
+                        cute.autovec_copy(grow[None, c // VEC], gf)
+                        cute.autovec_copy(xrow[None, c // VEC], xf)
+                        cute.autovec_copy(freq[None, (off + c) // VEC], ff)
+                g = gf.load().to(Float32)
+                x = xf.load().to(Float32)
+                ss = Float32(0.0)
+                for i in cutlass.range_constexpr(VEC):
+                    ss = ss + x[i] * x[i]
+                s = cute.math.rsqrt(self._head_sum(ss) / d + eps)
+                dn = self._unrotate(g, ff, pos, Float32(1.0))
+                t = Float32(0.0)
+                for i in cutlass.range_constexpr(VEC):
+                    t = t + x[i] * w[i] * dn[i]
+                t = self._head_sum(t) * s * s * s / d
+                res = cute.make_rmem_tensor((VEC,), Float32)
+                for i in cutlass.range_constexpr(VEC):
+                    dx = s * w[i] * dn[i] - x[i] * t
+                    dot = dot + dx * x[i]
+                    dwp[i] = dwp[i] + x[i] * s * dn[i]
+                    res[i] = dx * rr
+                if valid:
+                    if c < n:
+                        gf.store(res.load().to(self.dtype))
+                        cute.autovec_copy(gf, out[None, (off + c) // VEC])
+            return dot
+
+    return RopeGradQkNormSm90
 
 
-def compile_kernel(dtype=torch.bfloat16, *, options=None, fake=True, args=None):
-    """``cute.compile`` one variant (element type). ``fake``: shape-symbolic fake tensors (no GPU
-    needed: the CPU tests); else ``args`` = the cute arguments of a real call."""
+def compile_kernel(dtype=torch.bfloat16, head_dim: int = 0, *, options=None, fake=True, args=None):
+    """``cute.compile`` one variant (element type; ``head_dim`` > 0: the QK-norm variant for heads of that size).
+    ``fake``: shape-symbolic fake tensors (no GPU needed: the CPU tests); else ``args`` = the cute arguments of a
+    real call."""
     import cutlass
     import cutlass.cute as cute
-    op = _kernel_class()(_cutlass_dtype(dtype))
+    cls = _kernel_class(qknorm=head_dim > 0)
+    op = cls(_cutlass_dtype(dtype), head_dim) if head_dim else cls(_cutlass_dtype(dtype))
     kw = {"options": options} if options else {}
     if fake:
         import cutlass.runtime as crt
@@ -191,6 +373,11 @@ def compile_kernel(dtype=torch.bfloat16, *, options=None, fake=True, args=None):
         f32 = make_fake_compact_tensor(cutlass.Float32, (M,), assumed_align=4)
         fr = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=16)
         args = [*rows[:3], crt.make_fake_stream(), *rows[3:6], f32, fr, f32, rows[6], f32]
+        if head_dim:  # the norm weights, eps, the weight-gradient partials (a row per CTA)
+            args += [make_fake_compact_tensor(cutlass.Float32, (2 * head_dim,), assumed_align=16),
+                     make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4),
+                     make_fake_tensor(cutlass.Float32, (cute.sym_int32(), 2 * head_dim), (2 * head_dim, 1),
+                                      assumed_align=16)]
     return cute.compile(op, *args, **kw)
 
 
@@ -209,6 +396,11 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` at a 16-byte aligned address (a copy where it is not)."""
+    return t.clone() if t.data_ptr() % 16 else t
+
+
 def rope_grad(grads, ys, pos, freqs, r):
     """(dacc, dr) of the module docstring. ``grads``: (dq, dk, dv), ``ys``: (q, k, v), each (M, n_i) bf16 / fp16
     with n_i a multiple of 8; ``pos`` (M,) fp32; ``freqs`` (N/2,) fp32, N = sum n_i; ``r`` (M,) fp32, the rows'
@@ -225,11 +417,45 @@ def rope_grad(grads, ys, pos, freqs, r):
     c = torch.empty(M, device=out.device, dtype=torch.float32)
     if M == 0:
         return out, c
-    f = freqs.detach().contiguous()
-    if f.data_ptr() % 16:
-        f = f.clone()
-    views = [*(_as_rows(t.detach()) for t in (*grads, *ys)), pos.detach().contiguous(), f, r.detach().contiguous(),
-             out, c]
+    views = [*(_as_rows(t.detach()) for t in (*grads, *ys)), pos.detach().contiguous(),
+             _aligned(freqs.detach().contiguous()), r.detach().contiguous(), out, c]
     _launcher(views, (out.dtype,))
     return out, c
 
+
+
+def rope_grad_qknorm(grads, xs, v, pos, freqs, r, weight, eps: float, head_dim: int):
+    """:func:`rope_grad` for q and k with Qwen3's QK-norm between the projection and the rotation (q = RoPE(x
+    rsqrt(mean_head x^2 + eps) w), per head of ``head_dim``; ``epilogues.rope.rope_qknorm(head_dim, save_x=True)``):
+    ``grads`` (dq, dk, dv), ``xs`` (xq, xk) the values before the norm (r applied, unrotated, adjacent-pairs order),
+    ``v``, ``weight`` (2 head_dim,) float32: q's norm weight then k's, in the adjacent-pairs order. Per head,
+    with dn = R(-theta) dq and s = rsqrt(mean x^2 + eps): dx = s w dn - x s^3 sum(x w dn) / head_dim, the weights'
+    gradient sum over rows and heads of x s dn. Returns (dacc (M, N) = r [dx_q | dx_k | R(-theta) dv], dr (M,) =
+    sum(dx x) / r fp32, dweight (2, head_dim) fp32: q's row, then k's). head_dim a multiple of 8 dividing 256; the
+    kernel's weight-gradient partials are one row per CTA of 8 rows, summed here."""
+    entry = "rope_grad_qknorm"
+    M, widths = check_args(grads, (*xs, v), pos, freqs, r, entry)
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % VEC or \
+            256 % head_dim:
+        raise ValueError(f"{entry}: head_dim must be a multiple of {VEC} dividing 256, got {head_dim!r}")
+    if widths[0] % head_dim or widths[1] % head_dim:
+        raise ValueError(f"{entry}: dq and dk must be whole heads of {head_dim} columns, got widths {widths[:2]}")
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (2 * head_dim,) or \
+            weight.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{entry}: weight must be a float32 tensor of shape ({2 * head_dim},) (q's, then k's)")
+    if grads[0].device.type != "cuda":
+        return _qknorm_reference(grads, xs, v, pos, freqs, r, weight, eps, head_dim)
+    if grads[0].dtype not in _DTYPES or widths[2] % VEC:
+        raise ValueError(f"{entry}: bfloat16 / float16 parts with widths multiple of {VEC} expected, got "
+                         f"{grads[0].dtype} {widths}")
+    dev = grads[0].device
+    out = torch.empty(M, sum(widths), device=dev, dtype=grads[0].dtype)
+    c = torch.empty(M, device=dev, dtype=torch.float32)
+    if M == 0:
+        return out, c, torch.zeros(2, head_dim, device=dev)
+    partials = torch.empty(-(-M // WARPS), 2 * head_dim, device=dev, dtype=torch.float32)
+    views = [*(_as_rows(t.detach()) for t in (*grads, *xs, v)), pos.detach().contiguous(),
+             _aligned(freqs.detach().contiguous()), r.detach().contiguous(), out, c,
+             _aligned(weight.detach().float().contiguous()), torch.full((1,), float(eps), device=dev), partials]
+    _launcher_qk(views, (out.dtype, head_dim))
+    return out, c, partials.sum(0).view(2, head_dim)

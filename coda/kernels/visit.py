@@ -9,7 +9,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 
-from .epilogue import ODD_OUT
+from .epilogue import odd_key
 
 
 class EpilogueVisit:
@@ -80,7 +80,7 @@ class EpilogueVisit:
         """Call the hook once per column pair (2j, 2j+1): in the accumulator fragment a thread holds both columns
         of a pair in consecutive registers (checked on thread 0's static coordinates). Operands are indexed by the
         pair j (VecN of N/2, TileMN of M x N/2). Returns {key: [one value per pair]}, or for a 2 -> 2 epilogue
-        {"out": [one value per register]}."""
+        {output: [one value per register]} (the main output and each extra one: the pair's two values)."""
         out = {}
         for p in range(n_v // 2):
             (r0, c0), (r1, c1) = c_static[2 * p], c_static[2 * p + 1]
@@ -93,7 +93,8 @@ class EpilogueVisit:
             for r in self.epi.reductions:
                 out.setdefault(r.name, []).extend([res.pop(r.name), self._neutral(r.op)])
             if cutlass.const_expr(self.pair_mode == "full"):
-                out.setdefault("out", []).extend([res["out"], res[ODD_OUT]])
+                for k in ("out", *self.epi.outputs):
+                    out.setdefault(k, []).extend([res[k], res[odd_key(k)]])
             else:
                 for key, val in res.items():
                     out.setdefault(key, []).append(val)

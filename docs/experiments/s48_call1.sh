@@ -12,5 +12,6 @@ rm -rf .ab_old && mkdir -p .ab_old/ops .ab_old/epilogues
 cp ops/cross_entropy.py ops/cross_entropy_fast.py .ab_old/ops/ && cp epilogues/cross_entropy.py .ab_old/epilogues/
 patch -p1 < docs/experiments/s47_exp_sum.patch || exit 1
 source docs/experiments/lib_device.sh
-gpu_tests 3 ${TEST_S:-120} tests/test_cross_entropy_exp.py tests/test_cross_entropy_gpu.py tests/test_rope_qknorm.py
+gpu_tests 4 ${TEST_S:-150} tests/test_cross_entropy_exp.py tests/test_cross_entropy_gpu.py tests/test_rope_qknorm.py \
+    tests/test_attention_gpu.py::test_rope_grad_kernel_matches_the_reference
 ab_step ${ROUNDS:-2} ${AB_S:-300}
