@@ -13,8 +13,10 @@ W_q / W_k rows are kept in the adjacent-pairs order (``permute_half_split``: att
 state dict is the stock one (``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight``, ``o_proj.weight``).
 Grouped-query heads go to SDPA as they are (``enable_gqa``), never repeated.
 
-QK-norm (Qwen3: ``q_norm`` / ``k_norm``, an RMSNorm over each head of q and k before RoPE): the norm sits between
-the GEMM and the rotation, so the block runs ``coda.ops.rmsnorm_linear`` (input norm + QKV in one GEMM), then the
+QK-norm (Qwen3: ``q_norm`` / ``k_norm``, an RMSNorm over each head of q and k before RoPE): the head norms run in
+the QKV GEMMs' epilogues between the input norm's scale and the rotation, their backward in the un-rotation pass
+(``coda.ops.rmsnorm_linear_rope_qknorm_qkv``; heads of a multiple of 8 dividing 256, one epsilon for both norms,
+no q/k/v biases). Otherwise the block runs ``coda.ops.rmsnorm_linear`` (input norm + QKV in one GEMM), then the
 head norms (the stock modules, weights permuted like the W_q / W_k rows) and RoPE on the column pairs in torch.
 q/k/v biases (Qwen2): ``bias_qkv`` (the three biases in ``weight_qkv``'s row order) is added after the same
 ``rmsnorm_linear`` GEMM, before the rotation in torch (the bias is not in the GEMM's epilogue yet); the state dict
@@ -33,6 +35,7 @@ from torch import Tensor, nn
 import coda.nn as _nn
 from coda import ops
 from coda.epilogues.rope import permute_half_split, unpermute_half_split
+from coda.ops.attention_qknorm import supported as qknorm_supported
 from coda.nn import (_FUSED_DTYPES, INDUCTOR_UNDER_COMPILE, DeferredRMSNorm, _cast, _compute_dtype, _NormConsumer,
                      norm_eps, rms_norm)
 
@@ -191,17 +194,23 @@ class FusedAttention(_NormConsumer):
         fused = dtype in _FUSED_DTYPES and not (_nn.compiling() and self.inductor_under_compile)
         hq, hk, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
         one_gemm = fused and self.q_norm is None and self.bias_qkv is None  # norm + QKV + RoPE in the epilogue
+        qk_gemm = fused and self._qknorm_in_gemm()  # ... and the head norms too (Qwen3)
         if one_gemm and not self.qkv_apart:
             xr = ()
             q, k, v = torch.split(ops.rmsnorm_linear_rope(x.to(dtype), self.norm_weight, _cast(self.weight_qkv, dtype),
                                                           pos, self.freqs, self.eps), [hq, hk, hk], dim=-1)
-        elif one_gemm:  # norm + QKV + RoPE: one GEMM
+        elif one_gemm or qk_gemm:  # norm + QKV (+ head norms) + RoPE: one GEMM (q, k, v apart: three)
             res_in_op = self.add_residual and type(self.o_proj) is nn.Linear and self.o_proj.bias is None
             ss = kwargs.get("input_sumsq")  # r from the previous block's epilogue: coda.fuse's layer forward
             ss = (ss if ss is not None else _nn.recall_sumsq(x)) if x.dtype == dtype else None  # or the side table
-            q, k, v, *xr = ops.rmsnorm_linear_rope_qkv(x.to(dtype), self.norm_weight, _cast(self.weight_qkv, dtype),
-                                                       pos, self.freqs, self.eps, (hq, hk), residual=res_in_op,
-                                                       sumsq=ss)
+            w = _cast(self.weight_qkv, dtype)
+            if qk_gemm:
+                q, k, v, *xr = ops.rmsnorm_linear_rope_qknorm_qkv(
+                    x.to(dtype), self.norm_weight, w, self.q_norm.weight, self.k_norm.weight, pos, self.freqs,
+                    self.eps, norm_eps(self.q_norm), (hq, hk), d, residual=res_in_op, sumsq=ss)
+            else:
+                q, k, v, *xr = ops.rmsnorm_linear_rope_qkv(x.to(dtype), self.norm_weight, w, pos, self.freqs,
+                                                           self.eps, (hq, hk), residual=res_in_op, sumsq=ss)
             # (q, k, v apart: their gradients go to the backward as they are, un-rotated in one pass with the
             # norm's row dots; a split's backward would first cat them into one buffer)
         else:  # norm + QKV (fused unless float32 / float64 or left to inductor under torch.compile, where it is the
@@ -253,6 +262,14 @@ class FusedAttention(_NormConsumer):
             out = self.o_proj(o)
             out = x + out if self.add_residual else out
         return (out, None) if self.hf_signature else out
+
+    def _qknorm_in_gemm(self) -> bool:
+        """Whether the head norms run in the QKV GEMMs' epilogues and the backward's one pass
+        (``ops.rmsnorm_linear_rope_qknorm_qkv``): QK-norm, no q/k/v biases, one epsilon for both norms, head sizes
+        that pass (a multiple of 8 dividing 256)."""
+        return (self.q_norm is not None and self.bias_qkv is None and self.qkv_apart
+                and norm_eps(self.q_norm) == norm_eps(self.k_norm)
+                and qknorm_supported(self.head_dim, self.n_heads * self.head_dim, self.n_kv * self.head_dim) is None)
 
     def _head_norm(self, t: Tensor, norm: nn.Module) -> Tensor:
         """``norm`` (a per-head RMSNorm, stock weight order) over each head of t (..., heads * d)."""

@@ -42,7 +42,7 @@ def _fuse(model):
 
 
 @pytest.mark.parametrize("kind,attention", [("Mistral", True), ("Qwen2", True), ("Qwen3", True)])
-def test_family_fuses_and_matches_stock(fp32_ops, kind, attention):
+def test_family_fuses_and_matches_stock(fp32_ops, monkeypatch, kind, attention):
     torch.manual_seed(0)
     stock = _tiny_hf(kind).float()
     if kind == "Mistral":
@@ -58,7 +58,11 @@ def test_family_fuses_and_matches_stock(fp32_ops, kind, attention):
     assert all(layer.mlp.add_residual and "forward" in vars(layer) for layer in layers)
     assert isinstance(fused.lm_head, coda.nn.LMHeadCrossEntropy)
     assert not any("attention block(s) left stock" in m for m in msgs), msgs
+    calls = []  # Qwen3: the head norms in the QKV GEMMs' epilogues and the backward pass (issue 30)
+    qk_op = coda.ops.rmsnorm_linear_rope_qknorm_qkv
+    monkeypatch.setattr(coda.ops, "rmsnorm_linear_rope_qknorm_qkv", lambda *a, **k: calls.append(1) or qk_op(*a, **k))
     _matches_stock(stock, fused)
+    assert len(calls) == (len(layers) if kind == "Qwen3" else 0)
 
 
 def _matches_stock(stock, fused, labels=None):
