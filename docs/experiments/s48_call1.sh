@@ -13,5 +13,6 @@ cp ops/cross_entropy.py ops/cross_entropy_fast.py .ab_old/ops/ && cp epilogues/c
 patch -p1 < docs/experiments/s47_exp_sum.patch || exit 1
 source docs/experiments/lib_device.sh
 gpu_tests 4 ${TEST_S:-150} tests/test_cross_entropy_exp.py tests/test_cross_entropy_gpu.py tests/test_rope_qknorm.py \
-    tests/test_attention_gpu.py::test_rope_grad_kernel_matches_the_reference
+    tests/test_attention_gpu.py::test_rope_grad_kernel_matches_the_reference tests/test_attention_qknorm.py \
+    "tests/test_fuse_families.py::test_family_fused_step_on_gpu[Qwen3]"
 ab_step ${ROUNDS:-2} ${AB_S:-300}
