@@ -71,7 +71,7 @@ from coda.optim import eager_backward, updates_in_backward
 from ._builder import backward_op, forward_op
 from ._common import (IN_DTYPES, backward_gemm, call, check_inputs, check_tensors, custom_op, eager_call,
                       epilogue_pass, gemm_for, kernel_aligned, update_args, update_in_backward)
-from .cross_entropy_fast import defer_taken, forward_with_grads, plan_rows
+from .cross_entropy_fast import defer_taken, exp_taken, forward_with_grads, plan_rows
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES", "MEMORY_BUDGET"]
 # also used by coda.distributed (vocabulary-parallel CE): tail_logits, chunk_columns, finish_loss, lean_backward,
@@ -365,14 +365,14 @@ def _op(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction:
 
 # ------------------------------------------------------------------------------------------------ fast mode
 def _op_fast_fake(x, weight, target, ignore_index, reduction, label_smoothing, z_loss, softcap, rows, check, need_x,
-                  need_w, defer, slots=None, token=None):
+                  need_w, defer, exp, slots=None, token=None):
     # (a compiled graph defers dW's GEMM only where coda.optim updates the weight in its backward: slots)
     taken = defer and defer_taken(x, weight.shape[0], rows, need_w, reduction)
     return (x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=torch.float32),
             x.new_empty(x.shape) if need_x else x.new_empty((0,)),
             weight.new_empty(weight.shape) if need_w and not taken else weight.new_empty((0,)),
             x.new_empty((x.shape[0], weight.shape[0])) if taken else x.new_empty((0,)),
-            x.new_empty((x.shape[0] + 1,) if taken else (0,), dtype=torch.float32))
+            x.new_empty((x.shape[0] + 1,) if taken and exp else (0,), dtype=torch.float32))
 
 
 def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -445,10 +445,12 @@ def _backward_fast(ctx, grad_loss, *_):
     gx = gw = g
     if g.dim():  # reduction="none": dX's rows scaled by g; dW = dz^T diag(g) x on the kept dz, x's rows scaled
         gx, gw = g.unsqueeze(1), None  # first, so dW needs no scale after (no rows: dz empty, dW zero)
-    if need_w and dz.numel():  # a deferred dW: x's rows times the forward's factors xs (exp-stored) and g ("none")
-        rows = xs[:-1].unsqueeze(1) * (gx if gw is None else 1.0)
+    if need_w and dz.numel() and xs.numel():  # a deferred dW: x's rows times the forward's factors xs (exp-stored:
+        rows = xs[:-1].unsqueeze(1) * (gx if gw is None else 1.0)  # else ones) and g ("none")
         x = (x.float() * rows).to(x.dtype)
         gw = xs[-1] if gw is None else gw * xs[-1]  # (the mean's 1 / n; 1 for "sum" and "none")
+    elif need_w and dz.numel() and gw is None:  # (no factors: the exp-stored phases could not run) "none": g's rows
+        x = (x.float() * gx).to(x.dtype)
     if eager and need_w and _update_in_backward(weight, dw, g.new_ones(()) if gw is None else gw, dz, x):
         need_w, dw = False, None  # coda.optim updated the weight: no gradient
     elif not eager and need_w and ctx.coda_slots and gw is not None:  # torch.compile's update
@@ -468,15 +470,16 @@ def _backward_fast(ctx, grad_loss, *_):
 # extra: need_x, need_w
 @forward_op("linear_cross_entropy_fast", fake=_op_fast_fake, backward=_backward_fast,
             saved=lambda i, out: (*out[1:], i[1], i[0] if out[3].numel() else None), extra=lambda i: i[10:12],
-            slots=13)
+            slots=14)
 def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
              z_loss: float, softcap: Optional[float], rows: int, check: str, need_x: bool,
-             need_w: bool, defer: bool, slots: Optional[list[int]] = None,
+             need_w: bool, defer: bool, exp: bool, slots: Optional[list[int]] = None,
              token: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, dx, dw, dz, xs) with dx, dw the gradients for an upstream gradient of 1 (empty where not needed);
     ``defer`` (eager calls only): dW's GEMM is left to the backward where ``forward_with_grads`` can (one chunk),
     dz is the logits' gradient it reads (dw then empty; dz empty where not deferred) and xs the factors of x's rows
-    and of the product for that GEMM (``forward_with_grads``; empty where not deferred); see
+    and of the product for that GEMM (``forward_with_grads``; empty where not deferred, or where ``exp`` -- the
+    exp-stored phases may run: ``exp_taken`` when the entry was called -- is False: then x's rows need none); see
     ``ops/cross_entropy_fast.py``. ``slots``, ``token``: ``coda.optim.compile_slots`` of the weight under
     torch.compile (the backward updates it in place: ``linear_cross_entropy_update``), else None."""
     V = weight.shape[0]
@@ -484,13 +487,13 @@ def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduc
     valid, tcol = _target_columns(target, ignore_index)
     lse, stats, dx, dw, dz, xs = forward_with_grads(x, weight, target, valid, tcol, reduction, label_smoothing,
                                                     z_loss, rows, need_x, need_w, ENTRY, tail_logits, softcap,
-                                                    defer=defer)
+                                                    defer=defer, exp=exp)
     loss = finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss)
-    if dz is not None and xs is None:  # (no rows)
+    if dz is not None and xs is None and exp:  # (no rows)
         xs = torch.ones((x.shape[0] + 1,), dtype=torch.float32, device=x.device)
     return (loss, (dx if need_x else x.new_empty((0,))), (dw if dw is not None else weight.new_empty((0,))),
             (dz if dz is not None else x.new_empty((0,))),
-            (xs if dz is not None else x.new_empty((0,), dtype=torch.float32)))
+            (xs if dz is not None and xs is not None else x.new_empty((0,), dtype=torch.float32)))
 
 
 MEMORY_BUDGET = int(os.environ.get("CODA_CE_MEMORY_BUDGET", 10 ** 9))  # bytes of the fast mode's logits chunk
@@ -573,9 +576,13 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
     if rows is not None:
         need_x, need_w = x.requires_grad, weight.requires_grad
         # under torch.compile the weight coda.optim holds is updated by the backward (linear_cross_entropy_update)
+        # exp: whether the exp-stored phases may run (decided here: under CUDA-graph capture they do not, and the
+        # op's deferred-dW factors are then left out -- the fake's shape follows this flag, not the run)
+        V = weight.shape[0]
+        exp = exp_taken(x, float(label_smoothing), softcap, None, V // ALIGN * ALIGN, V)
         loss, *_ = call("linear_cross_entropy_fast", x.reshape(-1, H), weight, target.reshape(-1), ignore_index,
                         reduction, float(label_smoothing), float(z_loss), softcap, rows, check, need_x, need_w, defer,
-                        *upd)
+                        exp, *upd)
         return loss.reshape(target.shape) if reduction == "none" else loss
     loss, _ = call("linear_cross_entropy", x.reshape(-1, H), weight, target.reshape(-1), ignore_index, reduction,
                    float(label_smoothing), float(z_loss), softcap, chunk_size, check)

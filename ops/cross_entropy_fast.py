@@ -140,7 +140,7 @@ def _exp_phases(gemm, xc, w8, z, tgt, valid_c, scale_c, zl: float):
 
 def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor, tcol: Tensor, reduction: str,
                        eps: float, zl: float, rows: int, need_x: bool, need_w: bool, entry: str, tail_logits,
-                       softcap: Optional[float] = None, combine=None, defer: bool = False):
+                       softcap: Optional[float] = None, combine=None, defer: bool = False, exp: bool = True):
     """(lse, stats, dx, dw, dz, xs) for g = 1; see the module docstring. ``xs`` (with a deferred dW: M + 1 float32,
     else None): the factors of x's rows for dW's GEMM and, last, the scale of its product (1 / n for the mean).
     ``combine(lse_c, zt_c)`` (``coda.distributed``'s vocabulary-parallel CE, ``weight`` one rank's shard and ``target`` shifted into it): a chunk's per-row
@@ -150,7 +150,9 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
     softcap)``, in the epilogue) and phase 2 multiplies by their derivative. ``defer``: leave GEMM 4 to the
     caller (dz^T x), returning dz and no dw; taken only where the weight gradient is needed, all rows
     are one chunk (``rows >= M > 0``), V % 8 == 0 and the kernel reads dz^T, x^T as they are (dz None
-    otherwise)."""
+    otherwise). ``exp``: the caller's promise that the exp-stored phases may run (:func:`exp_taken` when the op was
+    called): with a deferred dW, xs is then ones where they did not run; without it xs stays None (no pass scales
+    x's rows by ones)."""
     M, H = x.shape
     V = weight.shape[0]
     v8 = V // ALIGN * ALIGN
@@ -171,7 +173,7 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
     cap = {} if softcap is None else {"cap": softcap}
     w8 = weight[:v8]
     dz = xs = None
-    use_exp = exp_taken(x, eps, softcap, combine, v8, V)
+    use_exp = exp and exp_taken(x, eps, softcap, combine, v8, V)
     for m0 in range(0, M, rows):
         m1 = min(M, m0 + rows)
         xc, z = x[m0:m1], buf[:(m1 - m0) * v8].view(m1 - m0, v8)
@@ -188,8 +190,8 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
             elif need_w:
                 xw = (xc.float() * a.unsqueeze(1)).to(x.dtype)
         else:
-            if defer and xs is None:
-                xs = torch.ones((M + 1,), dtype=torch.float32, device=x.device)  # (x's rows as they are)
+            if defer and exp and xs is None:  # (the shape the op promised: x's rows as they are)
+                xs = torch.ones((M + 1,), dtype=torch.float32, device=x.device)
             res = gemm(xc, w8, epilogue=epi, out=z, **cap)  # phase 1
             lse_c = res["lse"]
             stats["zt"][m0:m1] = target_logit(z, tgt)

@@ -112,3 +112,26 @@ def test_exp_stored_on_the_gpu(taken, M, V, H):
     theirs = run(torch_loss, x, wb, t, up)
     for name, a, b, c in zip(("loss", "dx", "dw"), ours, want, theirs):
         assert torch.isfinite(a).all() and rel(a, b) <= 2 * rel(c, b) + 1e-4, (name, rel(a, b), rel(c, b))
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_deferred_dw_without_the_exp_phases_keeps_no_row_factors(monkeypatch, reduction):
+    """Where the exp-stored phases cannot run (decided when the op is called: CUDA-graph capture, simulated here)
+    a deferred dW's op returns no row factors (xs empty: no pass scales x's rows by ones in the backward), and the
+    gradients are those of the stored-logits phases, within the 2x rule of float64 torch."""
+    import coda.ops.cross_entropy as ce
+    M, V, H = 40, 96, 16
+    x, w, t = _problem(M, V, H, seed=3)
+    seen, real = [], fast.forward_with_grads
+    monkeypatch.setattr(ce, "forward_with_grads", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    monkeypatch.setattr(ce, "exp_taken", lambda *a: False)
+    up = torch.full((M,), 1.5, dtype=torch.float64) if reduction == "none" else torch.tensor(1.5, dtype=torch.float64)
+    if reduction == "mean":  # (a deferred dW with "mean": coda.optim's update in the backward; here the CPU path's
+        monkeypatch.setattr(ce, "updates_in_backward", lambda w: True)  # stand-in: dW formed there, not updated)
+    ours = run(lce, x, w, t, up, mode="fast", reduction=reduction)
+    dz, xs = seen[0][4], seen[0][5]
+    assert dz is not None and xs is None  # deferred, and no factors
+    want = run(torch_loss, x.double(), w.double(), t, up, reduction=reduction)
+    theirs = run(torch_loss, x, w, t, up, reduction=reduction)
+    for name, a, b, c in zip(("loss", "dx", "dw"), ours, want, theirs):
+        assert rel(a, b) <= 2 * rel(c, b) + 1e-4, (name, rel(a, b), rel(c, b))
