@@ -134,9 +134,12 @@ _counters: dict = {}
 # per captured launch, never handed out twice (graphs may be replayed concurrently on different streams and must
 # not share a counter; replays of one graph are ordered). The kernel leaves its pair at zero, so a replay needs no
 # memset node: with one (the torch.zeros this replaces) the fused llama-1b step as one graph ran ~60 fill kernels,
-# 0.126 ms a step (H100, session 32). Used up: torch.zeros again.
+# 0.126 ms a step (H100, session 32). Used up: torch.zeros again. Each pair starts a 16-byte slot (COUNTER_SLOT int32):
+# the kernel's tensor arguments are marshalled as 16-byte aligned (``_cute``), and a launch whose first call is
+# inside a capture takes that path (session 48: pairs 8 bytes apart failed there on every odd pair).
 GRAPH_COUNTERS = 4096
-_graph_pools: dict = {}  # device index -> [buffer (2 * GRAPH_COUNTERS int32), next free pair]
+COUNTER_SLOT = 4
+_graph_pools: dict = {}  # device index -> [buffer (COUNTER_SLOT * GRAPH_COUNTERS int32), next free pair]
 _graph_lock = threading.Lock()
 
 
@@ -155,12 +158,12 @@ def _tile_counter(device) -> torch.Tensor:
                 pool[1] += 1
         if i is None:  # no launch before the capture, or used up
             return torch.zeros(2, dtype=torch.int32, device=device)
-        return pool[0][2 * i:2 * i + 2]
+        return pool[0][COUNTER_SLOT * i:COUNTER_SLOT * i + 2]
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
         key = (index, _launch.stream_handle(index))
         if index not in _graph_pools:
-            _graph_pools[index] = [_persistent_zeros(2 * GRAPH_COUNTERS, torch.int32, device), 0]
+            _graph_pools[index] = [_persistent_zeros(COUNTER_SLOT * GRAPH_COUNTERS, torch.int32, device), 0]
     c = _counters.get(key)
     if c is None:
         c = _counters[key] = _persistent_zeros(2, torch.int32, device)

@@ -153,3 +153,20 @@ def test_dynamic_counter_is_the_last_kernel_tensor():
     args, _, _ = epilogue_tensors(IDENTITY, prob, {}, out3, GemmConfig(cluster_m=1, sched="dynamic"))
     (t, lead), = args
     assert t.dtype == torch.int32 and t.shape == (2,) and not t.any() and lead == 0
+
+
+def test_captured_launch_counters_are_16_byte_aligned(monkeypatch):
+    """Inside a CUDA-graph capture each dynamic launch takes its own counter pair from the pool; every pair starts
+    a 16-byte slot (the DSL marshals kernel tensors as 16-byte aligned: a launch's first call inside a capture
+    failed on odd pairs when they were 8 bytes apart). Simulated on CPU memory: the pool and the capture flag."""
+    import importlib
+
+    import torch
+    gemm_mod = importlib.import_module("coda.gemm")
+    pool = [torch.zeros(gemm_mod.COUNTER_SLOT * 8, dtype=torch.int32), 0]
+    monkeypatch.setitem(gemm_mod._graph_pools, 0, pool)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    got = [gemm_mod._tile_counter(torch.device("cuda", 0)) for _ in range(5)]
+    assert pool[1] == 5
+    assert all(t.shape == (2,) and t.data_ptr() % 16 == 0 for t in got)
+    assert len({t.data_ptr() for t in got}) == 5
