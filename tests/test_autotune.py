@@ -227,7 +227,7 @@ def test_kernel_key_and_source_hash(tmp_path):
     import shutil
     root = tmp_path / "tree"
     for rel in ("coda/kernels/gemm_sm90.py", "coda/kernels/epilogue.py", "coda/config.py", "coda/reference.py",
-                "coda/runtime/compile_cache.py", "coda/_eval.py", "coda/dsl.py"):
+                "coda/runtime/compile_cache.py", "coda/_eval.py", "coda/dsl.py", "coda/dsl_nodes.py"):
         src = pathlib.Path(__file__).resolve().parents[1] / rel
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src, root / rel)
@@ -237,8 +237,8 @@ def test_kernel_key_and_source_hash(tmp_path):
     (root / "coda/kernels/gemm_sm90.py").write_text((root / "coda/kernels/gemm_sm90.py").read_text() + "\n# x\n")
     h2 = keys.kernel_source_hash.__wrapped__(str(root))
     assert h2 != h
-    # the lowering of an epilogue's math (coda/_eval.py, coda/dsl.py) is kernel source too
-    for rel in ("coda/_eval.py", "coda/dsl.py"):
+    # the lowering of an epilogue's math (coda/_eval.py, coda/dsl.py and its sympy nodes) is kernel source too
+    for rel in ("coda/_eval.py", "coda/dsl.py", "coda/dsl_nodes.py"):
         (root / rel).write_text((root / rel).read_text() + "\n# x\n")
         assert keys.kernel_source_hash.__wrapped__(str(root)) != h2
         h2 = keys.kernel_source_hash.__wrapped__(str(root))

@@ -184,7 +184,8 @@ def tune_key(dev: DeviceInfo, in_dtype: Any, out_dtype: Any, M: int, N: int, K: 
 # the code that emits a kernel's instructions: the kernels, their configs, the compile cache's host entry, and the
 # lowering of an epilogue's math (``coda/dsl.py`` traces and simplifies it, ``coda/_eval.py`` emits it: before
 # session 21 those two were missing, so a changed lowering kept serving the kernels compiled by the old one)
-_SOURCE_FILES = ("coda/kernels/*.py", "coda/config.py", "coda/runtime/compile_cache.py", "coda/dsl.py",
+# (coda/dsl*.py: dsl.py, its sympy nodes dsl_nodes.py, the segment sums' dsl_segment.py)
+_SOURCE_FILES = ("coda/kernels/*.py", "coda/config.py", "coda/runtime/compile_cache.py", "coda/dsl*.py",
                  "coda/_eval.py")
 
 
