@@ -1,5 +1,6 @@
 #!/bin/bash
-# For session 48's first device call (H100): session 47's CE follow-up (docs/experiments/s47_exp_sum.patch: the
+# Written for session 48 (not run there; session 49: after s49_call1.sh): session 47's CE follow-up
+# (docs/experiments/s47_exp_sum.patch: the
 # exp-stored logits epilogue sums e^z instead of an online logsumexp -- 0 spills, 1912 vs 2768 SASS -- and x's rows
 # for dW's GEMM scaled by one K = 0 pass) applied to the device copy: its GPU tests, then the fused step with the
 # patch vs without (.ab_old/ = the files before it), ROUNDS alternated rounds. If it wins, apply the patch in the
