@@ -30,9 +30,8 @@ from typing import Callable, Optional
 
 import sympy as sp
 
-from .dsl_nodes import (  # noqa: F401 (names other modules import from coda.dsl)
-    Sigmoid, _round_const, _Cast, ProductAngle, _factors, with_product_angles, _walk, CastBF16, CastF16, _canon,
-    _node, _add, _mul, _neg, _div, rebuild, _remake, ExprCondPair, Piecewise, _UNEVALUATED)
+from .dsl_nodes import _add, _div, _mul, _neg, _node, CastBF16, CastF16, Piecewise, Sigmoid, with_product_angles
+from .dsl_nodes import ProductAngle, rebuild  # noqa: F401 (re-exported: coda._eval, coda.autodiff import them here)
 from .kernels.epilogue import ODD_OUT, ODD_SUFFIX, Epilogue, Operand, Reduction, odd_key
 from .kernels.operand_kinds import SCALAR, TILE, VEC_M, VEC_N
 

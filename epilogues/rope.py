@@ -32,17 +32,22 @@ from typing import Optional
 
 import coda
 
-__all__ = ["rope", "rope_rmsnorm", "rope_qknorm", "qknorm_operands", "rope_freqs", "permute_half_split",
-           "unpermute_half_split"]
+__all__ = ["rope", "rope_rmsnorm", "rope_qknorm", "qknorm_operands", "norm_weight_pairs", "rope_freqs",
+           "permute_half_split", "unpermute_half_split", "pairs_order", "half_split_order"]
+
+
+def _rotate(x, y, pos, freq):
+    """The pair (x, y) rotated by theta = pos * freq (traced math of the epilogues below)."""
+    theta = pos * freq
+    c, sn = coda.cos(theta), coda.sin(theta)
+    return x * c - y * sn, x * sn + y * c
 
 
 @coda.epilogue
 def rope(acc, pos: coda.VecM, freq: coda.VecN):
     """Rotate each column pair (2j, 2j+1) of row m by theta = pos[m] * freq[j]."""
     x, y = coda.pairs(acc)
-    theta = pos * freq
-    c, s = coda.cos(theta), coda.sin(theta)
-    return x * c - y * s, x * s + y * c
+    return _rotate(x, y, pos, freq)
 
 
 @coda.epilogue
@@ -50,10 +55,7 @@ def rope_rmsnorm(acc, r: coda.VecM, pos: coda.VecM, freq: coda.VecN):
     """:func:`rope` of the RMS-normed product: each pair scaled by the row's r = rsqrt(mean(h^2) + eps), then
     rotated (the input norm + QKV + RoPE of attention in one epilogue; the rotation commutes with the scale)."""
     x, y = coda.pairs(acc)
-    x, y = x * r, y * r
-    theta = pos * freq
-    c, s = coda.cos(theta), coda.sin(theta)
-    return x * c - y * s, x * s + y * c
+    return _rotate(x * r, y * r, pos, freq)
 
 
 _QKNORM = {}
@@ -69,12 +71,6 @@ def _head_norm(x, y, head_dim: int, eps):
     without its weight, the sum of squares a ``coda.segment_sum`` over the head's head_dim / 2 pairs."""
     inv = coda.rsqrt(coda.segment_sum(x * x + y * y, head_dim // 2) / head_dim + eps)
     return x * inv, y * inv, inv
-
-
-def _rotate(x, y, pos, freq):
-    theta = pos * freq
-    c, sn = coda.cos(theta), coda.sin(theta)
-    return x * c - y * sn, x * sn + y * c
 
 
 def rope_qknorm(head_dim: int, save_x: bool = False):
@@ -114,18 +110,24 @@ def rope_qknorm(head_dim: int, save_x: bool = False):
     return _QKNORM[key]
 
 
+def norm_weight_pairs(weight, heads: int, rotary_dim: Optional[int] = None):
+    """(even, odd): a per-head norm weight (head_dim,) in the model's half-split order, in the adjacent-pairs order
+    (:func:`pairs_order`) repeated for ``heads`` heads and split into the pairs' two dims -- the ``w_even`` /
+    ``w_odd`` VecN operands of :func:`rope_qknorm` for a block of q or k heads. float32 (float64 for a float64
+    weight); device-side ops only (no index tensor is copied to the device)."""
+    import torch
+    w = pairs_order(weight.detach().to(torch.promote_types(weight.dtype, torch.float32)), rotary_dim).repeat(heads)
+    return w[0::2].contiguous(), w[1::2].contiguous()
+
+
 def qknorm_operands(q_weight, k_weight, head_dim: int, nq: int, nk: int, nv: int, rotary_dim: Optional[int] = None):
     """(w_even, w_odd, qk) of :func:`rope_qknorm` for a fused [W_q; W_k; W_v] projection of ``nq`` / ``nk`` / ``nv``
-    heads: the q_norm / k_norm weights (head_dim each, the half-split order of the model) repeated per head and
-    split into the pairs' even / odd dims in the adjacent-pairs order, 1 on v; qk = 1 on q / k pairs. float32."""
+    heads: the q_norm / k_norm weights (:func:`norm_weight_pairs`), 1 on v; qk = 1 on q / k pairs."""
     import torch
-    perm = _head_perm(head_dim, rotary_dim).to(q_weight.device)
-    parts = [w.detach().float()[perm].repeat(n) for w, n in ((q_weight, nq), (k_weight, nk))]
-    parts.append(torch.ones(nv * head_dim, device=q_weight.device))
-    w = torch.cat(parts)
-    qk = torch.cat((torch.ones((nq + nk) * head_dim // 2, device=q_weight.device),
-                    torch.zeros(nv * head_dim // 2, device=q_weight.device)))
-    return w[0::2].contiguous(), w[1::2].contiguous(), qk
+    (qe, qo), (ke, ko) = norm_weight_pairs(q_weight, nq, rotary_dim), norm_weight_pairs(k_weight, nk, rotary_dim)
+    ones = torch.ones(nv * head_dim // 2, device=q_weight.device, dtype=qe.dtype)
+    qk = torch.cat((torch.ones((nq + nk) * head_dim // 2, device=q_weight.device, dtype=qe.dtype), torch.zeros_like(ones)))
+    return torch.cat((qe, ke, ones)), torch.cat((qo, ko, ones)), qk
 
 
 def rope_freqs(head_dim: int, n_heads: int, base: float = 10000.0, rotary_heads: Optional[int] = None,
@@ -165,21 +167,36 @@ def rope_freqs(head_dim: int, n_heads: int, base: float = 10000.0, rotary_heads:
     return freqs.flatten().to(device) if device is not None else freqs.flatten()
 
 
-def _head_perm(head_dim: int, rotary_dim: Optional[int] = None):
-    """Row order within one head: new row 2i = old row i, new row 2i+1 = old row i + r/2 (r = rotary_dim); rows
-    past the rotary part keep their place."""
+def pairs_order(t, rotary_dim: Optional[int] = None):
+    """A head's values along dim 0 of ``t`` (head_dim, ...) from the half-split order (Hugging Face's) to the
+    adjacent-pairs order of :func:`rope`: dims (i, i + r/2) -> (2i, 2i + 1), r = ``rotary_dim`` (default head_dim);
+    dims past r keep their place. Reshapes only (differentiable, no index tensor)."""
     import torch
-    r = head_dim if rotary_dim is None else rotary_dim
-    half = torch.arange(r // 2)
-    return torch.cat((torch.stack((half, half + r // 2), 1).flatten(), torch.arange(r, head_dim)))
+    r = t.shape[0] if rotary_dim is None else rotary_dim
+    rot = t[:r].reshape(2, r // 2, *t.shape[1:]).transpose(0, 1).reshape(r, *t.shape[1:])
+    return rot if r == t.shape[0] else torch.cat((rot, t[r:]))
+
+
+def half_split_order(t, rotary_dim: Optional[int] = None):
+    """The inverse of :func:`pairs_order`."""
+    import torch
+    r = t.shape[0] if rotary_dim is None else rotary_dim
+    rot = t[:r].reshape(r // 2, 2, *t.shape[1:]).transpose(0, 1).reshape(r, *t.shape[1:])
+    return rot if r == t.shape[0] else torch.cat((rot, t[r:]))
+
+
+def _head_perm(head_dim: int, rotary_dim: Optional[int] = None):
+    """Row order within one head (:func:`pairs_order` of the row indices): new row 2i = old row i, new row 2i+1 =
+    old row i + r/2 (r = rotary_dim); rows past the rotary part keep their place."""
+    import torch
+    return pairs_order(torch.arange(head_dim), rotary_dim)
 
 
 def _check_layout(entry, weight, head_dim, rotary_dim):
     import torch
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"{entry}: weight must be a torch.Tensor, got {type(weight).__name__}")
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
-        raise ValueError(f"{entry}: head_dim must be a positive even int, got {head_dim!r}")
+    _check_head_dim(entry, head_dim)
     r = head_dim if rotary_dim is None else rotary_dim
     if isinstance(r, bool) or not isinstance(r, int) or r % 2 or not 0 < r <= head_dim:
         raise ValueError(f"{entry}: rotary_dim must be an even int in (0, head_dim={head_dim}], got {r!r}")

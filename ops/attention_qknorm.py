@@ -7,7 +7,7 @@ Forward (the one normed operand a = h, b = W diag(gamma), r the input norm's row
 where headnorm(x) = x rsqrt(mean over the head's d columns of x^2 + eps): the head's sum of squares is a
 ``coda.segment_sum`` over its d / 2 column pairs, inside one tile (d divides tile_n). The norm weights w_q, w_k
 (the model's ``q_norm.weight`` / ``k_norm.weight``, (d,) in the half-split order) go in as the pairs' even / odd
-values in the adjacent-pairs order (:func:`pairs_order`), as W_q / W_k's rows are.
+values in the adjacent-pairs order (``epilogues.rope.pairs_order``), as W_q / W_k's rows are.
 
 Backward (dq, dk, dv as the attention backward gives them): one ``coda.kernels.rope_grad.rope_grad_qknorm`` pass
 un-rotates them, applies each head norm's backward (dx = s w dn - x s^3 sum(x w dn) / d, s the head's rsqrt formed
@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from coda.epilogues.rope import rope_qknorm, rope_rmsnorm
+from coda.epilogues.rope import half_split_order, norm_weight_pairs, pairs_order, rope_qknorm, rope_rmsnorm
 from coda.kernels.rope_grad import rope_grad_qknorm
 
 from ._builder import backward_call, backward_op, forward_op
@@ -50,17 +50,6 @@ def supported(head_dim: int, nq: int, nk: int) -> Optional[str]:
     return None
 
 
-def pairs_order(w: Tensor) -> Tensor:
-    """A head's (d,) vector in the half-split order (Hugging Face's) -> the adjacent-pairs order of W_q / W_k's rows
-    after ``permute_half_split``: dims (i, i + d/2) -> (2i, 2i + 1)."""
-    return w.reshape(2, -1).t().reshape(-1)
-
-
-def _half_split_order(w: Tensor) -> Tensor:
-    """The inverse of :func:`pairs_order`."""
-    return w.reshape(-1, 2).t().reshape(-1)
-
-
 def _fake(x, norm_weight, weight, q_norm_weight, k_norm_weight, positions, freqs, eps, qk_eps, nq, nk, head_dim,
           residual, sumsq=None, slots=None, token=None):
     M, N = x.shape[0], weight.shape[0]
@@ -74,12 +63,11 @@ def _forward(x, norm_weight, weight, q_norm_weight, k_norm_weight, positions, fr
     """q, k, v, x (``residual``: a copy, or x itself in eager mode; else empty), r, xq, xk."""
     gemm = gemm_for(x.device, ENTRY)
     a, b, r = normed_operands(x, norm_weight, weight, eps, gemm, sumsq)
-    parts, wdt = [], torch.promote_types(x.dtype, torch.float32)  # (float64 on the CPU reference path)
+    parts = []
     for c0, n, w in ((0, nq, q_norm_weight), (nq, nk, k_norm_weight)):
-        wp = pairs_order(w.detach().to(wdt)).repeat(n // head_dim)
+        w_even, w_odd = norm_weight_pairs(w, n // head_dim)
         parts.append(gemm(a, b[c0:c0 + n], epilogue=rope_qknorm(head_dim, save_x=True), r=r, pos=positions,
-                          freq=freqs[c0 // 2:(c0 + n) // 2], w_even=wp[0::2].contiguous(),
-                          w_odd=wp[1::2].contiguous(), eps=qk_eps))
+                          freq=freqs[c0 // 2:(c0 + n) // 2], w_even=w_even, w_odd=w_odd, eps=qk_eps))
     v = gemm(a, b[nq + nk:], epilogue=rope_rmsnorm, r=r, pos=positions, freq=freqs[(nq + nk) // 2:])
     xr = (x.clone() if copy_x else x) if residual else x.new_empty(0)
     return parts[0]["out"], parts[1]["out"], v, xr, r, parts[0]["x"], parts[1]["x"]
@@ -136,8 +124,8 @@ def _backward_op(dq: Tensor, dk: Tensor, dv: Tensor, dres: Optional[Tensor], h: 
     dacc, dr, dwn = rope_grad_qknorm(grads, (xq, xk), v, positions, freqs, r, wn, qk_eps, head_dim)
     dh, dgamma, dw = rmsnorm_fold_grads(gemm_for(h.device, ENTRY), dacc, dr, h, norm_weight, weight, r,
                                         (True, True, need_weight), dres, ENTRY)
-    return (dh, dgamma, weight.new_empty(0) if dw is None else dw, _half_split_order(dwn[0]).to(qn.dtype),
-            _half_split_order(dwn[1]).to(kn.dtype))
+    return (dh, dgamma, weight.new_empty(0) if dw is None else dw, half_split_order(dwn[0]).to(qn.dtype),
+            half_split_order(dwn[1]).to(kn.dtype))
 
 
 def rmsnorm_linear_rope_qknorm_qkv(x: Tensor, norm_weight: Tensor, weight: Tensor, q_norm_weight: Tensor,

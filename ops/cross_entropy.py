@@ -445,12 +445,14 @@ def _backward_fast(ctx, grad_loss, *_):
     gx = gw = g
     if g.dim():  # reduction="none": dX's rows scaled by g; dW = dz^T diag(g) x on the kept dz, x's rows scaled
         gx, gw = g.unsqueeze(1), None  # first, so dW needs no scale after (no rows: dz empty, dW zero)
-    if need_w and dz.numel() and xs.numel():  # a deferred dW: x's rows times the forward's factors xs (exp-stored:
-        rows = xs[:-1].unsqueeze(1) * (gx if gw is None else 1.0)  # else ones) and g ("none")
-        x = (x.float() * rows).to(x.dtype)
-        gw = xs[-1] if gw is None else gw * xs[-1]  # (the mean's 1 / n; 1 for "sum" and "none")
-    elif need_w and dz.numel() and gw is None:  # (no factors: the exp-stored phases could not run) "none": g's rows
-        x = (x.float() * gx).to(x.dtype)
+    if need_w and dz.numel():  # a deferred dW: x's rows times the forward's factors xs (exp-stored; none where
+        rows = xs[:-1].unsqueeze(1) if xs.numel() else None  # those phases could not run) and g ("none")
+        if gw is None:
+            rows = gx if rows is None else rows * gx
+        if rows is not None:
+            x = (x.float() * rows).to(x.dtype)
+        if xs.numel():
+            gw = xs[-1] if gw is None else gw * xs[-1]  # (the mean's 1 / n; 1 for "sum" and "none")
     if eager and need_w and _update_in_backward(weight, dw, g.new_ones(()) if gw is None else gw, dz, x):
         need_w, dw = False, None  # coda.optim updated the weight: no gradient
     elif not eager and need_w and ctx.coda_slots and gw is not None:  # torch.compile's update
@@ -489,7 +491,7 @@ def _op_fast(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduc
                                                     z_loss, rows, need_x, need_w, ENTRY, tail_logits, softcap,
                                                     defer=defer, exp=exp)
     loss = finish_loss(lse, stats, valid, V, reduction, label_smoothing, z_loss)
-    if dz is not None and xs is None and exp:  # (no rows)
+    if dz is not None and xs is None and exp:  # the shape the fake promised: x's rows as they are
         xs = torch.ones((x.shape[0] + 1,), dtype=torch.float32, device=x.device)
     return (loss, (dx if need_x else x.new_empty((0,))), (dw if dw is not None else weight.new_empty((0,))),
             (dz if dz is not None else x.new_empty((0,))),

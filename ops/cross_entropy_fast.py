@@ -150,9 +150,8 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
     softcap)``, in the epilogue) and phase 2 multiplies by their derivative. ``defer``: leave GEMM 4 to the
     caller (dz^T x), returning dz and no dw; taken only where the weight gradient is needed, all rows
     are one chunk (``rows >= M > 0``), V % 8 == 0 and the kernel reads dz^T, x^T as they are (dz None
-    otherwise). ``exp``: the caller's promise that the exp-stored phases may run (:func:`exp_taken` when the op was
-    called): with a deferred dW, xs is then ones where they did not run; without it xs stays None (no pass scales
-    x's rows by ones)."""
+    otherwise); ``xs`` None where the exp-stored phases did not run. ``exp``: False keeps them off (the op's entry
+    decided so: :func:`exp_taken` when it was called)."""
     M, H = x.shape
     V = weight.shape[0]
     v8 = V // ALIGN * ALIGN
@@ -190,8 +189,6 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
             elif need_w:
                 xw = (xc.float() * a.unsqueeze(1)).to(x.dtype)
         else:
-            if defer and exp and xs is None:  # (the shape the op promised: x's rows as they are)
-                xs = torch.ones((M + 1,), dtype=torch.float32, device=x.device)
             res = gemm(xc, w8, epilogue=epi, out=z, **cap)  # phase 1
             lse_c = res["lse"]
             stats["zt"][m0:m1] = target_logit(z, tgt)
