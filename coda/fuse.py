@@ -36,7 +36,8 @@ checkpoints. Note: after fusing, the backbone's last hidden state is the one bef
 Mistral, Qwen2 and Qwen3 models (Hugging Face classes ``Mistral*``, ``Qwen2*``, ``Qwen3*``) fuse the same way: their
 decoder layers are Llama's; their attention blocks fuse where ``attention_fusable`` allows (a Mistral sliding
 window only where Hugging Face puts it into the attention mask: ``sdpa`` and ``eager``; Qwen2's q/k/v biases and
-Qwen3's QK-norm fuse as norm + QKV in one GEMM, then the biases or the head norms, and RoPE, in torch). Models it does not recognise (Gemma, GPT-2, ...: any other decoder
+Qwen3's QK-norm run inside the QKV GEMMs' epilogues and the backward's un-rotation pass, see
+``coda.nn.FusedAttention``). Models it does not recognise (Gemma, GPT-2, ...: any other decoder
 layer, any other final norm) are left stock with a warning naming what was not fused; a model in which nothing was
 fused is not marked fused.
 

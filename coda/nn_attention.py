@@ -16,11 +16,12 @@ Grouped-query heads go to SDPA as they are (``enable_gqa``), never repeated.
 QK-norm (Qwen3: ``q_norm`` / ``k_norm``, an RMSNorm over each head of q and k before RoPE): the head norms run in
 the QKV GEMMs' epilogues between the input norm's scale and the rotation, their backward in the un-rotation pass
 (``coda.ops.rmsnorm_linear_rope_qknorm_qkv``; heads of a multiple of 8 dividing 256, one epsilon for both norms,
-no q/k/v biases). Otherwise the block runs ``coda.ops.rmsnorm_linear`` (input norm + QKV in one GEMM), then the
-head norms (the stock modules, weights permuted like the W_q / W_k rows) and RoPE on the column pairs in torch.
-q/k/v biases (Qwen2): ``bias_qkv`` (the three biases in ``weight_qkv``'s row order) is added after the same
-``rmsnorm_linear`` GEMM, before the rotation in torch (the bias is not in the GEMM's epilogue yet); the state dict
-keeps the stock ``q_proj.bias`` / ``k_proj.bias`` / ``v_proj.bias``.
+no q/k/v biases). q/k/v biases (Qwen2): ``bias_qkv`` (the three biases in ``weight_qkv``'s row order, q / k in
+the adjacent-pairs order) is added in the same epilogues before the rotation, its gradient formed in the
+un-rotation pass (``coda.ops.rmsnorm_linear_rope_bias_qkv``; no QK-norm, q / k / v widths multiples of 8); the
+state dict keeps the stock ``q_proj.bias`` / ``k_proj.bias`` / ``v_proj.bias``. Otherwise (both, or sizes these
+ops refuse) the block runs ``coda.ops.rmsnorm_linear`` (input norm + QKV in one GEMM), then the biases, the head
+norms (the stock modules, weights permuted like the W_q / W_k rows) and RoPE on the column pairs in torch.
 """
 from __future__ import annotations
 
@@ -195,11 +196,14 @@ class FusedAttention(_NormConsumer):
         hq, hk, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
         one_gemm = fused and self.q_norm is None and self.bias_qkv is None  # norm + QKV + RoPE in the epilogue
         qk_gemm = fused and self._qknorm_in_gemm()  # ... and the head norms too (Qwen3)
+        bias_gemm = (fused and self.q_norm is None and self.bias_qkv is not None and self.qkv_apart
+                     and hq % 8 == 0 and hk % 8 == 0)  # ... or the q/k/v biases (Qwen2)
         if one_gemm and not self.qkv_apart:
             xr = ()
             q, k, v = torch.split(ops.rmsnorm_linear_rope(x.to(dtype), self.norm_weight, _cast(self.weight_qkv, dtype),
                                                           pos, self.freqs, self.eps), [hq, hk, hk], dim=-1)
-        elif one_gemm or qk_gemm:  # norm + QKV (+ head norms) + RoPE: one GEMM (q, k, v apart: three)
+        elif one_gemm or qk_gemm or bias_gemm:  # norm + QKV (+ head norms or biases) + RoPE: one GEMM (q, k, v
+            # apart: three)
             res_in_op = self.add_residual and type(self.o_proj) is nn.Linear and self.o_proj.bias is None
             ss = kwargs.get("input_sumsq")  # r from the previous block's epilogue: coda.fuse's layer forward
             ss = (ss if ss is not None else _nn.recall_sumsq(x)) if x.dtype == dtype else None  # or the side table
@@ -208,6 +212,10 @@ class FusedAttention(_NormConsumer):
                 q, k, v, *xr = ops.rmsnorm_linear_rope_qknorm_qkv(
                     x.to(dtype), self.norm_weight, w, self.q_norm.weight, self.k_norm.weight, pos, self.freqs,
                     self.eps, norm_eps(self.q_norm), (hq, hk), d, residual=res_in_op, sumsq=ss)
+            elif bias_gemm:
+                q, k, v, *xr = ops.rmsnorm_linear_rope_bias_qkv(x.to(dtype), self.norm_weight, w, self.bias_qkv,
+                                                                pos, self.freqs, self.eps, (hq, hk),
+                                                                residual=res_in_op, sumsq=ss)
             else:
                 q, k, v, *xr = ops.rmsnorm_linear_rope_qkv(x.to(dtype), self.norm_weight, w, pos, self.freqs,
                                                            self.eps, (hq, hk), residual=res_in_op, sumsq=ss)

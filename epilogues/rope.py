@@ -32,7 +32,7 @@ from typing import Optional
 
 import coda
 
-__all__ = ["rope", "rope_rmsnorm", "rope_qknorm", "qknorm_operands", "norm_weight_pairs", "rope_freqs",
+__all__ = ["rope", "rope_rmsnorm", "rope_rmsnorm_bias", "rope_qknorm", "qknorm_operands", "norm_weight_pairs", "rope_freqs",
            "permute_half_split", "unpermute_half_split", "pairs_order", "half_split_order"]
 
 
@@ -56,6 +56,14 @@ def rope_rmsnorm(acc, r: coda.VecM, pos: coda.VecM, freq: coda.VecN):
     rotated (the input norm + QKV + RoPE of attention in one epilogue; the rotation commutes with the scale)."""
     x, y = coda.pairs(acc)
     return _rotate(x * r, y * r, pos, freq)
+
+
+@coda.epilogue
+def rope_rmsnorm_bias(acc, r: coda.VecM, pos: coda.VecM, freq: coda.VecN, b_even: coda.VecN, b_odd: coda.VecN):
+    """:func:`rope_rmsnorm` with a bias added before the rotation (Qwen2's q/k/v biases): each pair (r x + b_even,
+    r y + b_odd) rotated; ``b_even`` / ``b_odd`` (N/2,) the bias's values at columns 2j / 2j + 1."""
+    x, y = coda.pairs(acc)
+    return _rotate(x * r + b_even, y * r + b_odd, pos, freq)
 
 
 _QKNORM = {}

@@ -1,5 +1,6 @@
 """Transformer ops built on coda.gemm with fused epilogues (installed as ``coda.ops``)."""
 from .attention import linear_residual, rmsnorm_linear_rope, rmsnorm_linear_rope_qkv
+from .attention_bias import rmsnorm_linear_rope_bias_qkv
 from .attention_qknorm import rmsnorm_linear_rope_qknorm_qkv
 from .cross_entropy import linear_cross_entropy
 from .embedding import embedding
@@ -14,4 +15,5 @@ from .rope import linear_rope, permute_half_split, rope_freqs, unpermute_half_sp
 __all__ = ["linear_cross_entropy", "linear_swiglu", "linear_geglu", "interleave_gate_up", "deinterleave_gate_up",
            "linear", "mlp", "rmsnorm", "rmsnorm_linear", "rmsnorm_swiglu", "linear_rope", "rope_freqs",
            "permute_half_split", "unpermute_half_split", "rmsnorm_linear_rope", "rmsnorm_linear_rope_qkv",
-           "rmsnorm_linear_rope_qknorm_qkv", "linear_residual", "layernorm_linear", "embedding"]
+           "rmsnorm_linear_rope_qknorm_qkv", "rmsnorm_linear_rope_bias_qkv", "linear_residual", "layernorm_linear",
+           "embedding"]

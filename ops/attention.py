@@ -221,19 +221,26 @@ def rmsnorm_linear_rope_qkv(x: Tensor, norm_weight: Tensor, weight: Tensor, posi
     ``sumsq`` (x.shape[:-1], float32): the sum of squares of each row of x, as the GEMM that wrote x emitted it
     (``coda.ops.mlp(..., return_sumsq=True)``): r comes from it instead of a reduction over x (used where gamma
     is folded into the weight, M > N; no gradient flows through it: the backward differentiates r through x)."""
-    K, N, pos = _check(x, norm_weight, weight, positions, freqs, eps)
-    nq, nk = (int(w) for w in widths)
-    if min(nq, nk, N - nq - nk) < 0 or nq % 8 or nk % 8:
-        raise ValueError(f"{ENTRY}_qkv: widths must be (nq, nk), multiples of 8 with nq + nk <= {N}, got "
-                         f"{tuple(widths)}")
-    if not isinstance(residual, bool):
-        raise TypeError(f"{ENTRY}_qkv: residual must be True or False, got {type(residual).__name__}")
-    sumsq = check_sumsq(f"{ENTRY}_qkv", sumsq, x)
+    K, N, pos, nq, nk, sumsq = check_qkv(f"{ENTRY}_qkv", x, norm_weight, weight, positions, freqs, eps, widths,
+                                         residual, sumsq)
     lead = x.shape[:-1]
     q, k, v, xr, _ = call("rmsnorm_linear_rope_qkv", x.reshape(-1, K), norm_weight, weight, pos, freqs, float(eps),
                           nq, nk, residual, sumsq, *update_args(weight, when=torch.is_grad_enabled()))
     parts = tuple(t.reshape(*lead, t.shape[1]) for t in (q, k, v))
     return (*parts, xr.reshape(x.shape)) if residual else parts
+
+
+def check_qkv(entry, x, norm_weight, weight, positions, freqs, eps, widths, residual, sumsq):
+    """The QKV ops' argument rules (:func:`_check`'s; the widths (nq, nk) multiples of 8 with nq + nk <= N,
+    ``residual`` a bool, ``sumsq``); returns K, N, the positions as (M,) fp32, nq, nk and sumsq as (M,)."""
+    K, N, pos = _check(x, norm_weight, weight, positions, freqs, eps)
+    nq, nk = (int(w) for w in widths)
+    if min(nq, nk, N - nq - nk) < 0 or nq % 8 or nk % 8:
+        raise ValueError(f"{entry}: widths must be (nq, nk), multiples of 8 with nq + nk <= {N}, got "
+                         f"{tuple(widths)}")
+    if not isinstance(residual, bool):
+        raise TypeError(f"{entry}: residual must be True or False, got {type(residual).__name__}")
+    return K, N, pos, nq, nk, check_sumsq(entry, sumsq, x)
 
 
 # ------------------------------------------------------------------------------------------------ output projection

@@ -12,13 +12,17 @@ from coda.ops.attention_qknorm import pairs_order, supported
 EPS, QK_EPS = 1e-6, 1e-5
 
 
-def _qwen3(x, gamma, wq, wk, wv, qn, kn, pos, d, base=10000.0):
+def _qwen3(x, gamma, wq, wk, wv, qn, kn, pos, d, base=10000.0, biases=None):
     """Qwen3's attention inputs from x (rows): stock (half-split) weights, per-head RMSNorm, rotate_half RoPE; q and
-    k returned in the adjacent-pairs order the op writes (``permute_half_split`` of the heads' columns)."""
+    k returned in the adjacent-pairs order the op writes (``permute_half_split`` of the heads' columns). ``qn`` None:
+    no head norms; ``biases`` (b_q, b_k, b_v): Qwen2's, added after the projections."""
     hn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * gamma
     q, k, v = (hn @ w.T for w in (wq, wk, wv))
+    if biases is not None:
+        q, k, v = (t + b for t, b in zip((q, k, v), biases))
     q, k = (t.unflatten(-1, (-1, d)) for t in (q, k))
-    q, k = ((t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + QK_EPS)) * n for t, n in ((q, qn), (k, kn)))
+    if qn is not None:
+        q, k = ((t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + QK_EPS)) * n for t, n in ((q, qn), (k, kn)))
     inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     ang = pos.double().unsqueeze(-1) * inv.double().to(pos.device)
     cos, sin = (torch.cat((f, f), -1).unsqueeze(-2).to(x.dtype) for f in (ang.cos(), ang.sin()))

@@ -58,11 +58,12 @@ def test_family_fuses_and_matches_stock(fp32_ops, monkeypatch, kind, attention):
     assert all(layer.mlp.add_residual and "forward" in vars(layer) for layer in layers)
     assert isinstance(fused.lm_head, coda.nn.LMHeadCrossEntropy)
     assert not any("attention block(s) left stock" in m for m in msgs), msgs
-    calls = []  # Qwen3: the head norms in the QKV GEMMs' epilogues and the backward pass (issue 30)
-    qk_op = coda.ops.rmsnorm_linear_rope_qknorm_qkv
-    monkeypatch.setattr(coda.ops, "rmsnorm_linear_rope_qknorm_qkv", lambda *a, **k: calls.append(1) or qk_op(*a, **k))
+    calls = []  # Qwen3's head norms, Qwen2's biases in the QKV GEMMs' epilogues and the backward pass (issue 30)
+    for name, family in (("rmsnorm_linear_rope_qknorm_qkv", "Qwen3"), ("rmsnorm_linear_rope_bias_qkv", "Qwen2")):
+        op = getattr(coda.ops, name)
+        monkeypatch.setattr(coda.ops, name, lambda *a, _op=op, _f=family, **k: calls.append(_f) or _op(*a, **k))
     _matches_stock(stock, fused)
-    assert len(calls) == (len(layers) if kind == "Qwen3" else 0)
+    assert calls == ([kind] * len(layers) if kind in ("Qwen2", "Qwen3") else [])
 
 
 def _matches_stock(stock, fused, labels=None):

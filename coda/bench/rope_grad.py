@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from coda.kernels.rope_grad import rope_grad
+from coda.kernels.rope_grad import rope_grad, rope_grad_bias
 
 
 def host_us(fn, n: int = 50) -> float:
@@ -55,11 +55,13 @@ def bench(M=8192, widths=(2048, 512, 512), head_dim=64) -> dict:
     dst = torch.empty_like(src)
     res = dict(M=M, widths=widths, kernel_ms=do_bench(lambda: rope_grad(grads, ys, pos, fr, r)),
                old_ms=do_bench(old), copy_ms=do_bench(lambda: dst.copy_(src)))
+    bias = torch.randn(N, generator=g, device=dev)
+    res["bias_ms"] = do_bench(lambda: rope_grad_bias(grads, ys, pos, fr, r, bias))  # Qwen2's variant
     res["gbps"] = 6 * M * N / res["kernel_ms"] / 1e6
     res["host_us"] = host_us(lambda: rope_grad(grads, ys, pos, fr, r))
     print(f"rope_grad {M} x {widths}: {res['kernel_ms']:.4f} ms ({res['gbps']:.0f} GB/s); the four passes "
           f"{res['old_ms']:.4f} ms; a copy of the same bytes {res['copy_ms']:.4f} ms; host {res['host_us']:.0f} us "
-          "a call")
+          f"a call; the bias variant {res['bias_ms']:.4f} ms")
     return res
 
 

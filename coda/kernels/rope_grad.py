@@ -41,6 +41,9 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _launcher = Launcher("rope_grad", ((16, 1),) * 6 + ((4, 0), (16, 0), (4, 0), (16, 1), (4, 0)))
 # the QK-norm variant: xq, xk in place of q, k, then the norm weights, eps and the weight-gradient partials
 _launcher_qk = Launcher("rope_grad", _launcher.layout + ((16, 0), (4, 0), (16, 1)))
+# the bias variant: then the biases and their gradient's partials (a row per CTA of BIAS_ROWS rows)
+_launcher_b = Launcher("rope_grad", _launcher.layout + ((16, 0), (16, 1)))
+BIAS_ROWS = 32  # rows a CTA of the bias variant (BIAS_ROWS / WARPS a warp)
 
 
 def check_args(grads, ys, pos, freqs, r, entry: str = "rope_grad") -> tuple:
@@ -98,6 +101,16 @@ def _reference(grads, ys, pos, freqs, r):
     return dacc.to(grads[0].dtype), (dy * y).sum(1) / rr
 
 
+def _bias_reference(grads, ys, pos, freqs, r, bias):
+    """:func:`rope_grad_bias`'s torch reference (fp32 math, float64 for float64 parts; angles in float64)."""
+    dt = torch.promote_types(grads[0].dtype, torch.float32)
+    dy = torch.cat([g.to(dt) for g in grads], 1)
+    rr = r.to(dt)
+    dn = _unrotate(dy, pos, freqs, dt)
+    dot = (dy * torch.cat([t.to(dt) for t in ys], 1)).sum(1) - (dn * bias.to(dt)).sum(1)
+    return (dn * rr[:, None]).to(grads[0].dtype), dot / rr, dn.sum(0)
+
+
 def _qknorm_reference(grads, xs, v, pos, freqs, r, weight, eps, head_dim):
     """:func:`rope_grad_qknorm`'s torch reference (fp32 math, float64 for float64 parts; angles in float64)."""
     dt = torch.promote_types(grads[0].dtype, torch.float32)
@@ -124,7 +137,7 @@ def _qknorm_reference(grads, xs, v, pos, freqs, r, weight, eps, head_dim):
 # the kernel
 
 
-def _kernel_class(qknorm: bool = False):
+def _kernel_class(variant: str = ""):
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -220,7 +233,9 @@ def _kernel_class(qknorm: bool = False):
             gf.store(self._unrotate(g, ff, pos, rr).load().to(self.dtype))
             return dot
 
-    if not qknorm:
+    if variant == "bias":
+        return _bias_class(RopeGradSm90)
+    if variant != "qknorm":
         return RopeGradSm90
 
     class RopeGradQkNormSm90(RopeGradSm90):
@@ -355,13 +370,125 @@ def _kernel_class(qknorm: bool = False):
     return RopeGradQkNormSm90
 
 
-def compile_kernel(dtype=torch.bfloat16, head_dim: int = 0, *, options=None, fake=True, args=None):
-    """``cute.compile`` one variant (element type; ``head_dim`` > 0: the QK-norm variant for heads of that size).
+def _bias_class(base):
+    """The q/k/v-bias variant's class (Qwen2: y = RoPE(r acc + b)), on ``base`` (the plain variant's class)."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+    from cutlass.memory import SmemAllocator
+
+    RPW = BIAS_ROWS // WARPS
+
+    class RopeGradBiasSm90(base):
+        """A CTA takes BIAS_ROWS rows (warp w rows w, w + 8, ...) and walks the columns in 256-wide chunks (a
+        lane's 8 columns, every row of the warp in turn), so that each chunk's bias gradient -- the column sums
+        of dn = R(-theta) dy over the CTA's rows -- is summed over its warps in shared memory in a fixed order
+        (deterministic) and written as one partial row per CTA. dr gets the bias's term: sum(dy y) - sum(dn b)."""
+
+        @cute.jit
+        def __call__(self, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, stream: cuda.CUstream,
+                     mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mPos: cute.Tensor, mFreq: cute.Tensor,
+                     mR: cute.Tensor, mOut: cute.Tensor, mC: cute.Tensor, mB: cute.Tensor, mDb: cute.Tensor):
+            M = mDq.shape[0]
+            self.kernel(rows(mDq), rows(mDk), rows(mDv), rows(mQ), rows(mK), rows(mV), mPos, mFreq, mR, rows(mOut),
+                        mC, mB, mDb).launch(
+                grid=[cute.ceil_div(M, BIAS_ROWS), 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor,
+                   mV: cute.Tensor, mPos: cute.Tensor, mFreq: cute.Tensor, mR: cute.Tensor, mOut: cute.Tensor,
+                   mC: cute.Tensor, mB: cute.Tensor, mDb: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            bx, _, _ = cute.arch.block_idx()
+            lane = tidx % 32
+            warp = tidx // 32
+            smem = SmemAllocator()
+            sDb = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 32 * VEC), stride=(32 * VEC, 1)),
+                                       byte_alignment=16)
+            pos = cute.make_rmem_tensor((RPW,), Float32)
+            rr = cute.make_rmem_tensor((RPW,), Float32)
+            dot = cute.make_rmem_tensor((RPW,), Float32)
+            for i in cutlass.range_constexpr(RPW):
+                m = bx * BIAS_ROWS + i * WARPS + warp
+                pos[i] = Float32(0.0)
+                rr[i] = Float32(1.0)
+                dot[i] = Float32(0.0)
+                if m < mDq.shape[0]:
+                    pos[i] = mPos[m]
+                    rr[i] = mR[m]
+            off = Int32(0)
+            for g_t, y_t in ((mDq, mQ), (mDk, mK), (mDv, mV)):  # the three parts, in turn (unrolled)
+                self._bias_part(g_t, y_t, mOut, mFreq, mB, mDb, sDb, off, bx, warp, lane, tidx, pos, rr, dot)
+                off = off + g_t.shape[1]
+            for i in cutlass.range_constexpr(RPW):
+                m = bx * BIAS_ROWS + i * WARPS + warp
+                if m < mDq.shape[0]:
+                    self._finish_row(mC, m, lane, dot[i], rr[i])
+
+        @cute.jit
+        def _bias_part(self, g_t: cute.Tensor, y_t: cute.Tensor, mOut: cute.Tensor, mFreq: cute.Tensor,
+                       mB: cute.Tensor, mDb: cute.Tensor, sDb: cute.Tensor, off: Int32, bx: Int32, warp: Int32,
+                       lane: Int32, tidx: Int32, pos: cute.Tensor, rr: cute.Tensor, dot: cute.Tensor):
+            """One part: per chunk, each of the warp's rows un-rotated (dn) and scaled by its r into dacc, sum(dy
+            y) - sum(dn b) added to the row's ``dot``, dn to the lane's column sums; then the CTA's column sums
+            of the chunk into ``mDb[bx]``."""
+            n = g_t.shape[1]
+            freq = cute.zipped_divide(mFreq, (VEC // 2,))
+            bias = cute.zipped_divide(mB, (VEC,))
+            for j in range(cute.ceil_div(n, 32 * VEC)):
+                c = j * 32 * VEC + lane * VEC
+                ff = cute.make_rmem_tensor((VEC // 2,), Float32)
+                bf = cute.make_rmem_tensor((VEC,), Float32)
+                dbp = cute.make_rmem_tensor((VEC,), Float32)
+                ff.fill(0.0)
+                bf.fill(0.0)
+                dbp.fill(0.0)
+                if c < n:
+                    cute.autovec_copy(freq[None, (off + c) // VEC], ff)
+                    cute.autovec_copy(bias[None, (off + c) // VEC], bf)
+                for i in cutlass.range_constexpr(RPW):
+                    m = bx * BIAS_ROWS + i * WARPS + warp
+                    if m < g_t.shape[0]:
+                        if c < n:
+                            gf = cute.make_rmem_tensor((VEC,), self.dtype)
+                            yf = cute.make_rmem_tensor((VEC,), self.dtype)
+                            cute.autovec_copy(cute.zipped_divide(g_t[m, None], (VEC,))[None, c // VEC], gf)
+                            cute.autovec_copy(cute.zipped_divide(y_t[m, None], (VEC,))[None, c // VEC], yf)
+                            g = gf.load().to(Float32)
+                            y = yf.load().to(Float32)
+                            dn = self._unrotate(g, ff, pos[i], Float32(1.0))
+                            s = Float32(0.0)
+                            res = cute.make_rmem_tensor((VEC,), Float32)
+                            for e in cutlass.range_constexpr(VEC):
+                                s = s + g[e] * y[e] - dn[e] * bf[e]
+                                dbp[e] = dbp[e] + dn[e]
+                                res[e] = dn[e] * rr[i]
+                            dot[i] = dot[i] + s
+                            gf.store(res.load().to(self.dtype))
+                            cute.autovec_copy(gf, cute.zipped_divide(mOut[m, None], (VEC,))[None, (off + c) // VEC])
+                cute.autovec_copy(dbp, cute.zipped_divide(sDb[warp, None], (VEC,))[None, lane])
+                cute.arch.sync_threads()
+                col = j * 32 * VEC + tidx  # (THREADS = 32 * VEC: a thread a column of the chunk)
+                if col < n:
+                    acc = Float32(0.0)
+                    for w in cutlass.range_constexpr(WARPS):
+                        acc = acc + sDb[w, tidx]
+                    mDb[bx, off + col] = acc
+                cute.arch.sync_threads()
+
+    return RopeGradBiasSm90
+
+
+def compile_kernel(dtype=torch.bfloat16, head_dim: int = 0, bias: bool = False, *, options=None, fake=True,
+                   args=None):
+    """``cute.compile`` one variant (element type; ``head_dim`` > 0: the QK-norm variant for heads of that size;
+    ``bias``: the q/k/v-bias variant).
     ``fake``: shape-symbolic fake tensors (no GPU needed: the CPU tests); else ``args`` = the cute arguments of a
     real call."""
     import cutlass
     import cutlass.cute as cute
-    cls = _kernel_class(qknorm=head_dim > 0)
+    cls = _kernel_class("bias" if bias else "qknorm" if head_dim > 0 else "")
     op = cls(_cutlass_dtype(dtype), head_dim) if head_dim else cls(_cutlass_dtype(dtype))
     kw = {"options": options} if options else {}
     if fake:
@@ -373,6 +500,11 @@ def compile_kernel(dtype=torch.bfloat16, head_dim: int = 0, *, options=None, fak
         f32 = make_fake_compact_tensor(cutlass.Float32, (M,), assumed_align=4)
         fr = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=16)
         args = [*rows[:3], crt.make_fake_stream(), *rows[3:6], f32, fr, f32, rows[6], f32]
+        if bias:  # the biases (N,), their gradient's partials (a row per CTA)
+            nb = cute.sym_int32()
+            args += [make_fake_compact_tensor(cutlass.Float32, (nb,), assumed_align=16),
+                     make_fake_tensor(cutlass.Float32, (cute.sym_int32(), nb), (cute.sym_int64(divisibility=4), 1),
+                                      assumed_align=16)]
         if head_dim:  # the norm weights, eps, the weight-gradient partials (a row per CTA)
             args += [make_fake_compact_tensor(cutlass.Float32, (2 * head_dim,), assumed_align=16),
                      make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4),
@@ -459,3 +591,33 @@ def rope_grad_qknorm(grads, xs, v, pos, freqs, r, weight, eps: float, head_dim: 
              _aligned(weight.detach().float().contiguous()), torch.full((1,), float(eps), device=dev), partials]
     _launcher_qk(views, (out.dtype, head_dim))
     return out, c, partials.sum(0).view(2, head_dim)
+
+
+def rope_grad_bias(grads, ys, pos, freqs, r, bias):
+    """:func:`rope_grad` for a projection with biases before the rotation (Qwen2: y = RoPE(r acc + b),
+    ``epilogues.rope.rope_rmsnorm_bias``): ``bias`` (N,) float32, the q, k, v biases in the output's column
+    order. With dn = R(-theta) dy: dacc = r dn, dr = (sum(dy y) - sum(dn b)) / r (y - the rotated bias is the
+    rotated r acc), db = sum over rows of dn. Returns (dacc (M, N) in the gradients' dtype, dr (M,) fp32, db (N,)
+    fp32); the kernel's bias-gradient partials are one row per CTA of ``BIAS_ROWS`` rows, summed here."""
+    entry = "rope_grad_bias"
+    M, widths = check_args(grads, ys, pos, freqs, r, entry)
+    N = sum(widths)
+    if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (N,) or \
+            bias.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{entry}: bias must be a float32 tensor of shape ({N},) (q's, k's, then v's)")
+    if grads[0].device.type != "cuda":
+        return _bias_reference(grads, ys, pos, freqs, r, bias)
+    if grads[0].dtype not in _DTYPES or any(w % VEC for w in widths):
+        raise ValueError(f"{entry}: bfloat16 / float16 parts with widths multiple of {VEC} expected, got "
+                         f"{grads[0].dtype} {widths}")
+    dev = grads[0].device
+    out = torch.empty(M, N, device=dev, dtype=grads[0].dtype)
+    c = torch.empty(M, device=dev, dtype=torch.float32)
+    if M == 0:
+        return out, c, torch.zeros(N, device=dev)
+    partials = torch.empty(-(-M // BIAS_ROWS), N, device=dev, dtype=torch.float32)
+    views = [*(_as_rows(t.detach()) for t in (*grads, *ys)), pos.detach().contiguous(),
+             _aligned(freqs.detach().contiguous()), r.detach().contiguous(), out, c,
+             _aligned(bias.detach().float().contiguous()), partials]
+    _launcher_b(views, (out.dtype, 0, True))
+    return out, c, partials.sum(0)
