@@ -23,7 +23,7 @@ the row's upstream gradient g. ``t`` is a float32 VecM (exact for column indices
 import coda
 
 __all__ = ["ce_forward", "ce_forward_smooth", "ce_backward", "ce_backward_general", "accumulate", "ce_forward_logits",
-           "ce_forward_cap", "ce_backward_cap", "ce_forward_exp"]
+           "ce_forward_cap", "ce_backward_cap", "ce_forward_exp", "scale_rows"]
 
 
 def _row_stats(z, t, smooth: bool) -> dict:
@@ -141,14 +141,22 @@ _EXP = {}
 
 def ce_forward_exp(dtype):
     """The fast mode's exp-stored forward epilogue (``ops/cross_entropy_fast.py``, phase 1'): stores exp(z) of the
-    float32 logit (in ``dtype``, whose exponent range must be float32's: bfloat16, float32) and emits lse of the same
-    float32 logits. exp(z) = p e^lse: the softmax without its row factor e^-lse, which the dX GEMM applies in its
+    float32 logit (in ``dtype``, whose exponent range must be float32's: bfloat16, float32) and emits se = sum_v
+    exp(z_v) of the same float32 exponentials (lse = log se: the caller takes a row only where lse lies in a range
+    whose sum neither overflows nor underflows float32; a NaN / inf row gives a non-finite se). exp(z) = p e^lse: the softmax without its row factor e^-lse, which the dX GEMM applies in its
     epilogue (``epilogues.rmsnorm.rmsnorm_scale``: acc times a VecM) and dW's GEMM through x's rows, so that no pass
     rescales the M x V tensor."""
     key = str(dtype)
     if key not in _EXP:
         def ce_forward_exp(acc):
-            return {"out": coda.cast(coda.exp(acc), dtype), "lse": coda.reduce_n(acc, "logsumexp")}
+            e = coda.exp(acc)  # (one exponential an element: the sum needs no running maximum, see below)
+            return {"out": coda.cast(e, dtype), "se": coda.reduce_n(e, "sum")}
         ce_forward_exp.__name__ = ce_forward_exp.__qualname__ = f"ce_forward_exp_{key.replace('torch.', '')}"
         _EXP[key] = coda.epilogue(ce_forward_exp)
     return _EXP[key]
+
+
+@coda.epilogue
+def scale_rows(acc, t: coda.TileMN, s: coda.VecM):
+    """t * s[row], a K = 0 pass: the exp-stored fast mode's x rows for dW's GEMM (one pass, fp32 math)."""
+    return t * s

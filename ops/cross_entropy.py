@@ -65,7 +65,7 @@ from torch import Tensor
 
 from coda.epilogues.adamw import adamw_scaled, adamw_times
 from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_cap, ce_backward_general, ce_forward,
-                                          ce_forward_cap, ce_forward_smooth, scale_by)
+                                          ce_forward_cap, ce_forward_smooth, scale_by, scale_rows)
 from coda.optim import eager_backward, updates_in_backward
 
 from ._builder import backward_op, forward_op
@@ -388,6 +388,15 @@ def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return t.mul_(g)
 
 
+def _scale_rows(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x * s[:, None] rounded to x's dtype (s float32): on a Hopper GPU one K = 0 pass (epilogue ``scale_rows``),
+    elsewhere torch's float32 product."""
+    if x.is_cuda and x.dim() == 2 and x.dtype in IN_DTYPES and x.is_contiguous() and x.shape[1] % 8 == 0:
+        return epilogue_pass(gemm_for(x.device, ENTRY), x, x.shape[0], x.shape[1], epilogue=scale_rows, t=x,
+                             s=s.contiguous())
+    return (x.float() * s.unsqueeze(1)).to(x.dtype)
+
+
 def _update_in_backward(weight: torch.Tensor, dw: torch.Tensor, g: torch.Tensor, dz: torch.Tensor,
                         x: torch.Tensor) -> bool:
     """``coda.optim``'s AdamW step of ``weight`` on the gradient dw * g, as one K = 0 pass (``adamw_scaled``)
@@ -450,7 +459,7 @@ def _backward_fast(ctx, grad_loss, *_):
         if gw is None:
             rows = gx if rows is None else rows * gx
         if rows is not None:
-            x = (x.float() * rows).to(x.dtype)
+            x = _scale_rows(x, rows.squeeze(1))
         if xs.numel():
             gw = xs[-1] if gw is None else gw * xs[-1]  # (the mean's 1 / n; 1 for "sum" and "none")
     if eager and need_w and _update_in_backward(weight, dw, g.new_ones(()) if gw is None else gw, dz, x):

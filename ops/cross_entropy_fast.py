@@ -60,6 +60,7 @@ import torch
 from torch import Tensor
 
 from coda import _validate
+from coda.runtime import precompile as _precompile
 from coda.epilogues.cross_entropy import accumulate, ce_forward, ce_forward_exp, ce_forward_logits
 from coda.epilogues.rmsnorm import rmsnorm_scale
 from coda.kernels.ce_grad import softmax_grad_, softmax_grad_reference_
@@ -125,13 +126,13 @@ def exp_taken(x: Tensor, eps: float, softcap, combine, v8: int, V: int) -> bool:
 def _exp_phases(gemm, xc, w8, z, tgt, valid_c, scale_c, zl: float):
     """Phases 1-2 exp-stored (module docstring) on one chunk: (lse, z_t, a) with z rewritten to dz' in place, or
     None where a row falls outside the exact range (then z holds garbage: the caller reruns phase 1)."""
-    lse = gemm(xc, w8, epilogue=ce_forward_exp(z.dtype), out=z)["lse"]
+    lse = torch.log(gemm(xc, w8, epilogue=ce_forward_exp(z.dtype), out=z)["se"])
     col = tgt.clamp_min(0).unsqueeze(1)
     et = z.gather(1, col).squeeze(1).float()  # the stored exp(z_t)
     zf = 1 + 2 * zl * lse
     ok = torch.isfinite(lse) & (lse >= LSE_MIN) & (lse <= LSE_MAX) & (zf >= 0.5) & ((et > 0) | ~valid_c)
-    if not bool(ok.all()):  # (one host synchronisation per chunk)
-        return None
+    if _precompile.recorder() is None and not bool(ok.all()):  # (one host synchronisation per chunk; a dry run
+        return None  # records this path's kernels: the rerun's are for rows outside the range, compiled when met)
     zt = torch.where(valid_c, torch.log(et), 0.0)
     fixed = torch.where(valid_c, et - torch.exp(lse) / zf, et)
     z.scatter_(1, col, fixed.to(z.dtype).unsqueeze(1))

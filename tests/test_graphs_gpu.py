@@ -3,7 +3,9 @@ and replayed on new data (the launches use the current stream, build no host-sid
 and never synchronize). Each case captures once, then for fresh inputs copied into the static tensors poisons the
 static outputs with NaN, replays, and requires every output to equal an eager call on the same inputs bitwise (the
 kernels are deterministic). linear_cross_entropy is captured with ``check_targets="async"`` (the default True reads
-the check's result on the host, which a capture does not allow). The warm-up calls run before the capture, on a
+the check's result on the host, which a capture does not allow), and with ``CODA_CE_EXP=0``: its eager fast mode
+otherwise takes the exp-stored phases, whose range flag is read on the host, so a capture runs the stored-logits
+phases -- the same loss and gradients to rounding, not bitwise (``ops/cross_entropy_fast.py``). The warm-up calls run before the capture, on a
 side stream, as torch documents: the first call of a shape compiles or loads its kernels and may grow CODA's cached
 zero buffer for K = 0 launches. torch.compile(mode="reduce-overhead") (CUDA-graph trees) is covered by the last
 test."""
@@ -50,7 +52,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_capture_and_replay_matches_eager(case):
+def test_capture_and_replay_matches_eager(case, monkeypatch):
+    monkeypatch.setenv("CODA_CE_EXP", "0")  # (eager and the capture on the same phases: the module docstring)
     fn = CASES[case]
     g = torch.Generator(device=DEV).manual_seed(7)
     static = _inputs(g)
@@ -114,7 +117,7 @@ def test_reduce_overhead_compile_runs_the_ops_in_cudagraph_trees():
         leaves[0] = r(m, H)
 
 
-def test_whole_fused_training_step_in_one_graph():
+def test_whole_fused_training_step_in_one_graph(monkeypatch):
     """A fused tiny Llama's whole training step -- forward, backward with the in-backward AdamW updates of
     coda.optim.AdamW(capturable=True), step() for the embedding and norms -- captured in one CUDA graph after two
     eager steps and replayed on fresh batches, against the same model trained eagerly with the same optimizer: the
@@ -123,6 +126,7 @@ def test_whole_fused_training_step_in_one_graph():
     import copy
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from test_first_use import _tiny_hf
+    monkeypatch.setenv("CODA_CE_EXP", "0")  # (eager and the capture on the same phases: the module docstring)
     torch.manual_seed(0)
     stock = _tiny_hf("Llama")
     stock.config.tie_word_embeddings = False
