@@ -388,10 +388,11 @@ def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return t.mul_(g)
 
 
-def _scale_rows(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """x * s[:, None] rounded to x's dtype (s float32): on a Hopper GPU one K = 0 pass (epilogue ``scale_rows``),
-    elsewhere torch's float32 product."""
-    if x.is_cuda and x.dim() == 2 and x.dtype in IN_DTYPES and x.is_contiguous() and x.shape[1] % 8 == 0:
+def _scale_rows(x: torch.Tensor, s: torch.Tensor, eager: bool) -> torch.Tensor:
+    """x * s[:, None] rounded to x's dtype (s float32): in an eager backward on a Hopper GPU one K = 0 pass
+    (epilogue ``scale_rows``: no float32 copy of x), elsewhere -- a backward torch.compile traces (``eager``
+    False), CPU tensors -- torch's float32 product (which inductor fuses into one kernel)."""
+    if eager and x.is_cuda and x.dim() == 2 and x.dtype in IN_DTYPES and x.is_contiguous() and x.shape[1] % 8 == 0:
         return epilogue_pass(gemm_for(x.device, ENTRY), x, x.shape[0], x.shape[1], epilogue=scale_rows, t=x,
                              s=s.contiguous())
     return (x.float() * s.unsqueeze(1)).to(x.dtype)
@@ -459,7 +460,7 @@ def _backward_fast(ctx, grad_loss, *_):
         if gw is None:
             rows = gx if rows is None else rows * gx
         if rows is not None:
-            x = _scale_rows(x, rows.squeeze(1))
+            x = _scale_rows(x, rows.squeeze(1), eager)
         if xs.numel():
             gw = xs[-1] if gw is None else gw * xs[-1]  # (the mean's 1 / n; 1 for "sum" and "none")
     if eager and need_w and _update_in_backward(weight, dw, g.new_ones(()) if gw is None else gw, dz, x):
