@@ -135,3 +135,24 @@ def test_deferred_dw_without_the_exp_phases_keeps_no_row_factors(monkeypatch, re
     theirs = run(torch_loss, x, w, t, up, reduction=reduction)
     for name, a, b, c in zip(("loss", "dx", "dw"), ours, want, theirs):
         assert rel(a, b) <= 2 * rel(c, b) + 1e-4, (name, rel(a, b), rel(c, b))
+
+
+def test_rows_scaled_by_the_kernel_only_in_an_eager_backward(monkeypatch):
+    """The deferred dW's x rows: an eager backward on a GPU scales them by one K = 0 pass (no float32 copy of x);
+    a backward that torch.compile traces (fake CUDA tensors, ``eager`` False) must not call a kernel on them but
+    take torch's product (session 49: fused + compile failed when the traced backward called coda.gemm)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import ops.cross_entropy as ce
+    calls = []
+    monkeypatch.setattr(ce, "gemm_for", lambda *a: "gemm")
+    monkeypatch.setattr(ce, "epilogue_pass", lambda gemm, a, *s, **k: calls.append(k["epilogue"]) or a)
+    with FakeTensorMode():
+        x = torch.empty(16, 32, device="cuda", dtype=torch.bfloat16)
+        s = torch.empty(16, device="cuda")
+        traced = ce._scale_rows(x, s, False)
+        assert not calls and traced.dtype == torch.bfloat16 and tuple(traced.shape) == (16, 32)
+        ce._scale_rows(x, s, True)
+        assert calls == [ce.scale_rows]
+    x, s = torch.randn(5, 8).bfloat16(), torch.rand(5)  # CPU tensors: torch's float32 product, rounded once
+    assert torch.equal(ce._scale_rows(x, s, True), (x.float() * s[:, None]).bfloat16())
