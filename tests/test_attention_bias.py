@@ -10,7 +10,7 @@ import torch
 from coda.epilogues.rope import permute_half_split, rope_freqs
 from coda.kernels import rope_grad as rg
 from coda.ops import rmsnorm_linear_rope_bias_qkv
-from test_attention_qknorm import EPS, _qwen3
+from test_attention_qknorm import EPS, _qwen3, float64_check, residual_check, twice_torch_check
 from test_ce_grad import needs_cutlass, sm90a_ptx
 
 
@@ -47,29 +47,15 @@ def _run(x, gamma, wq, wk, wv, bq, bk, bv, ups, d, hq, hk, op: bool, residual=Fa
 
 @pytest.mark.parametrize("d,hq,hk", [(16, 4, 2), (8, 2, 1)])
 def test_matches_qwen2_in_float64(d, hq, hk):
-    args, ups = _inputs(10, 32, d, hq, hk, torch.float64)
-    got, want = (_run(*args, ups, d, hq, hk, op) for op in (True, False))
-    for i, (a, b) in enumerate(zip(got, want)):
-        tol = 1e-6 if i == 4 else 1e-10  # (the input norm's weight: fp32 partials on the reference path, as before)
-        assert ((a - b).norm() / b.norm()).item() <= tol, i
+    float64_check(_inputs, _run, d, hq, hk)
 
 
 def test_bfloat16_within_twice_torch():
-    d, hq, hk = 16, 4, 2
-    args, ups = _inputs(40, 64, d, hq, hk, torch.float64, seed=1)
-    ref = _run(*args, ups, d, hq, hk, False)
-    ours = _run(*(t.bfloat16() for t in args), ups, d, hq, hk, True)
-    torch_ = _run(*(t.bfloat16() for t in args), ups, d, hq, hk, False)
-    for i, (a, b, c) in enumerate(zip(ours, torch_, ref)):
-        e = lambda t: ((t.double() - c).norm() / c.norm()).item()  # noqa: E731
-        assert e(a) <= 2 * e(b) + 1e-3, (i, e(a), e(b))
+    twice_torch_check(_inputs, _run, 40, 64, 16, 4, 2)
 
 
 def test_residual_stream_gradient_joins_dx():
-    d, hq, hk = 16, 2, 1
-    args, ups = _inputs(6, 32, d, hq, hk, torch.float64, seed=2)
-    plain, res = (_run(*args, ups, d, hq, hk, True, residual=r) for r in (False, True))
-    torch.testing.assert_close(res[3], plain[3] + args[0], rtol=1e-12, atol=1e-12)
+    residual_check(_inputs, _run)
 
 
 def test_custom_ops_fakes():
@@ -183,11 +169,4 @@ def test_rope_grad_bias_kernel_matches_float64(M, d, heads):
 def test_on_gpu_within_twice_torch(M, H, d, hq, hk):
     """The kernels (the bias epilogue's three GEMMs, the bias backward pass, the fold-grads GEMMs) in bf16 against
     Qwen2's math in float64: outputs and every gradient within 2x of torch's bf16 error."""
-    args, ups = _inputs(M, H, d, hq, hk, torch.float64, seed=M)
-    ref = _run(*(t.cuda() for t in args), [u.cuda() for u in ups], d, hq, hk, False)
-    ours = _run(*(t.cuda().bfloat16() for t in args), [u.cuda() for u in ups], d, hq, hk, True)
-    torch_ = _run(*(t.cuda().bfloat16() for t in args), [u.cuda() for u in ups], d, hq, hk, False)
-    for i, (a, b, c) in enumerate(zip(ours, torch_, ref)):
-        assert torch.isfinite(a).all(), i
-        e = lambda t: ((t.double() - c).norm() / c.norm()).item()  # noqa: E731
-        assert e(a) <= 2 * e(b) + 2e-3, (i, e(a), e(b))
+    twice_torch_check(_inputs, _run, M, H, d, hq, hk, device="cuda", floor=2e-3)

@@ -59,31 +59,49 @@ def _run(x, gamma, wq, wk, wv, qn, kn, ups, d, hq, hk, op: bool, residual=False)
     return [t.detach() for t in out[:3]] + list(grads)
 
 
-@pytest.mark.parametrize("d,hq,hk", [(16, 4, 2), (8, 2, 1)])
-def test_matches_qwen3_in_float64(d, hq, hk):
-    args, ups = _inputs(10, 32, d, hq, hk, torch.float64)
-    got, want = (_run(*args, ups, d, hq, hk, op) for op in (True, False))
+def float64_check(inputs, run, d, hq, hk):
+    """The op against the model's math, both in float64: outputs and every gradient (this file's and
+    tests/test_attention_bias.py's ``_inputs`` / ``_run``)."""
+    args, ups = inputs(10, 32, d, hq, hk, torch.float64)
+    got, want = (run(*args, ups, d, hq, hk, op) for op in (True, False))
     for i, (a, b) in enumerate(zip(got, want)):
         tol = 1e-6 if i == 4 else 1e-10  # (the input norm's weight: fp32 partials on the reference path, as before)
         assert ((a - b).norm() / b.norm()).item() <= tol, i
 
 
-def test_bfloat16_within_twice_torch():
-    d, hq, hk = 16, 4, 2
-    args, ups = _inputs(40, 64, d, hq, hk, torch.float64, seed=1)
-    ref = _run(*args, ups, d, hq, hk, False)
-    ours = _run(*(t.bfloat16() for t in args), ups, d, hq, hk, True)
-    torch_ = _run(*(t.bfloat16() for t in args), ups, d, hq, hk, False)
+def twice_torch_check(inputs, run, M, H, d, hq, hk, device="cpu", floor=1e-3):
+    """The op in bf16 within 2x (+ ``floor``) of the model's math in bf16, both against float64, every output and
+    gradient finite."""
+    args, ups = inputs(M, H, d, hq, hk, torch.float64, seed=M)
+    ups = [u.to(device) for u in ups]
+    ref = run(*(t.to(device) for t in args), ups, d, hq, hk, False)
+    ours = run(*(t.to(device).bfloat16() for t in args), ups, d, hq, hk, True)
+    torch_ = run(*(t.to(device).bfloat16() for t in args), ups, d, hq, hk, False)
     for i, (a, b, c) in enumerate(zip(ours, torch_, ref)):
+        assert torch.isfinite(a).all(), i
         e = lambda t: ((t.double() - c).norm() / c.norm()).item()  # noqa: E731
-        assert e(a) <= 2 * e(b) + 1e-3, (i, e(a), e(b))
+        assert e(a) <= 2 * e(b) + floor, (i, e(a), e(b))
+
+
+def residual_check(inputs, run):
+    """With ``residual=True`` the gradient arriving on the returned x joins dx."""
+    d, hq, hk = 16, 2, 1
+    args, ups = inputs(6, 32, d, hq, hk, torch.float64, seed=2)
+    plain, res = (run(*args, ups, d, hq, hk, True, residual=r) for r in (False, True))
+    torch.testing.assert_close(res[3], plain[3] + args[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("d,hq,hk", [(16, 4, 2), (8, 2, 1)])
+def test_matches_qwen3_in_float64(d, hq, hk):
+    float64_check(_inputs, _run, d, hq, hk)
+
+
+def test_bfloat16_within_twice_torch():
+    twice_torch_check(_inputs, _run, 40, 64, 16, 4, 2)
 
 
 def test_residual_stream_gradient_joins_dx():
-    d, hq, hk = 16, 2, 1
-    args, ups = _inputs(6, 32, d, hq, hk, torch.float64, seed=2)
-    plain, res = (_run(*args, ups, d, hq, hk, True, residual=r) for r in (False, True))
-    torch.testing.assert_close(res[3], plain[3] + args[0], rtol=1e-12, atol=1e-12)
+    residual_check(_inputs, _run)
 
 
 def test_custom_ops_fakes():
@@ -122,11 +140,4 @@ def test_arguments_and_pairs_order():
 def test_on_gpu_within_twice_torch(M, H, d, hq, hk):
     """The kernels (the q / k GEMMs with the saved pre-norm values, the QK-norm backward pass, the fold-grads GEMMs)
     in bf16 against Qwen3's math in float64: outputs and every gradient within 2x of torch's bf16 error."""
-    args, ups = _inputs(M, H, d, hq, hk, torch.float64, seed=M)
-    ref = _run(*(t.cuda() for t in args), [u.cuda() for u in ups], d, hq, hk, False)
-    ours = _run(*(t.cuda().bfloat16() for t in args), [u.cuda() for u in ups], d, hq, hk, True)
-    torch_ = _run(*(t.cuda().bfloat16() for t in args), [u.cuda() for u in ups], d, hq, hk, False)
-    for i, (a, b, c) in enumerate(zip(ours, torch_, ref)):
-        assert torch.isfinite(a).all(), i
-        e = lambda t: ((t.double() - c).norm() / c.norm()).item()  # noqa: E731
-        assert e(a) <= 2 * e(b) + 2e-3, (i, e(a), e(b))
+    twice_torch_check(_inputs, _run, M, H, d, hq, hk, device="cuda", floor=2e-3)
