@@ -143,7 +143,7 @@ def test_rows_scaled_by_the_kernel_only_in_an_eager_backward(monkeypatch):
     take torch's product (session 49: fused + compile failed when the traced backward called coda.gemm)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import ops.cross_entropy as ce
+    import coda.ops.cross_entropy as ce
     calls = []
     monkeypatch.setattr(ce, "gemm_for", lambda *a: "gemm")
     monkeypatch.setattr(ce, "epilogue_pass", lambda gemm, a, *s, **k: calls.append(k["epilogue"]) or a)

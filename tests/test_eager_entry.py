@@ -51,6 +51,10 @@ def _cases():
            lambda x, g, w, qn, kn: torch.cat(coda.ops.rmsnorm_linear_rope_qknorm_qkv(
                x, g, w, qn, kn, torch.arange(M), coda.ops.rope_freqs(16, 6), 1e-6, 1e-6, (48, 16), 16, residual=True),
                -1))
+    yield ("rmsnorm_linear_rope_bias_qkv", lambda: (_rnd(M, H), _rnd(H, dtype=torch.float32),
+                                                    _rnd(96, H, scale=0.1), _rnd(96)),
+           lambda x, g, w, b: torch.cat(coda.ops.rmsnorm_linear_rope_bias_qkv(
+               x, g, w, b, torch.arange(M), coda.ops.rope_freqs(16, 6), 1e-6, (48, 16), residual=True), -1))
     yield ("linear_residual", lambda: (_rnd(M, H), _rnd(I, H, scale=0.1), _rnd(M, I)), coda.ops.linear_residual)
     yield ("linear_residual_norm", lambda: (_rnd(M, H), _rnd(I, H, scale=0.1), _rnd(M, I),
                                             _rnd(I, dtype=torch.float32).detach()),
@@ -119,6 +123,7 @@ def test_every_custom_op_with_autograd_has_an_eager_entry():
         "rmsnorm_linear_backward", "linear_backward", "rmsnorm_linear_rope_backward",
         "rmsnorm_linear_rope_qkv_backward", "linear_residual_backward", "rmsnorm_backward",
         "rmsnorm_linear_rope_qknorm_qkv_backward", "rmsnorm_linear_rope_qknorm_qkv_backward_update",
+        "rmsnorm_linear_rope_bias_qkv_backward", "rmsnorm_linear_rope_bias_qkv_backward_update",
         "embedding_backward", "mlp_backward_update", "embedding_backward_update", "linear_cross_entropy_update",
         "rmsnorm_linear_rope_qkv_backward_update", "linear_residual_backward_update"}
 
