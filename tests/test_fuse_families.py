@@ -15,8 +15,9 @@ from coda.nn_attention import FusedAttention
 from test_first_use import _tiny_hf
 
 
-@pytest.fixture
-def fp32_ops(monkeypatch):
+def open_fp32_gates(set_attr=setattr):
+    """The ops' 16-bit dtype gates opened to float32 (``set_attr``: ``monkeypatch.setattr`` in a test, the plain
+    setattr in a spawned worker that exits after): the fused paths then run on the CPU reference GEMM in float32."""
     import coda._validate
     import coda.nn_attention
     import coda.ops.cross_entropy as ce
@@ -24,14 +25,19 @@ def fp32_ops(monkeypatch):
     import sys
     rl = sys.modules["coda.ops.rmsnorm_linear"]  # the module (coda.ops.rmsnorm_linear is also the function)
     f32 = (torch.bfloat16, torch.float16, torch.float32)
-    monkeypatch.setattr(coda._validate, "IN_DTYPES", f32)
-    monkeypatch.setattr(gated, "_IN_DTYPES", f32)
-    monkeypatch.setattr(rl, "_IN_DTYPES", f32)
-    monkeypatch.setattr(coda.nn, "_FUSED_DTYPES", f32)
+    set_attr(coda._validate, "IN_DTYPES", f32)
+    set_attr(gated, "_IN_DTYPES", f32)
+    set_attr(rl, "_IN_DTYPES", f32)
+    set_attr(coda.nn, "_FUSED_DTYPES", f32)
     if hasattr(coda.nn_attention, "_FUSED_DTYPES"):
-        monkeypatch.setattr(coda.nn_attention, "_FUSED_DTYPES", f32)
+        set_attr(coda.nn_attention, "_FUSED_DTYPES", f32)
     check = ce._check
-    monkeypatch.setattr(ce, "_check", lambda x, w, *a: check(x.to(torch.bfloat16), w.to(torch.bfloat16), *a))
+    set_attr(ce, "_check", lambda x, w, *a: check(x.to(torch.bfloat16), w.to(torch.bfloat16), *a))
+
+
+@pytest.fixture
+def fp32_ops(monkeypatch):
+    open_fp32_gates(monkeypatch.setattr)
 
 
 def _fuse(model):

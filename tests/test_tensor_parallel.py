@@ -210,9 +210,22 @@ def _hf_stock(kind: str = "Llama"):
     return model
 
 
+def _count_bias_op(set_attr=setattr) -> list:
+    """Calls of ``coda.ops.rmsnorm_linear_rope_bias_qkv`` (Qwen2's biases in the QKV epilogues) from now on."""
+    import coda.ops
+    calls, op = [], coda.ops.rmsnorm_linear_rope_bias_qkv
+    set_attr(coda.ops, "rmsnorm_linear_rope_bias_qkv", lambda *a, **k: calls.append(1) or op(*a, **k))
+    return calls
+
+
 def _hf_worker(rank, d):
     import coda.tensor_parallel as tp
     ref = torch.load(os.path.join(d, "ref.pt"))
+    calls = []
+    if ref["fp32_ops"]:  # the fused attention's GEMM paths in float32 (test_fuse_families.open_fp32_gates)
+        from test_fuse_families import open_fp32_gates
+        open_fp32_gates()
+        calls = _count_bias_op()
     for sp in (False, True):
         model = _tp_model(_hf_stock(ref["kind"]), sequence_parallel=sp)
         state = model.state_dict()  # gathered, the stock layout: the single-process fused model's, to the bit
@@ -224,22 +237,32 @@ def _hf_worker(rank, d):
         assert rel(out.loss.detach(), ref["loss"]) <= 1e-5, (out.loss, ref["loss"], sp)
         for k, g in tp.stock_grads(model).items():
             assert rel(g, ref["grads"][k]) <= 1e-5, (k, sp, rank)
+    assert len(calls) == (2 * 2 if ref["fp32_ops"] else 0), len(calls)  # (2 layers; sequence parallel off, on)
 
 
-@pytest.mark.parametrize("kind", ["Llama", "Qwen2"])
-def test_tensor_parallel_huggingface(kind):
+@pytest.mark.parametrize("kind,fp32_ops", [("Llama", False), ("Qwen2", False), ("Qwen2", True)],
+                         ids=["Llama", "Qwen2", "Qwen2-fused-ops"])
+def test_tensor_parallel_huggingface(kind, fp32_ops, monkeypatch):
     """Hugging Face's LlamaForCausalLM (keyword arguments, position embeddings, (out, None) attention outputs) and
-    Qwen2ForCausalLM (q/k/v biases: column-parallel, split as the weight's rows)."""
+    Qwen2ForCausalLM (q/k/v biases: column-parallel, split as the weight's rows); with the ops' float32 gates open
+    (``Qwen2-fused-ops``) each rank runs the biases in its QKV op's epilogues and un-rotation pass
+    (``coda.ops.rmsnorm_linear_rope_bias_qkv``, as with bf16 on a GPU), against the single process's fused model."""
     pytest.importorskip("transformers")
     import coda
+    calls = []
+    if fp32_ops:
+        from test_fuse_families import open_fp32_gates
+        open_fp32_gates(monkeypatch.setattr)
+        calls = _count_bias_op(monkeypatch.setattr)
     fused = coda.fuse(_hf_stock(kind))
     state = {k: v.clone() for k, v in fused.state_dict().items()}
     ids = _batch()
     out = fused(input_ids=ids, labels=ids, num_items_in_batch=100)
     out.loss.backward()
+    assert len(calls) == (2 if fp32_ops else 0)
     with tempfile.TemporaryDirectory() as d:
-        torch.save({"kind": kind, "state": state, "loss": out.loss.detach(), "grads": coda.stock_grads(fused)},
-                   os.path.join(d, "ref.pt"))
+        torch.save({"kind": kind, "state": state, "loss": out.loss.detach(), "grads": coda.stock_grads(fused),
+                    "fp32_ops": fp32_ops}, os.path.join(d, "ref.pt"))
         spawn(_hf_worker, d)
 
 
