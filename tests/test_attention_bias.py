@@ -58,6 +58,36 @@ def test_residual_stream_gradient_joins_dx():
     residual_check(_inputs, _run)
 
 
+def test_bias_epilogue_derived_backward_matches_autograd():
+    """``rope_rmsnorm_bias``'s algebra: its forward against the rotation of r acc + b, and its sympy-derived
+    backward (dacc, the bias pairs' gradients) against float64 autograd of the same epilogue."""
+    from coda.autodiff import backward_epilogue, grad_name
+    from coda.dsl import ODD_OUT
+    from coda.epilogues.rope import rope_rmsnorm_bias
+    g = torch.Generator().manual_seed(6)
+    M, N = 6, 32
+    acc = torch.randn(M, N, generator=g, dtype=torch.float64, requires_grad=True)
+    r = torch.rand(M, generator=g, dtype=torch.float64) + 0.5
+    pos = torch.arange(M, dtype=torch.float64) * 3
+    freq = rope_freqs(8, 4, rotary_heads=3).double()
+    be, bo = (torch.randn(N // 2, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = rope_rmsnorm_bias.reference(acc, r=r, pos=pos, freq=freq, b_even=be, b_odd=bo)
+    out = out["out"] if isinstance(out, dict) else out
+    z = torch.stack((acc[:, 0::2] * r[:, None] + be, acc[:, 1::2] * r[:, None] + bo), -1)
+    th = pos[:, None] * freq[None, :]
+    want_y = torch.stack((z[..., 0] * th.cos() - z[..., 1] * th.sin(), z[..., 0] * th.sin() + z[..., 1] * th.cos()),
+                         -1).flatten(1)
+    torch.testing.assert_close(out, want_y, rtol=1e-12, atol=1e-12)
+    up = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    want = torch.autograd.grad((out * up).sum(), (acc, be, bo))
+    bwd = backward_epilogue(rope_rmsnorm_bias, ("out",), ("b_even", "b_odd"))
+    got = bwd.reference(acc.detach(), r=r, pos=pos, freq=freq, b_even=be.detach(), b_odd=bo.detach(),
+                        **{grad_name("out"): up[:, 0::2], grad_name(ODD_OUT): up[:, 1::2]})
+    torch.testing.assert_close(got["out"], want[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got["d_b_even"], want[1], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got["d_b_odd"], want[2], rtol=1e-10, atol=1e-12)
+
+
 def test_custom_ops_fakes():
     d, hq, hk = 16, 2, 1
     (x, gamma, wq, wk, wv, bq, bk, bv), _ = _inputs(8, 32, d, hq, hk, torch.bfloat16, seed=3)
