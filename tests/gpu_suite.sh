@@ -4,7 +4,8 @@
 # plus the files whose GPU tests live beside CPU ones. Env: JOBS (default 8), PER_FILE_TIMEOUT (s, default 540),
 # PYTEST_ARGS (extra arguments), SPLIT (files run one process per test id, default tests/test_dsl_gpu.py: its
 # tests compile many kernels each). FILE may be a test id (file::test[param]): one process per id. Prints one line
-# per file or id (passed/failed counts) and exits non-zero if any failed.
+# per file or id (passed/failed counts), writes the failing files' assertion lines to LOGDIR/0_failures.txt and exits
+# non-zero if any failed.
 set -u
 LOGDIR=${1:-gpu-suite-logs}; shift || true
 mkdir -p "$LOGDIR"
@@ -33,4 +34,8 @@ run_one() {
 }
 export -f run_one; export LOGDIR
 printf '%s\n' "${ITEMS[@]}" | sort -u | xargs -P "$JOBS" -d '\n' -I{} bash -c 'run_one "$1"' _ {} | tee "$LOGDIR/summary.txt"
+# the failing files' assertion lines in one file that sorts first (a device call returns only its first files)
+grep -v " rc=0 \| rc=5 " "$LOGDIR/summary.txt" | cut -d' ' -f1 | while read -r name; do
+  echo "=== $name"; grep -E "^(E  |FAILED|ERROR)|Error:" "$LOGDIR/$name.log" | head -40
+done > "$LOGDIR/0_failures.txt"
 ! grep -qv " rc=0 \| rc=5 " "$LOGDIR/summary.txt"
