@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from coda.epilogues.rope import rope_rmsnorm
+from coda.epilogues.rope import rope_rmsnorm, rope_rmsnorm_bias
 
 from coda.epilogues.rmsnorm import rmsnorm_dgrad, rmsnorm_dgrad_residual, row_dot
 from coda.kernels.rope_grad import rope_grad
@@ -60,18 +60,35 @@ def _op(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, freqs
     return _forward(x, norm_weight, weight, positions, freqs, eps)
 
 
-def _forward(x, norm_weight, weight, positions, freqs, eps, sumsq=None, blocks=None):
+def _forward(x, norm_weight, weight, positions, freqs, eps, sumsq=None, blocks=None, bias=None):
     """(y, r); ``blocks``: column counts (even, summing to N) of separate outputs, one GEMM each into its own
-    tensor (the rows of the operand b and the column pairs' frequencies sliced), returned as a list for y."""
+    tensor (the rows of the operand b and the column pairs' frequencies sliced), returned as a list for y.
+    ``bias`` (N,): added before the rotation (``rope_rmsnorm_bias``, its pairs' two values as VecN operands)."""
     gemm = gemm_for(x.device, ENTRY)
     a, b, r = normed_operands(x, norm_weight, weight, eps, gemm, sumsq)
+    if bias is None:
+        epi, pairs = rope_rmsnorm, None
+    else:  # (2, N/2): the even and the odd columns' biases (float64 on the CPU reference path)
+        epi = rope_rmsnorm_bias
+        pairs = bias.detach().to(torch.promote_types(bias.dtype, torch.float32)).view(-1, 2).t().contiguous()
+
+    def block(c0, n):
+        j = slice(c0 // 2, (c0 + n) // 2)
+        extra = {} if pairs is None else {"b_even": pairs[0, j], "b_odd": pairs[1, j]}
+        return gemm(a, b[c0:c0 + n], epilogue=epi, r=r, pos=positions, freq=freqs[j], **extra)
     if blocks is None:
-        return gemm(a, b, epilogue=rope_rmsnorm, r=r, pos=positions, freq=freqs), r
+        return block(0, weight.shape[0]), r
     ys, c0 = [], 0
     for n in blocks:
-        ys.append(gemm(a, b[c0:c0 + n], epilogue=rope_rmsnorm, r=r, pos=positions, freq=freqs[c0 // 2:(c0 + n) // 2]))
+        ys.append(block(c0, n))
         c0 += n
     return ys, r
+
+
+def residual_out(x, residual: bool, copy: bool = True):
+    """The QKV ops' residual-stream output: x (a copy under the dispatcher, whose outputs may not alias inputs; x
+    itself in eager mode) with ``residual``, else an empty tensor."""
+    return (x.clone() if copy else x) if residual else x.new_empty(0)
 
 
 def _fake_backward(dy, h, norm_weight, weight, r, y, positions, freqs, need_weight):
@@ -150,7 +167,7 @@ def _qkv_views(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual, 
     """The eager forward: q, k, v as column blocks (views) of the one GEMM output, x itself as the residual
     stream (``residual``; an empty tensor without), r (from ``sumsq``, x's rows' sums of squares, when given)."""
     y, r = _forward(x, norm_weight, weight, positions, freqs, eps, sumsq)
-    return (*torch.split(y, [nq, nk, y.shape[1] - nq - nk], dim=1), x if residual else x.new_empty(0), r)
+    return (*torch.split(y, [nq, nk, y.shape[1] - nq - nk], dim=1), residual_out(x, residual, copy=False), r)
 
 
 def _qkv_backward(ctx, dq, dk, dv, dres=None, _dr=None):
@@ -183,7 +200,7 @@ def _qkv_op(x: Tensor, norm_weight: Tensor, weight: Tensor, positions: Tensor, f
     blocks = (nq, nk, weight.shape[0] - nq - nk)
     if all(n % 8 == 0 for n in blocks):  # whole column pairs and 16-byte output rows in each block
         (q, k, v), r = _forward(x, norm_weight, weight, positions, freqs, eps, sumsq, blocks=blocks)
-        return q, k, v, (x.clone() if residual else x.new_empty(0)), r
+        return q, k, v, residual_out(x, residual), r
     out = _qkv_views(x, norm_weight, weight, positions, freqs, eps, nq, nk, residual, sumsq)
     return (*(t.contiguous() for t in out[:3]), out[3].clone(), out[4])
 
@@ -230,14 +247,17 @@ def rmsnorm_linear_rope_qkv(x: Tensor, norm_weight: Tensor, weight: Tensor, posi
     return (*parts, xr.reshape(x.shape)) if residual else parts
 
 
-def check_qkv(entry, x, norm_weight, weight, positions, freqs, eps, widths, residual, sumsq):
-    """The QKV ops' argument rules (:func:`_check`'s; the widths (nq, nk) multiples of 8 with nq + nk <= N,
-    ``residual`` a bool, ``sumsq``); returns K, N, the positions as (M,) fp32, nq, nk and sumsq as (M,)."""
+def check_qkv(entry, x, norm_weight, weight, positions, freqs, eps, widths, residual, sumsq, v_aligned=False):
+    """The QKV ops' argument rules (:func:`_check`'s; the widths (nq, nk) multiples of 8 with nq + nk <= N -- and
+    v's width N - nq - nk too with ``v_aligned``: the ops that always write q, k, v by three GEMMs --, ``residual``
+    a bool, ``sumsq``); returns K, N, the positions as (M,) fp32, nq, nk and sumsq as (M,)."""
     K, N, pos = _check(x, norm_weight, weight, positions, freqs, eps)
     nq, nk = (int(w) for w in widths)
     if min(nq, nk, N - nq - nk) < 0 or nq % 8 or nk % 8:
         raise ValueError(f"{entry}: widths must be (nq, nk), multiples of 8 with nq + nk <= {N}, got "
                          f"{tuple(widths)}")
+    if v_aligned and (N - nq - nk) % 8:
+        raise ValueError(f"{entry}: widths {tuple(widths)}: v's width {N - nq - nk} is not a multiple of 8")
     if not isinstance(residual, bool):
         raise TypeError(f"{entry}: residual must be True or False, got {type(residual).__name__}")
     return K, N, pos, nq, nk, check_sumsq(entry, sumsq, x)

@@ -21,14 +21,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from coda.epilogues.rope import rope_rmsnorm_bias
 from coda.kernels.rope_grad import rope_grad_bias
 
 from ._builder import backward_call, backward_op, forward_op
 from ._common import call, gemm_for, grad_of, update_args
-from .attention import _no_rows, check_qkv
+from .attention import _forward as qkv_forward
+from .attention import _no_rows, check_qkv, residual_out
 from .mlp import rmsnorm_fold_grads
-from .rmsnorm_linear import normed_operands
 
 __all__ = ["rmsnorm_linear_rope_bias_qkv"]
 
@@ -45,18 +44,9 @@ def _fake(x, norm_weight, weight, bias, positions, freqs, eps, nq, nk, residual,
 def _forward(x, norm_weight, weight, bias, positions, freqs, eps, nq, nk, residual, sumsq=None, slots=None,
              token=None, copy_x=True):
     """q, k, v, x (``residual``: a copy, or x itself in eager mode; else empty), r: one GEMM a part."""
-    gemm = gemm_for(x.device, ENTRY)
-    a, b, r = normed_operands(x, norm_weight, weight, eps, gemm, sumsq)
-    wdt = torch.promote_types(bias.dtype, torch.float32)  # (float64 on the CPU reference path)
-    pairs = bias.detach().to(wdt).view(-1, 2).t().contiguous()  # (2, N/2): the even and the odd columns' biases
-    parts, c0 = [], 0
-    for n in (nq, nk, weight.shape[0] - nq - nk):
-        j = slice(c0 // 2, (c0 + n) // 2)
-        parts.append(gemm(a, b[c0:c0 + n], epilogue=rope_rmsnorm_bias, r=r, pos=positions, freq=freqs[j],
-                          b_even=pairs[0, j], b_odd=pairs[1, j]))
-        c0 += n
-    xr = (x.clone() if copy_x else x) if residual else x.new_empty(0)
-    return (*parts, xr, r)
+    blocks = (nq, nk, weight.shape[0] - nq - nk)
+    ys, r = qkv_forward(x, norm_weight, weight, positions, freqs, eps, sumsq, blocks=blocks, bias=bias)
+    return (*ys, residual_out(x, residual, copy_x), r)
 
 
 def _backward(ctx, dq, dk, dv, dres=None, *_):
@@ -111,9 +101,7 @@ def rmsnorm_linear_rope_bias_qkv(x: Tensor, norm_weight: Tensor, weight: Tensor,
     one pass (the module docstring). Returns q, k, v (and x with ``residual``), (..., n_i) each, autograd to x,
     norm_weight, weight and bias."""
     K, N, pos, nq, nk, sumsq = check_qkv(ENTRY, x, norm_weight, weight, positions, freqs, eps, widths, residual,
-                                         sumsq)
-    if (N - nq - nk) % 8:
-        raise ValueError(f"{ENTRY}: v's width {N - nq - nk} (widths {tuple(widths)}) is not a multiple of 8")
+                                         sumsq, v_aligned=True)
     if not isinstance(bias, Tensor) or tuple(bias.shape) != (N,) or not bias.dtype.is_floating_point:
         raise ValueError(f"{ENTRY}: bias must be a floating-point tensor of shape ({N},)")
     if bias.device != x.device:

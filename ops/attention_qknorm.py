@@ -32,9 +32,9 @@ from coda.kernels.rope_grad import rope_grad_qknorm
 
 from ._builder import backward_call, backward_op, forward_op
 from ._common import call, gemm_for, grad_of, update_args
-from .attention import _check, _no_rows
+from .attention import _no_rows, check_qkv, residual_out
 from .mlp import rmsnorm_fold_grads
-from .rmsnorm_linear import check_eps, check_sumsq, normed_operands
+from .rmsnorm_linear import check_eps, normed_operands
 
 __all__ = ["rmsnorm_linear_rope_qknorm_qkv", "pairs_order", "supported"]
 
@@ -69,8 +69,7 @@ def _forward(x, norm_weight, weight, q_norm_weight, k_norm_weight, positions, fr
         parts.append(gemm(a, b[c0:c0 + n], epilogue=rope_qknorm(head_dim, save_x=True), r=r, pos=positions,
                           freq=freqs[c0 // 2:(c0 + n) // 2], w_even=w_even, w_odd=w_odd, eps=qk_eps))
     v = gemm(a, b[nq + nk:], epilogue=rope_rmsnorm, r=r, pos=positions, freq=freqs[(nq + nk) // 2:])
-    xr = (x.clone() if copy_x else x) if residual else x.new_empty(0)
-    return parts[0]["out"], parts[1]["out"], v, xr, r, parts[0]["x"], parts[1]["x"]
+    return parts[0]["out"], parts[1]["out"], v, residual_out(x, residual, copy_x), r, parts[0]["x"], parts[1]["x"]
 
 
 def _backward(ctx, dq, dk, dv, dres=None, *_):
@@ -135,13 +134,12 @@ def rmsnorm_linear_rope_qknorm_qkv(x: Tensor, norm_weight: Tensor, weight: Tenso
     ``k_norm_weight`` (head_dim,), the model's half-split order; epsilon ``qk_eps``) applied before RoPE, in the
     QKV GEMMs' epilogues and in the backward's one pass (the module docstring). Returns q, k, v (and x with
     ``residual``), (..., n_i) each, autograd to x, norm_weight, weight and both norm weights."""
-    K, N, pos = _check(x, norm_weight, weight, positions, freqs, eps)
+    K, N, pos, nq, nk, sumsq = check_qkv(ENTRY, x, norm_weight, weight, positions, freqs, eps, widths, residual,
+                                         sumsq, v_aligned=True)
     check_eps(ENTRY, qk_eps)
-    nq, nk = (int(w) for w in widths)
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
         raise ValueError(f"{ENTRY}: head_dim must be a positive int, got {head_dim!r}")
-    why = supported(head_dim, nq, nk) or (None if N - nq - nk >= 0 and (N - nq - nk) % 8 == 0 else
-                                          f"v's width {N - nq - nk} is not a multiple of 8")
+    why = supported(head_dim, nq, nk)
     if why:
         raise ValueError(f"{ENTRY}: widths {tuple(widths)}: {why}")
     for name, t in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
@@ -149,9 +147,6 @@ def rmsnorm_linear_rope_qknorm_qkv(x: Tensor, norm_weight: Tensor, weight: Tenso
             raise ValueError(f"{ENTRY}: {name} must be a floating-point tensor of shape ({head_dim},)")
         if t.device != x.device:
             raise ValueError(f"{ENTRY}: {name} is on {t.device} but x is on {x.device}")
-    if not isinstance(residual, bool):
-        raise TypeError(f"{ENTRY}: residual must be True or False, got {type(residual).__name__}")
-    sumsq = check_sumsq(ENTRY, sumsq, x)
     lead = x.shape[:-1]
     q, k, v, xr, *_ = call("rmsnorm_linear_rope_qknorm_qkv", x.reshape(-1, K), norm_weight, weight, q_norm_weight,
                            k_norm_weight, pos, freqs, float(eps), float(qk_eps), nq, nk, head_dim, residual, sumsq,

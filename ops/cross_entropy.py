@@ -65,13 +65,13 @@ from torch import Tensor
 
 from coda.epilogues.adamw import adamw_scaled, adamw_times
 from coda.epilogues.cross_entropy import (accumulate, ce_backward, ce_backward_cap, ce_backward_general, ce_forward,
-                                          ce_forward_cap, ce_forward_smooth, scale_by, scale_rows)
+                                          ce_forward_cap, ce_forward_smooth, scale_by)
 from coda.optim import eager_backward, updates_in_backward
 
 from ._builder import backward_op, forward_op
 from ._common import (IN_DTYPES, backward_gemm, call, check_inputs, check_tensors, custom_op, eager_call,
                       epilogue_pass, gemm_for, kernel_aligned, update_args, update_in_backward)
-from .cross_entropy_fast import defer_taken, exp_taken, forward_with_grads, plan_rows
+from .cross_entropy_fast import defer_taken, exp_taken, forward_with_grads, pass_ready, plan_rows, scale_rows
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES", "MEMORY_BUDGET"]
 # also used by coda.distributed (vocabulary-parallel CE): tail_logits, chunk_columns, finish_loss, lean_backward,
@@ -382,20 +382,10 @@ def _scale_in_place(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     (``reduction="none"``: one value per row of t, shape (rows, 1)) scales the rows."""
     if g.dim():
         return t.mul_(g)
-    if t.is_cuda and t.dim() == 2 and t.dtype in IN_DTYPES and t.is_contiguous() and t.shape[1] % 8 == 0:
+    if pass_ready(t):
         return epilogue_pass(gemm_for(t.device, "coda.ops.linear_cross_entropy"), t, t.shape[0], t.shape[1],
                              epilogue=scale_by, out=t, t=t, s=g)
     return t.mul_(g)
-
-
-def _scale_rows(x: torch.Tensor, s: torch.Tensor, eager: bool) -> torch.Tensor:
-    """x * s[:, None] rounded to x's dtype (s float32): in an eager backward on a Hopper GPU one K = 0 pass
-    (epilogue ``scale_rows``: no float32 copy of x), elsewhere -- a backward torch.compile traces (``eager``
-    False), CPU tensors -- torch's float32 product (which inductor fuses into one kernel)."""
-    if eager and x.is_cuda and x.dim() == 2 and x.dtype in IN_DTYPES and x.is_contiguous() and x.shape[1] % 8 == 0:
-        return epilogue_pass(gemm_for(x.device, ENTRY), x, x.shape[0], x.shape[1], epilogue=scale_rows, t=x,
-                             s=s.contiguous())
-    return (x.float() * s.unsqueeze(1)).to(x.dtype)
 
 
 def _update_in_backward(weight: torch.Tensor, dw: torch.Tensor, g: torch.Tensor, dz: torch.Tensor,
@@ -460,7 +450,7 @@ def _backward_fast(ctx, grad_loss, *_):
         if gw is None:
             rows = gx if rows is None else rows * gx
         if rows is not None:
-            x = _scale_rows(x, rows.squeeze(1), eager)
+            x = scale_rows(x, rows.squeeze(1), kernel=eager)
         if xs.numel():
             gw = xs[-1] if gw is None else gw * xs[-1]  # (the mean's 1 / n; 1 for "sum" and "none")
     if eager and need_w and _update_in_backward(weight, dw, g.new_ones(()) if gw is None else gw, dz, x):

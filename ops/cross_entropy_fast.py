@@ -61,11 +61,12 @@ from torch import Tensor
 
 from coda import _validate
 from coda.runtime import precompile as _precompile
+from coda.epilogues import cross_entropy as _epi
 from coda.epilogues.cross_entropy import accumulate, ce_forward, ce_forward_exp, ce_forward_logits
 from coda.epilogues.rmsnorm import rmsnorm_scale
 from coda.kernels.ce_grad import softmax_grad_, softmax_grad_reference_
 
-from ._common import gemm_for, kernel_aligned
+from ._common import IN_DTYPES, epilogue_pass, gemm_for, kernel_aligned
 
 ALIGN = 8
 MIN_ROWS = 1024  # fewer rows per chunk than this: the dW accumulation traffic outweighs the saved GEMM
@@ -121,6 +122,23 @@ def exp_taken(x: Tensor, eps: float, softcap, combine, v8: int, V: int) -> bool:
     if x.dtype not in (torch.bfloat16, torch.float32):  # (float16's exp overflows at 11)
         return False
     return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def pass_ready(t: Tensor) -> bool:
+    """Whether ``t`` can be the TileMN of a K = 0 pass on the GPU (the in-place scalings of this mode's
+    gradients): a CUDA matrix of a kernel dtype, contiguous, 16-byte rows."""
+    return t.is_cuda and t.dim() == 2 and t.dtype in IN_DTYPES and t.is_contiguous() and t.shape[1] % 8 == 0
+
+
+def scale_rows(x: Tensor, s: Tensor, kernel: bool = True) -> Tensor:
+    """x * s[:, None] rounded to x's dtype (s float32), x's rows for dW's GEMM: on a Hopper GPU one K = 0 pass
+    (epilogue ``scale_rows``: no float32 copy of x), elsewhere -- CPU tensors, and ``kernel`` False: a backward
+    that torch.compile traces, where coda.gemm may not run on its fake tensors -- torch's float32 product (which
+    inductor fuses into one kernel)."""
+    if kernel and pass_ready(x):
+        return epilogue_pass(gemm_for(x.device, "coda.ops.linear_cross_entropy"), x, x.shape[0], x.shape[1],
+                             epilogue=_epi.scale_rows, t=x, s=s.contiguous())
+    return (x.float() * s.unsqueeze(1)).to(x.dtype)
 
 
 def _exp_phases(gemm, xc, w8, z, tgt, valid_c, scale_c, zl: float):
@@ -188,7 +206,7 @@ def forward_with_grads(x: Tensor, weight: Tensor, target: Tensor, valid: Tensor,
                 xs[M] = 1 / n_valid.clamp_min(1) if reduction == "mean" else 1.0
                 xs[m0:m1] = a / xs[M]
             elif need_w:
-                xw = (xc.float() * a.unsqueeze(1)).to(x.dtype)
+                xw = scale_rows(xc, a)
         else:
             res = gemm(xc, w8, epilogue=epi, out=z, **cap)  # phase 1
             lse_c = res["lse"]

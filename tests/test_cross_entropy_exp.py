@@ -143,16 +143,16 @@ def test_rows_scaled_by_the_kernel_only_in_an_eager_backward(monkeypatch):
     take torch's product (session 49: fused + compile failed when the traced backward called coda.gemm)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import coda.ops.cross_entropy as ce
+    import coda.ops.cross_entropy_fast as ce
     calls = []
     monkeypatch.setattr(ce, "gemm_for", lambda *a: "gemm")
     monkeypatch.setattr(ce, "epilogue_pass", lambda gemm, a, *s, **k: calls.append(k["epilogue"]) or a)
     with FakeTensorMode():
         x = torch.empty(16, 32, device="cuda", dtype=torch.bfloat16)
         s = torch.empty(16, device="cuda")
-        traced = ce._scale_rows(x, s, False)
+        traced = ce.scale_rows(x, s, kernel=False)
         assert not calls and traced.dtype == torch.bfloat16 and tuple(traced.shape) == (16, 32)
-        ce._scale_rows(x, s, True)
-        assert calls == [ce.scale_rows]
+        ce.scale_rows(x, s)
+        assert calls == [ce._epi.scale_rows]
     x, s = torch.randn(5, 8).bfloat16(), torch.rand(5)  # CPU tensors: torch's float32 product, rounded once
-    assert torch.equal(ce._scale_rows(x, s, True), (x.float() * s[:, None]).bfloat16())
+    assert torch.equal(ce.scale_rows(x, s), (x.float() * s[:, None]).bfloat16())
