@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 source docs/experiments/lib_device.sh
 gpu_tests 4 ${TEST_S:-200} tests/test_optim_gpu.py tests/test_nn_gpu.py tests/test_cross_entropy_exp.py \
     tests/test_cross_entropy_gpu.py
-S="--model llama-1b --optimizer coda-adamw --steps 10 --profile-steps 1 --head-reps 2"
+S="--model llama-1b --optimizer coda-adamw --steps 10 --profile-steps 1 --head-reps 2 --power"
 (unset CODA_AUTOTUNE; timeout ${STEP_S:-300} python -m coda.bench.step $S \
     --modes ${MODES:-stock+compile,fused,fused+graph,fused+compile} --timeout 100 --out "$OUT/step" 2>&1 | \
     grep -E "^\| (stock|fused|mode)|rror|shipped" | tail -8)
