@@ -408,8 +408,8 @@ class LMHeadCrossEntropy(_NormConsumer):
     ``check_targets`` defaults to "async" here: the target range is asserted on the device, so the check does not
     make a training step wait on the host (as ``F.cross_entropy`` on CUDA); pass True for the op's ValueError (one
     device sync). The fast mode's exp-stored phases still read one flag per logits chunk on the host (their range
-    check, ``ops/cross_entropy_fast.py``: net 0.75 ms faster a llama-1b step on the H100 than the pass it replaces);
-    ``CODA_CE_EXP=0`` avoids it."""
+    check, ``ops/cross_entropy_fast.py``), behind an event queued before the chunk's dX GEMM, so the GPU keeps
+    running while the host waits; ``CODA_CE_EXP=0`` avoids it."""
 
     def __init__(self, hidden_size: int, vocab_size: int, eps: float = 1e-6, *, norm=None,
                  weight: Optional[nn.Parameter] = None, ignore_index: int = -100, label_smoothing: float = 0.0,

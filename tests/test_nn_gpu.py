@@ -52,10 +52,14 @@ def test_fuse_matches_stock_on_cuda(o_norm, monkeypatch):
 def test_fused_training_step_never_synchronizes(monkeypatch):
     """A fused forward + backward queues its kernels without waiting on the GPU (torch's sync debug mode raises on
     a synchronizing call): the LM head's target check is a device-side assert ("async"), so the host keeps running
-    ahead of the GPU in a training loop. The one documented exception: the cross entropy's exp-stored phases read
-    one range flag per logits chunk on the host (``ops/cross_entropy_fast.py``) -- exactly one synchronisation
-    here (one chunk); ``CODA_CE_EXP=0`` turns them off, and then none."""
+    ahead of the GPU in a training loop. The cross entropy's exp-stored phases read one range flag per logits chunk
+    on the host (``ops/cross_entropy_fast.py``), from pinned memory behind an event queued before the chunk's dX
+    GEMM: an event wait, not a stream synchronisation -- exactly one here (one chunk); ``CODA_CE_EXP=0``: none."""
     import warnings
+
+    from coda.ops import cross_entropy_fast as fast
+    waits, real = [], fast._flag_wait
+    monkeypatch.setattr(fast, "_flag_wait", lambda ok: waits.append(ok) or real(ok))
     fused = _model(torch.bfloat16)
     coda.fuse(fused)
     assert fused.lm_head.check_targets == "async"
@@ -64,6 +68,7 @@ def test_fused_training_step_never_synchronizes(monkeypatch):
         monkeypatch.setenv("CODA_CE_EXP", exp)
         fused(ids, labels=ids).backward()  # compiles and loads the kernels first
         torch.cuda.synchronize()
+        waits.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
@@ -73,5 +78,6 @@ def test_fused_training_step_never_synchronizes(monkeypatch):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
-        assert len(syncs) == (1 if exp == "1" else 0), (exp, [str(w.message) for w in syncs])
+        assert syncs == [], (exp, [str(w.message) for w in syncs])
+        assert len(waits) == (1 if exp == "1" else 0), exp
         assert torch.isfinite(loss).item()
