@@ -4,7 +4,8 @@ nothing to run (fused + compile, llama-1b, H100, fd6ba6c: 134.9 ms a step, 127.8
 preset of :mod:`coda.bench.step` under torch.profiler (CPU and CUDA activity, after three warm-up steps); prints
 the GPU busy time (union of kernel intervals) against the step's span, the idle gaps grouped by the kernel that
 ended them (its launch came late), and the host-device synchronisations (``cudaStreamSynchronize`` and alike,
-device-to-host copies) with the innermost torch op that issued each."""
+device-to-host copies) with the innermost torch op that issued each. ``--steady N``: N steps back to back with
+only the GPU's activity recorded (the host as fast as unprofiled): the idle a training loop really has."""
 from __future__ import annotations
 
 import json
@@ -74,6 +75,9 @@ def main(argv=None) -> int:
                     "+graph modes), a replay profiled")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--optimizer", default="adamw-fused", choices=["adamw-fused", "coda-adamw"])
+    ap.add_argument("--steady", type=int, default=0, metavar="N",
+                    help="N steps back to back, CUDA activity only (no host-side profiling overhead), after two "
+                    "unsynchronised steps: the idle of a training loop in steady state, per step")
     ap.add_argument("--trace", default=None, help="also keep the chrome trace here (gzip if it ends in .gz)")
     args = ap.parse_args(argv)
     import torch
@@ -85,9 +89,17 @@ def main(argv=None) -> int:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    if args.steady:  # the host runs ahead as in a training loop; only the GPU's activity is recorded
         step()
-        torch.cuda.synchronize()
+        step()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steady):
+                step()
+            torch.cuda.synchronize()
+    else:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
@@ -97,6 +109,8 @@ def main(argv=None) -> int:
         import gzip
         with (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "wt") as f:
             json.dump(trace, f)
+    if args.steady:
+        res.update({f"{k}_per_step": res[k] / args.steady for k in ("span_ms", "busy_ms", "idle_ms") if k in res})
     res.update(device=torch.cuda.get_device_name(), mode=("stock" if args.stock else "fused")
                + ("+compile" if args.compile else "") + ("+graph" if args.graph else ""), model=args.model,
                layers=args.layers or "the preset's")

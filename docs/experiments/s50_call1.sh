@@ -12,7 +12,7 @@ S="--model llama-1b --optimizer coda-adamw --steps 10 --profile-steps 1 --head-r
 (unset CODA_AUTOTUNE; timeout ${STEP_S:-300} python -m coda.bench.step $S \
     --modes ${MODES:-stock+compile,fused,fused+graph,fused+compile} --timeout 100 --out "$OUT/step" 2>&1 | \
     grep -E "^\| (stock|fused|mode)|rror|shipped" | tail -8)
-# Is the fused eager step host-paced? Its kernels sum to ~113 ms of a 123 ms step (beeed5e). Host time a step with
-# the GPU backlogged (CODA_CE_EXP=0: the exp-stored CE's flag read would wait out the backlog), and a cProfile.
-(unset CODA_AUTOTUNE; CODA_CE_EXP=0 timeout ${HOST_S:-150} python -m coda.bench.step_host --top 40 > "$OUT/host.txt" 2>&1;
- grep -E "a step|rror" "$OUT/host.txt" | tail -3)
+# Where does the fused eager step idle? Its kernels sum to ~113 ms of a 123 ms step (beeed5e, stock + compile
+# 133 of 136). Three steps back to back, only the GPU's activity profiled; the trace comes back for the analysis.
+(unset CODA_AUTOTUNE; timeout ${GAPS_S:-140} python -m coda.bench.step_gaps --optimizer coda-adamw --steady 3 --top 25 \
+    --trace "$OUT/steady_fused.json.gz" > "$OUT/gaps.txt" 2>&1; grep -E "per_step|rror" "$OUT/gaps.txt" | tail -4)
