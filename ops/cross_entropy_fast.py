@@ -148,10 +148,7 @@ def _flag_wait(ok: Tensor):
     the returned function's call (the speculative dX GEMM) keep the GPU busy while the host waits."""
     if not ok.is_cuda:
         return lambda: bool(ok)
-    key = ok.device
-    if key not in _FLAGS:
-        _FLAGS[key] = torch.empty((), dtype=torch.bool, pin_memory=True)
-    host, ev = _FLAGS[key], torch.cuda.Event()
+    host, ev = torch.empty((), dtype=torch.bool, pin_memory=True), torch.cuda.Event()  # (torch's pinned cache)
     host.copy_(ok, non_blocking=True)
     ev.record()
 
@@ -159,9 +156,6 @@ def _flag_wait(ok: Tensor):
         ev.synchronize()
         return bool(host)
     return wait
-
-
-_FLAGS: dict = {}  # one pinned flag per device (each is read back before the next chunk's copy is queued)
 
 
 def _exp_phases(gemm, xc, w8, z, tgt, valid_c, scale_c, zl: float, dx_c: Optional[Tensor]):

@@ -3,7 +3,8 @@
 #   gpu_tests JOBS SECONDS FILE...  the GPU test files, JOBS at a time, SECONDS per file (tests/gpu_suite.sh, logs in
 #                                   $OUT/suite), then any failure lines;
 #   ab_step ROUNDS SECONDS          the fused llama-1b step, the tree vs the files in .ab_old/, ROUNDS alternated
-#                                   rounds on this machine (coda.bench.ab_files), CODA_AUTOTUNE unset.
+#                                   rounds on this machine (coda.bench.ab_files), CODA_AUTOTUNE unset; AB_STEPS
+#                                   timed steps a side (default 8).
 gpu_tests() {
   local jobs=$1 secs=$2; shift 2
   CODA_AUTOTUNE=0 JOBS=$jobs PER_FILE_TIMEOUT=$secs timeout $((secs + 5)) bash tests/gpu_suite.sh "$OUT/suite" "$@" \
@@ -12,7 +13,7 @@ gpu_tests() {
 }
 
 ab_step() {
-  local S="--model llama-1b --optimizer coda-adamw --steps 8 --profile-steps 1 --head-reps 0 --modes fused --timeout 80"
+  local S="--model llama-1b --optimizer coda-adamw --steps ${AB_STEPS:-8} --profile-steps 1 --head-reps 0 --modes fused --timeout 80"
   (unset CODA_AUTOTUNE; timeout "$2" python -m coda.bench.ab_files .ab_old "$1" -- python -m coda.bench.step $S \
       --out "$OUT/ab_{ab}_{round}" 2>&1 | grep -E "^=== round|^\| fused|rror" | tail -$((4 * $1 + 2)))
 }
