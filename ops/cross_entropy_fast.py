@@ -148,7 +148,10 @@ def _flag_wait(ok: Tensor):
     the returned function's call (the speculative dX GEMM) keep the GPU busy while the host waits."""
     if not ok.is_cuda:
         return lambda: bool(ok)
-    host, ev = torch.empty((), dtype=torch.bool, pin_memory=True), torch.cuda.Event()  # (torch's pinned cache)
+    key = ok.device
+    if key not in _FLAGS:
+        _FLAGS[key] = torch.empty((), dtype=torch.bool, pin_memory=True)
+    host, ev = _FLAGS[key], torch.cuda.Event()
     host.copy_(ok, non_blocking=True)
     ev.record()
 
@@ -156,6 +159,11 @@ def _flag_wait(ok: Tensor):
         ev.synchronize()
         return bool(host)
     return wait
+
+
+# one pinned flag per device, read back before the next chunk's copy is queued (the LM head's forward runs on one
+# host thread; 8a63622 took a pinned tensor per call from torch's cache instead -- reverted: not run on a GPU)
+_FLAGS: dict = {}
 
 
 def _exp_phases(gemm, xc, w8, z, tgt, valid_c, scale_c, zl: float, dx_c: Optional[Tensor]):

@@ -1,7 +1,7 @@
 #!/bin/bash
-# Session 50's last device call (H100): the CE flag's GPU tests after its pinned flag moved to torch's pinned cache
-# (one tensor a call instead of one a device), then more rounds of call 2's A/B (the event-ordered flag read vs
-# 11e6de6's bool(ok.all()) in .ab_old/), AB_STEPS timed steps a side.
+# Session 50's last device call (H100; not run: no device time left): the CE flag's GPU tests, then more rounds
+# of call 2's A/B (the event-ordered flag read of 78de665 vs 11e6de6's bool(ok.all()) in .ab_old/), AB_STEPS timed
+# steps a side.
 cd "$(dirname "$0")/../.." || exit 1
 export CODA_COMMIT=${CODA_COMMIT:?set CODA_COMMIT: the device copy of .git is stale}
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
