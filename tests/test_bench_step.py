@@ -137,6 +137,8 @@ def test_from_renders_without_gpu(tmp_path):
     assert "failed: exit 1: boom" in md
     assert "`triton_poi_fused_add_0`" in md
     assert "by phase (s): **fused** build the model 7.5, first step 9.2" in md
+    # the step's time outside the profiled kernels (128 - 123 ms; 120 - 117) and the timed steps' range
+    assert "(min-max ms): **stock+compile** 5.0, 125.0-130.0; **fused** 3.0, 118.0-500.0." in md
     saved = json.loads((out / "report.json").read_text())
     assert saved["sol"]["ms"] == pytest.approx(SR.summarize(_fake_report())["sol"]["ms"])
     try:

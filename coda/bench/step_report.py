@@ -175,6 +175,12 @@ def render_markdown(report: dict, image: Optional[str] = "step.png") -> str:
             f"{_f(m['mfu_datasheet'] and 100 * m['mfu_datasheet'], '{:.1f}')} % | {m['peak_bytes'] / 1e9:.1f} | "
             f"{_f(m.get('loss'), '{:.3f}')} | {_f(m.get('first_step_s'), '{:.0f}')} | {cl['gemm']:.1f} | "
             f"{cl['attention']:.1f} | {cl['optimizer']:.1f} | {cl['other']:.1f} | {_f(m.get('head_ms'))} |")
+    timed = [m for m in r["modes"] if not m.get("error")]
+    if timed:  # what the classes do not show: the step's time outside kernels, and the spread of the timed steps
+        lines += ["", "Step ms minus the profiled step's kernel time (time the GPU had no kernel to run, if the "
+                      "kernels ran as fast in the timed steps) and the timed steps' range (min-max ms): " + "; ".join(
+                          f"**{m['mode']}** " + (f"{m['step_ms'] - m['gpu_ms']:.1f}, " if m.get("kernels") else "")
+                          + f"{min(m['step_ms_all']):.1f}-{max(m['step_ms_all']):.1f}" for m in timed) + "."]
     if any(m.get("head_ms") is not None for m in r["modes"]):
         lines += ["", "LM head ms: the final norm + LM head + loss alone on the step's shapes, forward, backward and "
                       "the update of the head and norm weights, the median of queued passes "
