@@ -86,6 +86,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None,
                     help="--model: tune only the problems whose label (MxNxK epilogue) contains one of these "
                          "comma-separated strings")
+    ap.add_argument("--source", default=None, metavar="SRC[,SRC]",
+                    help="--model: tune only the problems the step was served from these sources (tuned, shipped, "
+                         "heuristic): 'heuristic' tunes what neither the store nor the shipped file covers")
     ap.add_argument("--optimizer", choices=("adamw", "coda-adamw"), default="coda-adamw",
                     help="--model: the step's optimizer (coda-adamw: coda.optim.AdamW, updates in the backward, "
                          "the step report's fused modes; adamw: torch's)")
@@ -167,6 +170,12 @@ def tune_model(args) -> None:
                                        optimizer=args.optimizer)
     if args.only:  # problems whose label ("MxNxK epilogue") contains one of the comma-separated strings
         problems = [r for r in problems if any(o in r.label for o in args.only.split(","))]
+    if args.source:  # what served each problem in the recorded step (model.Recorded.source)
+        wanted = set(args.source.split(","))
+        bad = wanted - {"tuned", "shipped", "heuristic"}
+        if bad:
+            raise SystemExit(f"coda.autotune: --source takes tuned, shipped, heuristic; got {sorted(bad)}")
+        problems = [r for r in problems if r.source in wanted]
     src = collections.Counter(r.source for r in problems)
     print(f"coda.autotune: {len(problems)} GEMM problems ({', '.join(f'{n} {k}' for k, n in src.items())}); "
           f"tuning ({args.level} level)", file=sys.stderr, flush=True)

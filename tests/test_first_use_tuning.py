@@ -449,6 +449,12 @@ def test_cli_model_records_a_step_then_tunes_every_problem(monkeypatch, capsys):
     assert "8192x8192x2048 identity" in out.out and "results stored in" in out.out
     assert "2 GEMM problems" in out.err
     assert len(at.store.load()) == 2
+    # --source: the second recording finds both problems in the store ("tuned"), none left to the heuristic
+    assert cli_main(["--model", "llama-1b", "--source", "heuristic"]) == 0 and len(calls) == 2
+    assert "0 GEMM problems" in capsys.readouterr().err
+    assert cli_main(["--model", "llama-1b", "--source", "tuned,shipped", "--retune"]) == 0 and len(calls) == 4
+    with pytest.raises(SystemExit, match="--source takes"):
+        cli_main(["--model", "llama-1b", "--source", "guessed"])
 
 
 def test_cli_show_lists_store_and_shipped_entries(monkeypatch, capsys):
