@@ -164,17 +164,17 @@ def main(argv=None) -> int:
 def tune_model(args) -> None:
     import coda.autotune as at
     from . import model
+    wanted = set(args.source.split(",")) if args.source else set()
+    bad = wanted - {"tuned", "shipped", "heuristic"}
+    if bad:  # (before the step is recorded: it runs on the GPU)
+        raise SystemExit(f"coda.autotune: --source takes tuned, shipped, heuristic; got {sorted(bad)}")
     print(f"coda.autotune: recording one fused training step of {args.model} (batch {args.batch}, seq {args.seq})",
           file=sys.stderr, flush=True)
     problems = model.record_model_step(args.model, args.batch, args.seq, dtype_name(args.dtype),
                                        optimizer=args.optimizer)
     if args.only:  # problems whose label ("MxNxK epilogue") contains one of the comma-separated strings
         problems = [r for r in problems if any(o in r.label for o in args.only.split(","))]
-    if args.source:  # what served each problem in the recorded step (model.Recorded.source)
-        wanted = set(args.source.split(","))
-        bad = wanted - {"tuned", "shipped", "heuristic"}
-        if bad:
-            raise SystemExit(f"coda.autotune: --source takes tuned, shipped, heuristic; got {sorted(bad)}")
+    if wanted:  # what served each problem in the recorded step (model.Recorded.source)
         problems = [r for r in problems if r.source in wanted]
     src = collections.Counter(r.source for r in problems)
     print(f"coda.autotune: {len(problems)} GEMM problems ({', '.join(f'{n} {k}' for k, n in src.items())}); "

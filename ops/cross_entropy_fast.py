@@ -161,9 +161,7 @@ def _flag_wait(ok: Tensor):
     return wait
 
 
-# one pinned flag per device, read back before the next chunk's copy is queued (the LM head's forward runs on one
-# host thread; 8a63622 took a pinned tensor per call from torch's cache instead -- reverted: not run on a GPU)
-_FLAGS: dict = {}
+_FLAGS: dict = {}  # one pinned flag per device, read back before the next chunk's copy is queued
 
 
 def _exp_phases(gemm, xc, w8, z, tgt, valid_c, scale_c, zl: float, dx_c: Optional[Tensor]):

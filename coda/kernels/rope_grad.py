@@ -604,7 +604,8 @@ def rope_grad_bias(grads, ys, pos, freqs, r, bias):
     N = sum(widths)
     if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (N,) or \
             bias.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"{entry}: bias must be a float32 tensor of shape ({N},) (q's, k's, then v's)")
+        raise ValueError(f"{entry}: bias must be a float32 (or float64) tensor of shape ({N},) (q's, k's, "
+                         "then v's)")
     if grads[0].device.type != "cuda":
         return _bias_reference(grads, ys, pos, freqs, r, bias)
     if grads[0].dtype not in _DTYPES or any(w % VEC for w in widths):
