@@ -117,22 +117,26 @@ def record_model_step(preset: str, batch: int, seq: int, dtype: str = "bfloat16"
     return rec.problems
 
 
-def _random_like(meta: tuple, device, fill: str):
+def _random_like(meta: tuple, device, fill: str, std: float = 1.0):
     import torch
     shape, stride, dtype = meta
     t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
     if fill == "positive":
         t.uniform_(0.5, 1.5)
     else:
-        t.normal_()
+        t.normal_(0.0, std)
     return t
 
 
 def inputs_for(rec: Recorded, device=None) -> tuple:
     """Random ``a``, ``b`` and operands with the recorded shapes, strides and dtypes (a VecM operand in
-    [0.5, 1.5), as ``tuner.random_operands`` makes it; scalars as recorded)."""
+    [0.5, 1.5), as ``tuner.random_operands`` makes it; scalars as recorded). ``a`` and ``b`` have the standard
+    deviation K^-1/4, so that the accumulator's entries are ~N(0, 1), as a trained layer's are: with unit entries
+    they would be ~N(0, K), and an epilogue such as the cross entropy's exp-stored forward (exp of the logit)
+    overflows there for every config ("no config could be timed", session 51)."""
     device = device if device is not None else rec.prob.device
-    a, b = _random_like(rec.a, device, "normal"), _random_like(rec.b, device, "normal")
+    std = max(rec.prob.K, 1) ** -0.25
+    a, b = _random_like(rec.a, device, "normal", std), _random_like(rec.b, device, "normal", std)
     kinds = {o.name: o.kind for o in rec.epi.operands}
     ops = {}
     for k, o in rec.operands.items():
@@ -169,8 +173,9 @@ def tune_recorded(problems: list, level: str = "quick", retune: bool = False, de
                 if res.best_ms is not None:
                     at._remember(r.prob, r.epi, res)
                     status = f"{res.best.name} ({res.best_ms:.3f} ms; heuristic {res.default.name})"
-                else:
-                    status = "no config could be timed"
+                else:  # why, as the first candidate (the heuristic's config) failed
+                    why = next((row.status for row in res.rows if row.status != "ok"), "")
+                    status = "no config could be timed" + (f" ({why[:160]})" if why else "")
                 rows.append((r, res, status))
             except Exception as e:  # one problem failing must not lose the others' results
                 res, status = None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"

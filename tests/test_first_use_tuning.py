@@ -491,6 +491,43 @@ def test_summary_counts_distinct_shapes_by_source(monkeypatch):
     assert "python -m coda.autotune --model" in line and "\n" not in line
 
 
+def test_k0_passes_use_the_store_and_shipped_configs_and_never_tune(monkeypatch, tmp_path):
+    """An epilogue-only pass (K = 0, e.g. the norms' row scaling) takes a tuned or shipped config like any GEMM
+    (session 51: they were always the heuristic's, and counted as such); K = 0 keys a shipped entry exactly."""
+    from coda.epilogues.rmsnorm import rmsnorm_scale
+    _no_tuning(monkeypatch)
+    prob = _prob(8192, 2048, 0)
+    assert prob.zero_k
+    at.store.put(at.key_for(prob, rmsnorm_scale), {"config": space.config_to_dict(TUNED), "name": TUNED.name})
+    monkeypatch.setenv("CODA_AUTOTUNE", "1")  # too small to tune: the default chain, the store first
+    assert at.select_config(prob, rmsnorm_scale, None, None, {}) == TUNED
+    assert at.counts() == {"tuned": 1, "shipped": 0, "heuristic": 0}
+    cfg = GemmConfig(tile_m=64, tile_n=256, cluster_m=2, cluster_n=1, pingpong=True, stages=2)
+    k, e = ship.make_entry(cfg, 8192, 2048, 0, 1, "bfloat16", "bfloat16", "k", "k", rmsnorm_scale.name,
+                           ship.epilogue_id(rmsnorm_scale), None, "test", ms=0.1, default="x")
+    assert ship.entry_problem(k, e) is None
+    assert ship.entry_problem(k, {**e, "problem": {**e["problem"], "K": -1}}) is not None
+    assert ship.entry_problem(k, {**e, "problem": {**e["problem"], "N": 0}}) is not None
+    d = tmp_path / "shipped"
+    d.mkdir()
+    doc = ship.build_doc((H100.name, 132, "sm_90a", keys.cutlass_dsl_version()), {k: e}, [{"file": "t", "date": "2026-12-07"}], [])
+    (d / ship.file_name(H100.name)).write_text(json.dumps(doc))
+    eid = ship.epilogue_id(rmsnorm_scale)
+    assert ship.lookup(H100, BF16, BF16, "k", "k", 8192, 2048, 0, 1, eid, directory=d)[0]["config"] == e["config"]
+    assert ship.lookup(H100, BF16, BF16, "k", "k", 8192, 2048, 64, 1, eid, directory=d) is None
+
+
+def test_inputs_for_gives_an_accumulator_of_unit_scale():
+    """The model tuner's random a, b have std K^-1/4: acc ~ N(0, 1), so that exp-type epilogues (the CE's
+    exp-stored forward) do not overflow for every config (session 51's 'no config could be timed')."""
+    a, w = torch.empty(256, 4096, dtype=BF16), torch.empty(512, 4096, dtype=BF16)
+    rec = model.Recorder()
+    rec.add(check_gemm_args(a, w), IDENTITY, GemmConfig(), "heuristic", a, w, {})
+    x, y = (t.float() for t in model.inputs_for(rec.problems[0])[:2])
+    acc = x @ y.t()
+    assert 0.8 < float(acc.std()) < 1.25 and 0.08 < float(x.std()) < 0.16
+
+
 def _fresh(code, **env):
     e = {k: v for k, v in os.environ.items() if not k.startswith("CODA_AUTOTUNE")}
     e.update(PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **env)

@@ -10,8 +10,8 @@ runtime; the autotuner only searches configs and registers itself here with :fun
   bucket), else the heuristic ``coda.config.default_config``. A new shape costs a file read, never a tuning run;
 - ``CODA_AUTOTUNE=1``: memory, the store, then on a miss the tuner (``coda.autotune.tuner.tune`` through the package
   root's ``coda._tune_on_miss``, imported when first run; :func:`set_tuner` replaces it) and store the winner --
-  unless the problem is too small to be worth it (< ``MIN_TUNE_FLOP``) or the stream is being captured into a CUDA
-  graph, where the default chain above is used (not remembered);
+  unless the problem is too small to be worth it (< ``MIN_TUNE_FLOP``: K = 0 epilogue-only passes among them) or the
+  stream is being captured into a CUDA graph, where the default chain above is used (not remembered);
 - ``CODA_AUTOTUNE=0``: the heuristic, no timing, nothing read or written.
 
 Visibility: :func:`counts` / :func:`summary` (how many distinct shapes used tuned, shipped or heuristic configs;
@@ -183,7 +183,7 @@ def select_config(prob, epi: Any, a: Any, b: Any, operands: dict) -> Any:
     """The config ``coda.gemm`` uses when called with ``config=None`` (see the module docstring)."""
     default = heuristic(prob)
     m = mode()
-    if m == "off" or prob.empty_result or prob.zero_k:
+    if m == "off" or prob.empty_result:
         _note(prob, epi, default, "heuristic", a, b, operands)
         return default
     key = key_for(prob, epi)

@@ -99,8 +99,8 @@ def entry_problem(key: str, e: Any) -> Optional[str]:
     if not isinstance(e, dict):
         return "not an object"
     p, ep = e.get("problem"), e.get("epilogue")
-    if not isinstance(p, dict) or not all(type(p.get(f)) is int and p[f] > 0 for f in "MNKL"):
-        return "problem must have positive ints M, N, K, L"
+    if not isinstance(p, dict) or not all(type(p.get(f)) is int and p[f] >= (0 if f == "K" else 1) for f in "MNKL"):
+        return "problem must have positive ints M, N, L and an int K >= 0 (0: an epilogue-only pass)"
     if p.get("a_major") not in LAYOUTS or p.get("b_major") not in LAYOUTS:
         return f"problem layouts must be in {LAYOUTS}"
     if not all(isinstance(p.get(f), str) for f in ("in_dtype", "out_dtype")):
