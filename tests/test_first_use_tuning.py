@@ -194,11 +194,13 @@ def test_shipped_h100_file_schema_and_provenance():
     store46 = "docs/tune_h100/qwen3_8b_2l_near_s46.json"  # session 46: the qwen3-8b-2l step's problems, near level
     store46b = "docs/tune_h100/llama70b_tp8_2l_near_s46.json"  # session 46: a 70B TP8 rank's step, partly tuned
     store46c = "docs/tune_h100/qwen25_7b_2l_near_s46.json"  # session 46: the qwen2.5-7b-2l step, partly tuned
+    store51 = "docs/tune_h100/llama1b_heuristic_near_s51.json"  # session 51: the llama-1b step's heuristic-served
     stores = (store, store25, store28, store30, store31, store32, store34, store37, store39, store46, store46b,
-              store46c)
+              store46c, store51)
     dates = {store: "2026-11-26", store25: "2026-11-26", store28: "2026-11-27", store30: "2026-11-27",
              store31: "2026-11-27", store32: "2026-11-27", store34: "2026-11-27", store37: "2026-11-28",
-             store39: "2026-11-28", store46: "2026-12-07", store46b: "2026-12-07", store46c: "2026-12-07"}
+             store39: "2026-11-28", store46: "2026-12-07", store46b: "2026-12-07", store46c: "2026-12-07",
+             store51: "2026-12-07"}
     assert files == {"docs/tune_h100/tuned_gemm.json", "docs/tune_h100/tuned_fused.json", *stores}
     rows = {}
     for s in prov["sources"]:
@@ -226,16 +228,19 @@ def test_shipped_h100_file_schema_and_provenance():
     # session 37's one is a new problem; session 39's nine are new problems (the llama-8b-4l step's; its logits
     # entry, 128 x 192 ping-pong, is dropped: it spills), and two of session 21's are dropped as stale (their
     # epilogue ids match no epilogue of this version); session 46's eight are the qwen3-8b-2l step's problems with
-    # a main loop (its K = 0 passes have no K to key a shipped entry: skipped), four of a 70B TP8 rank's step and five
-    # of qwen2.5-7b-2l's (both tuned in part: the call's time limit)
-    assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == 13 + 4 + 1 + 1 + 2 + 1 + 9 + 8 + 4 + 5
+    # a main loop, four of a 70B TP8 rank's step and five of qwen2.5-7b-2l's (both tuned in part: the call's time
+    # limit); session 51 ships K = 0 passes (keyed by K = 0 exactly): session 46's 7 + 3 + 5 and session 51's seven
+    # (six K = 0 passes of the llama-1b step and the LM head's dX)
+    assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == \
+        13 + 4 + 1 + 1 + 2 + 1 + 9 + 8 + 4 + 5 + 7 + 3 + 5 + 7
+    assert sum("xK0xL" in k for k in doc["entries"]) == 21
     assert 'shipped/*.json' in (ROOT / "pyproject.toml").read_text()
 
 
 def test_shipped_h200_file_is_the_converted_tuning_store(tmp_path):
     """The H200 file: the converter's output for its sources, the near-level tuning stores of the llama-1b step's
     problems (session 30) and of the llama-8b-4l step's (session 42: 12 of its 15 problems, the run hit its time
-    limit) on an H200; K = 0 passes are not shippable (skipped, with the reason)."""
+    limit) on an H200, their K = 0 passes included (shippable since session 51)."""
     path = SHIPPED.with_name("h200.json")
     doc = json.loads(path.read_text())
     assert ship.doc_problems(doc) == []
@@ -246,8 +251,9 @@ def test_shipped_h200_file_is_the_converted_tuning_store(tmp_path):
     import hashlib
     for src in srcs:
         assert hashlib.sha256((ROOT / src["file"]).read_bytes()).hexdigest()[:16] == src["sha256"]
-    assert all("K0x" in s["key"] for s in doc["provenance"]["skipped"])
-    assert len(doc["entries"]) == 18 + 7 and all(e["level"] == "near" for e in doc["entries"].values())
+    assert doc["provenance"]["skipped"] == []
+    assert len(doc["entries"]) == 18 + 7 + 12 and all(e["level"] == "near" for e in doc["entries"].values())
+    assert sum("xK0xL" in k for k in doc["entries"]) == 12
     assert sum(e["problem"]["K"] == 128256 or e["problem"]["N"] == 128256 and e["problem"]["K"] == 4096
                for e in doc["entries"].values()) == 2  # the 8B LM head's logits and dX GEMMs
     rc = cli_main([*sum((["--ship-from", str(ROOT / s["file"])] for s in srcs), []), "--ship-dir", str(tmp_path),
@@ -271,9 +277,11 @@ def test_the_converter_makes_the_shipped_file(tmp_path):
     assert [x for x in new["provenance"]["skipped"] if x.get("dropped")] == drops
     assert not set(new["entries"]) & {x["key"] for x in drops}
     # a merge into the file keeps its drops: converting one source again does not bring a dropped entry back
+    # (its K = 0 passes' entries also come from later sources' runs of the same problems: the merged source wins)
     rc = cli_main(["--ship-from", str(ROOT / "docs/tune_h100/llama8b4l_near_s39.json"), "--ship-dir", str(tmp_path)])
     again = json.loads((tmp_path / "h100_sxm.json").read_text())
-    assert rc == 0 and again["entries"] == doc["entries"]
+    assert rc == 0 and set(again["entries"]) == set(doc["entries"])
+    assert all(v == doc["entries"][k] for k, v in again["entries"].items() if "xK0xL" not in k)
     assert cli_main(["--ship-from", srcs[-1], "--ship-dir", str(tmp_path), "--drop", "no-reason"]) == 2
     assert cli_main(["--ship-from", srcs[0], "--ship-dir", str(tmp_path)]) == 2  # rows need --gpu ...
 
