@@ -411,6 +411,23 @@ def test_tune_recorded_tunes_each_problem_behind_one_bar_and_stores_it(monkeypat
     assert at.select_config(rec.problems[1].prob, IDENTITY, None, None, {}) == TUNED  # the default path uses it
 
 
+def test_a_problem_no_config_could_time_says_why():
+    """tune_recorded's status names the first failure (session 51: the exp-stored CE forward's 'no config could
+    be timed' came without a reason)."""
+    a, w = torch.empty(64, 4096, dtype=BF16), torch.empty(2048, 4096, dtype=BF16)
+    rec = model.Recorder()
+    rec.add(check_gemm_args(a, w), IDENTITY, GemmConfig(), "heuristic", a, w, {})
+    rows = [tuner.Row(GemmConfig(), status="ok"), tuner.Row(TUNED, status="mismatch: 12 elements (first: inf)")]
+
+    def fake(*_, **__):
+        return tuner.TuneResult(best=GemmConfig(), best_ms=None, default=GemmConfig(), default_ms=None, rows=rows,
+                                pruned=[], seconds=0.1, flop=1, level="near")
+    import io
+    out = model.tune_recorded(rec.problems, stream=io.StringIO(), tune_fn=fake)
+    assert out[0][2] == "no config could be timed (mismatch: 12 elements (first: inf))"
+    assert at.store.load() == {}
+
+
 def test_inputs_for_keeps_the_recorded_layouts():
     wt = torch.empty(4096, 2048, dtype=BF16).t()
     a = torch.empty(64, 4096, dtype=BF16)
