@@ -527,6 +527,9 @@ def test_k0_passes_use_the_store_and_shipped_configs_and_never_tune(monkeypatch,
     monkeypatch.setenv("CODA_AUTOTUNE", "1")  # too small to tune: the default chain, the store first
     assert at.select_config(prob, rmsnorm_scale, None, None, {}) == TUNED
     assert at.counts() == {"tuned": 1, "shipped": 0, "heuristic": 0}
+    other = _prob(4096, 1024, 0)  # nothing stored or shipped: the heuristic, and the tuner is never called
+    assert at.select_config(other, rmsnorm_scale, None, None, {}) == at.heuristic(other)
+    assert at.counts() == {"tuned": 1, "shipped": 0, "heuristic": 1}
     cfg = GemmConfig(tile_m=64, tile_n=256, cluster_m=2, cluster_n=1, pingpong=True, stages=2)
     k, e = ship.make_entry(cfg, 8192, 2048, 0, 1, "bfloat16", "bfloat16", "k", "k", rmsnorm_scale.name,
                            ship.epilogue_id(rmsnorm_scale), None, "test", ms=0.1, default="x")
