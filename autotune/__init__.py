@@ -82,8 +82,9 @@ def tune_shape(M: int, N: int, K: int, L: Optional[int] = None, dtype: Any = "bf
     require_hopper(None, "coda.autotune")
     dt = getattr(torch, dtype_name(dtype))
     lead = (L,) if L else ()
-    a = torch.randn(*lead, M, K, device="cuda", dtype=dt)
-    b = torch.randn(*lead, N, K, device="cuda", dtype=dt)
+    std = tuner.input_std(K)
+    a = torch.empty(*lead, M, K, device="cuda", dtype=dt).normal_(0.0, std)
+    b = torch.empty(*lead, N, K, device="cuda", dtype=dt).normal_(0.0, std)
     epi = check_epilogue(epi)
     od = getattr(torch, dtype_name(out_dtype)) if out_dtype is not None else dt
     operands = dict(operands) if operands is not None else tuner.random_operands(epi, L, M, N, od)

@@ -130,12 +130,11 @@ def _random_like(meta: tuple, device, fill: str, std: float = 1.0):
 
 def inputs_for(rec: Recorded, device=None) -> tuple:
     """Random ``a``, ``b`` and operands with the recorded shapes, strides and dtypes (a VecM operand in
-    [0.5, 1.5), as ``tuner.random_operands`` makes it; scalars as recorded). ``a`` and ``b`` have the standard
-    deviation K^-1/4, so that the accumulator's entries are ~N(0, 1), as a trained layer's are: with unit entries
-    they would be ~N(0, K), and an epilogue such as the cross entropy's exp-stored forward (exp of the logit)
-    overflows there for every config ("no config could be timed", session 51)."""
+    [0.5, 1.5), as ``tuner.random_operands`` makes it; scalars as recorded); ``a`` and ``b`` with
+    ``tuner.input_std(K)``."""
+    from .tuner import input_std
     device = device if device is not None else rec.prob.device
-    std = max(rec.prob.K, 1) ** -0.25
+    std = input_std(rec.prob.K)
     a, b = _random_like(rec.a, device, "normal", std), _random_like(rec.b, device, "normal", std)
     kinds = {o.name: o.kind for o in rec.epi.operands}
     ops = {}

@@ -167,6 +167,14 @@ def check_result(got: Any, ref: Any) -> Optional[str]:
     return None
 
 
+def input_std(K: int) -> float:
+    """The standard deviation of random ``a`` and ``b`` for tuning: K^-1/4, so that the accumulator's entries are
+    ~N(0, 1), as a trained layer's are. With unit entries they would be ~N(0, K), and an epilogue such as the cross
+    entropy's exp-stored forward (exp of the logit) overflows there for every config ("no config could be timed",
+    session 51)."""
+    return max(K, 1) ** -0.25
+
+
 def random_operands(epi: Any, L: Optional[int], M: int, N: int, out_dtype: torch.dtype) -> dict:
     """Operands of the declared kinds for tuning on random inputs (vec_m / vec_n fp32, tile in the out dtype)."""
     lead = (L,) if L else ()
