@@ -530,17 +530,12 @@ def test_k0_passes_use_the_store_and_shipped_configs_and_never_tune(monkeypatch,
     other = _prob(4096, 1024, 0)  # nothing stored or shipped: the heuristic, and the tuner is never called
     assert at.select_config(other, rmsnorm_scale, None, None, {}) == at.heuristic(other)
     assert at.counts() == {"tuned": 1, "shipped": 0, "heuristic": 1}
-    cfg = GemmConfig(tile_m=64, tile_n=256, cluster_m=2, cluster_n=1, pingpong=True, stages=2)
-    k, e = ship.make_entry(cfg, 8192, 2048, 0, 1, "bfloat16", "bfloat16", "k", "k", rmsnorm_scale.name,
-                           ship.epilogue_id(rmsnorm_scale), None, "test", ms=0.1, default="x")
+    d = _write_file(tmp_path, ms=(8192,), N=2048, K=0)
+    (k, e), = json.loads((d / ship.file_name(H100.name)).read_text())["entries"].items()
     assert ship.entry_problem(k, e) is None
     assert ship.entry_problem(k, {**e, "problem": {**e["problem"], "K": -1}}) is not None
     assert ship.entry_problem(k, {**e, "problem": {**e["problem"], "N": 0}}) is not None
-    d = tmp_path / "shipped"
-    d.mkdir()
-    doc = ship.build_doc((H100.name, 132, "sm_90a", keys.cutlass_dsl_version()), {k: e}, [{"file": "t", "date": "2026-12-07"}], [])
-    (d / ship.file_name(H100.name)).write_text(json.dumps(doc))
-    eid = ship.epilogue_id(rmsnorm_scale)
+    eid = ship.epilogue_id(IDENTITY)
     assert ship.lookup(H100, BF16, BF16, "k", "k", 8192, 2048, 0, 1, eid, directory=d)[0]["config"] == e["config"]
     assert ship.lookup(H100, BF16, BF16, "k", "k", 8192, 2048, 64, 1, eid, directory=d) is None
 
