@@ -195,12 +195,13 @@ def test_shipped_h100_file_schema_and_provenance():
     store46b = "docs/tune_h100/llama70b_tp8_2l_near_s46.json"  # session 46: a 70B TP8 rank's step, partly tuned
     store46c = "docs/tune_h100/qwen25_7b_2l_near_s46.json"  # session 46: the qwen2.5-7b-2l step, partly tuned
     store51 = "docs/tune_h100/llama1b_heuristic_near_s51.json"  # session 51: the llama-1b step's heuristic-served
+    store52 = "docs/tune_h100/llama1b_s51.json"  # session 52: store51 + the CE's exp forward (s51_call2.sh)
     stores = (store, store25, store28, store30, store31, store32, store34, store37, store39, store46, store46b,
-              store46c, store51)
+              store46c, store51, store52)
     dates = {store: "2026-11-26", store25: "2026-11-26", store28: "2026-11-27", store30: "2026-11-27",
              store31: "2026-11-27", store32: "2026-11-27", store34: "2026-11-27", store37: "2026-11-28",
              store39: "2026-11-28", store46: "2026-12-07", store46b: "2026-12-07", store46c: "2026-12-07",
-             store51: "2026-12-07"}
+             store51: "2026-12-07", store52: "2026-12-08"}
     assert files == {"docs/tune_h100/tuned_gemm.json", "docs/tune_h100/tuned_fused.json", *stores}
     rows = {}
     for s in prov["sources"]:
@@ -230,9 +231,10 @@ def test_shipped_h100_file_schema_and_provenance():
     # epilogue ids match no epilogue of this version); session 46's eight are the qwen3-8b-2l step's problems with
     # a main loop, four of a 70B TP8 rank's step and five of qwen2.5-7b-2l's (both tuned in part: the call's time
     # limit); session 51 ships K = 0 passes (keyed by K = 0 exactly): session 46's 7 + 3 + 5 and session 51's seven
-    # (six K = 0 passes of the llama-1b step and the LM head's dX)
+    # (six K = 0 passes of the llama-1b step and the LM head's dX); session 52's store holds those seven again (it
+    # was seeded with them: its entries win) and the CE's exp-stored forward
     assert sum(e["source"].startswith(stores) for e in doc["entries"].values()) == \
-        13 + 4 + 1 + 1 + 2 + 1 + 9 + 8 + 4 + 5 + 7 + 3 + 5 + 7
+        13 + 4 + 1 + 1 + 2 + 1 + 9 + 8 + 4 + 5 + 7 + 3 + 5 + 0 + 8
     assert sum("xK0xL" in k for k in doc["entries"]) == 21
     assert 'shipped/*.json' in (ROOT / "pyproject.toml").read_text()
 
@@ -313,14 +315,14 @@ def test_config_names_round_trip():
 def _library_epilogues_by_id() -> dict:
     """{epilogue id: epilogue} of what the library's ops build: the module-level epilogues of coda.ops and
     coda.epilogues, and the generated ones the fused ops make (the sum-of-squares residual adds, the fast CE's
-    logits epilogues, the SwiGLU forward with its pre-activation and its backward on da)."""
+    logits epilogues and its exp-stored forward, the SwiGLU forward with its pre-activation and its backward on da)."""
     import importlib
     import pkgutil
 
     import coda.ops
     from coda.autodiff import with_preact
     from coda.dsl import DslEpilogue
-    from coda.epilogues.cross_entropy import ce_forward_logits
+    from coda.epilogues.cross_entropy import ce_forward_exp, ce_forward_logits
     mlp = importlib.import_module("coda.ops.mlp")
     found = [v for _, v in ship._library_epilogues() if isinstance(v, DslEpilogue)]  # coda.epilogues' own
     for m in pkgutil.iter_modules(coda.ops.__path__):
@@ -328,6 +330,7 @@ def _library_epilogues_by_id() -> dict:
     for dt in (torch.bfloat16, torch.float16):
         for flag in (False, True):
             found += [mlp.residual_add_sumsq(dt, flag), *(ce_forward_logits(dt, flag, cap) for cap in (False, True))]
+    found += [ce_forward_exp(dt) for dt in (torch.bfloat16, torch.float16)]
     found += [with_preact(mlp.rms_swiglu), *(mlp.dacc_on_da((("out",), r, False)) for r in ((), ("r",)))]
     return {ship.epilogue_id(e): e for e in found}
 
