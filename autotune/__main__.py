@@ -92,6 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizer", choices=("adamw", "coda-adamw"), default="coda-adamw",
                     help="--model: the step's optimizer (coda-adamw: coda.optim.AdamW, updates in the backward, "
                          "the step report's fused modes; adamw: torch's)")
+    ap.add_argument("--compile", action="store_true",
+                    help="--model: record the step of torch.compile(model) (the fused+compile mode's problems)")
     ap.add_argument("--retune", action="store_true", help="--model: also tune problems the store already has")
     ap.add_argument("--show", action="store_true", help="table of the store's and shipped entries (this GPU)")
     ap.add_argument("--ship-from", action="append", default=[], metavar="FILE",
@@ -168,10 +170,10 @@ def tune_model(args) -> None:
     bad = wanted - {"tuned", "shipped", "heuristic"}
     if bad:  # (before the step is recorded: it runs on the GPU)
         raise SystemExit(f"coda.autotune: --source takes tuned, shipped, heuristic; got {sorted(bad)}")
-    print(f"coda.autotune: recording one fused training step of {args.model} (batch {args.batch}, seq {args.seq})",
-          file=sys.stderr, flush=True)
+    print(f"coda.autotune: recording one fused training step of {args.model}{' (torch.compile)' * args.compile} "
+          f"(batch {args.batch}, seq {args.seq})", file=sys.stderr, flush=True)
     problems = model.record_model_step(args.model, args.batch, args.seq, dtype_name(args.dtype),
-                                       optimizer=args.optimizer)
+                                       optimizer=args.optimizer, compile=args.compile)
     if args.only:  # problems whose label ("MxNxK epilogue") contains one of the comma-separated strings
         problems = [r for r in problems if any(o in r.label for o in args.only.split(","))]
     if wanted:  # what served each problem in the recorded step (model.Recorded.source)

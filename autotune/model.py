@@ -83,11 +83,13 @@ class Recorder:
 
 
 def record_model_step(preset: str, batch: int, seq: int, dtype: str = "bfloat16", seed: int = 0,
-                      optimizer: str = "adamw") -> list:
+                      optimizer: str = "adamw", compile: bool = False) -> list:
     """The problems one fused training step of ``preset`` runs (forward + loss + backward), recorded on the GPU.
     ``optimizer="coda-adamw"``: under ``coda.optim.AdamW`` (weights updated in the backward), whose step runs other
     problems (the cross entropy keeps its logits' gradient for the backward: one chunk of all rows, not chunks of
-    ``cross_entropy.MEMORY_BUDGET``); ``"adamw"``: no optimizer in the step (torch's AdamW runs no GEMM)."""
+    ``cross_entropy.MEMORY_BUDGET``); ``"adamw"``: no optimizer in the step (torch's AdamW runs no GEMM).
+    ``compile``: the step of ``torch.compile(model)`` (the step report's ``fused+compile`` mode), whose operands
+    inductor may lay out otherwise than the eager step's: other problems (majors, strides) for the same shapes."""
     import torch
 
     import coda
@@ -107,12 +109,13 @@ def record_model_step(preset: str, batch: int, seq: int, dtype: str = "bfloat16"
         opt = coda.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
     ids = make_batches(cfg["vocab"], batch, seq, 1, seed + 1)[0].to("cuda")
     importlib.import_module("coda.gemm").clear_plans()  # a launch plan skips the config choice: start without any
+    step = torch.compile(model) if compile else model
     with Recorder() as rec:
-        loss = model(ids, labels=ids)
+        loss = step(ids, labels=ids)
         loss = loss.loss if hasattr(loss, "loss") else loss
         loss.backward()
         torch.cuda.synchronize()
-    del model, ids, loss, opt
+    del model, step, ids, loss, opt
     torch.cuda.empty_cache()
     return rec.problems
 
