@@ -14,7 +14,7 @@ timeout ${TUNE_S:-240} python -m coda.autotune --model llama-1b --optimizer coda
 echo "tune wall $(( $(date +%s) - S )) s"
 cp ~/.cache/coda/autotune.json "$OUT/llama1b_compile_s52.json" 2>/dev/null
 rm -f ~/.cache/coda/autotune.json  # the steps below: shipped configs only, with the kernels the tuning left cached
-for i in 1 2; do
+for i in ${RUNS-1 2}; do  # RUNS="": the tuning only
   (unset CODA_AUTOTUNE; CODA_AUTOTUNE_SUMMARY=1 timeout ${STEP_S:-100} python -m coda.bench.step --model llama-1b \
       --optimizer coda-adamw --steps 5 --warmup 3 --modes fused --timeout 90 --out "$OUT/warm$i" 2>&1 | \
       grep -E "^\| (fused|mode)|rror|shipped|first" | tail -4)
