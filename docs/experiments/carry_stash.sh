@@ -3,7 +3,8 @@
 # 64 MiB limit, so the largest tracked files that no GPU command reads (docs/ reports, plots, NOTES, DESIGN) wait in
 # a stash directory outside the tree during the call. Usage: carry_stash.sh out [EXTRA_MB] | in | status.
 #   out: moves docs/ files, largest first, until tree + bundle (+ EXTRA_MB carried besides, e.g. a wheel) fit with
-#        512 KiB to spare (never the experiment scripts: the device runs them); in: moves them back. Never commit while files are out (git would record them deleted).
+#        512 KiB to spare (never the experiment scripts: the device runs them), then, with STASH_TESTS=1 (a call that
+#        runs no test: the Liger wheel, 0.9 MB, fits no other way since session 52), tests/ files; in: moves them back. Never commit while files are out (git would record them deleted).
 set -eu
 cd "$(dirname "$0")/../.."
 STASH=${CARRY_STASH:-/tmp/coda-carry-stash}
@@ -17,7 +18,7 @@ out)
   while read -r size f; do
     [ "$total" -le "$LIMIT" ] && break
     mkdir -p "$STASH/$(dirname "$f")" && mv "$f" "$STASH/$f" && total=$((total - size))
-  done < <(git ls-files -z docs | grep -zv '^docs/experiments/.*\.sh$' | \
+  done < <(git ls-files -z docs $([ "${STASH_TESTS:-0}" = 1 ] && echo tests) | grep -zv '^docs/experiments/.*\.sh$' | \
            while IFS= read -r -d '' f; do [ -f "$f" ] && printf '%s\0' "$f"; done | xargs -0 -r stat -c '%s %n' | sort -rn)
   echo "carried: $((total / 1024)) KiB of $((LIMIT / 1024)) KiB"
   [ "$total" -le "$LIMIT" ] || { echo "still over the limit" >&2; exit 1; } ;;
