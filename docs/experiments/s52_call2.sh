@@ -7,7 +7,7 @@
 cd "$(dirname "$0")/../.." || exit 1
 export CODA_COMMIT=${CODA_COMMIT:?set CODA_COMMIT: the device copy of .git is stale}
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
-mkdir -p ~/.cache/coda docs/tune_h100
+mkdir -p ~/.cache/coda
 S=$(date +%s)
 timeout ${TUNE_S:-240} python -m coda.autotune --model llama-1b --optimizer coda-adamw --compile --source heuristic \
     --level near 2>&1 | grep -v "Warning\|warn(\|it/s\|shape/s" | tail -12
