@@ -3,7 +3,8 @@
 ``python -m coda.autotune --model llama-1b --batch 2 --seq 4096``: runs one fused training step of that model
 (``coda.bench.step.PRESETS``) on the GPU, recording every GEMM problem and epilogue it uses, then tunes each (one
 progress bar) and stores the winners: run it once per machine (and per batch shape) so that ``coda.gemm``'s
-default path finds tuned configs. ``--show``: a table of the tuning store's and the shipped entries for this GPU
+default path finds tuned configs; ``--prefill`` records the model's inference forward instead (no grad: other
+epilogues than training's). ``--show``: a table of the tuning store's and the shipped entries for this GPU
 (all GPUs without one, or ``--gpu NAME``). ``--ship-from FILE`` (repeat): convert tuning results (a tuning store
 ``autotune.json``, or ``docs/tune_h100/tuned_table.py`` rows with ``--gpu``, ``--sm-count``, ``--cutlass-dsl``)
 into the shipped per-GPU files (``coda/autotune/shipped/``, or ``--ship-dir``).
@@ -94,6 +95,9 @@ def main(argv=None) -> int:
                          "the step report's fused modes; adamw: torch's)")
     ap.add_argument("--compile", action="store_true",
                     help="--model: record the step of torch.compile(model) (the fused+compile mode's problems)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="--model: record the inference forward of --batch prompts of --seq tokens (no grad, no "
+                         "labels, no optimizer) instead of the training step")
     ap.add_argument("--retune", action="store_true", help="--model: also tune problems the store already has")
     ap.add_argument("--show", action="store_true", help="table of the store's and shipped entries (this GPU)")
     ap.add_argument("--ship-from", action="append", default=[], metavar="FILE",
@@ -170,10 +174,11 @@ def tune_model(args) -> None:
     bad = wanted - {"tuned", "shipped", "heuristic"}
     if bad:  # (before the step is recorded: it runs on the GPU)
         raise SystemExit(f"coda.autotune: --source takes tuned, shipped, heuristic; got {sorted(bad)}")
-    print(f"coda.autotune: recording one fused training step of {args.model}{' (torch.compile)' * args.compile} "
+    what = "prefill forward" if args.prefill else "training step"
+    print(f"coda.autotune: recording one fused {what} of {args.model}{' (torch.compile)' * args.compile} "
           f"(batch {args.batch}, seq {args.seq})", file=sys.stderr, flush=True)
     problems = model.record_model_step(args.model, args.batch, args.seq, dtype_name(args.dtype),
-                                       optimizer=args.optimizer, compile=args.compile)
+                                       optimizer=args.optimizer, compile=args.compile, prefill=args.prefill)
     if args.only:  # problems whose label ("MxNxK epilogue") contains one of the comma-separated strings
         problems = [r for r in problems if any(o in r.label for o in args.only.split(","))]
     if wanted:  # what served each problem in the recorded step (model.Recorded.source)

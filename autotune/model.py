@@ -1,4 +1,5 @@
-"""Tuning every GEMM of a model's training step: ``python -m coda.autotune --model PRESET --batch B --seq T``.
+"""Tuning every GEMM of a model's training step: ``python -m coda.autotune --model PRESET --batch B --seq T``
+(``--prefill``: of its inference forward instead).
 
 1. :func:`record_model_step`: one fused training step (forward with the loss, backward) of a preset of
    ``coda.bench.step`` (``PRESETS``, ``build_model``) on the GPU, under a :class:`Recorder`: every problem
@@ -83,8 +84,11 @@ class Recorder:
 
 
 def record_model_step(preset: str, batch: int, seq: int, dtype: str = "bfloat16", seed: int = 0,
-                      optimizer: str = "adamw", compile: bool = False) -> list:
+                      optimizer: str = "adamw", compile: bool = False, prefill: bool = False) -> list:
     """The problems one fused training step of ``preset`` runs (forward + loss + backward), recorded on the GPU.
+    ``prefill``: instead, one forward of ``batch`` prompts of ``seq`` tokens under ``torch.no_grad()`` and without
+    labels (inference: the fused ops' epilogues save no pre-activation and the LM head is the stock one; no
+    optimizer).
     ``optimizer="coda-adamw"``: under ``coda.optim.AdamW`` (weights updated in the backward), whose step runs other
     problems (the cross entropy keeps its logits' gradient for the backward: one chunk of all rows, not chunks of
     ``cross_entropy.MEMORY_BUDGET``); ``"adamw"``: no optimizer in the step (torch's AdamW runs no GEMM).
@@ -104,16 +108,20 @@ def record_model_step(preset: str, batch: int, seq: int, dtype: str = "bfloat16"
     model = model.to("cuda", getattr(torch, dtype))
     coda.fuse(model)
     opt = None
-    if optimizer == "coda-adamw":
+    if optimizer == "coda-adamw" and not prefill:
         import coda.optim
         opt = coda.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
     ids = make_batches(cfg["vocab"], batch, seq, 1, seed + 1)[0].to("cuda")
     importlib.import_module("coda.gemm").clear_plans()  # a launch plan skips the config choice: start without any
     step = torch.compile(model) if compile else model
     with Recorder() as rec:
-        loss = step(ids, labels=ids)
-        loss = loss.loss if hasattr(loss, "loss") else loss
-        loss.backward()
+        if prefill:
+            with torch.no_grad():
+                loss = step(ids)
+        else:
+            loss = step(ids, labels=ids)
+            loss = loss.loss if hasattr(loss, "loss") else loss
+            loss.backward()
         torch.cuda.synchronize()
     del model, step, ids, loss, opt
     torch.cuda.empty_cache()

@@ -460,3 +460,17 @@ def test_gpu_tuning_picks_a_checked_config_and_remembers_it(cache):
     y = coda.gemm(a, b)  # config=None: the stored result, no tuning
     ref = a.double() @ b.double().T
     assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_model_recording_prefill_forward_against_training_step():
+    """``--prefill`` records the inference forward: no backward, optimizer or loss epilogue, and its gate/up GEMM
+    saves no pre-activation; the training step records those."""
+    from coda.autotune import model
+    backward = ("bwd", "dgrad", "radial", "adamw", "accumulate", "ce_", "fold_grads", "preact")
+    train = model.record_model_step("tiny", 2, 64, optimizer="coda-adamw")
+    prefill = model.record_model_step("tiny", 2, 64, optimizer="coda-adamw", prefill=True)
+    names = [r.epi.name for r in prefill]
+    assert names and not [n for n in names if any(s in n for s in backward)], names
+    assert [r.epi.name for r in train if any(s in r.epi.name for s in backward)]
+    assert any(r.prob.M == 2 * 64 for r in prefill)  # the prompts' tokens

@@ -460,8 +460,10 @@ def test_cli_model_records_a_step_then_tunes_every_problem(monkeypatch, capsys):
     monkeypatch.setattr(coda._device, "hopper_available", lambda: True)
     seen = {}
 
-    def fake_step(preset, batch, seq, dtype="bfloat16", optimizer="adamw", compile=False):  # the fused step's stand-in
-        seen.update(preset=preset, batch=batch, seq=seq, dtype=dtype, optimizer=optimizer, compile=compile)
+    def fake_step(preset, batch, seq, dtype="bfloat16", optimizer="adamw", compile=False,
+                  prefill=False):  # the fused step's stand-in
+        seen.update(preset=preset, batch=batch, seq=seq, dtype=dtype, optimizer=optimizer, compile=compile,
+                    prefill=prefill)
         a, b = torch.empty(batch * seq, 2048, dtype=BF16), torch.empty(8192, 2048, dtype=BF16)
         with model.Recorder() as rec:
             at.select_config(check_gemm_args(a, b), IDENTITY, a, b, {})
@@ -472,7 +474,7 @@ def test_cli_model_records_a_step_then_tunes_every_problem(monkeypatch, capsys):
     _fake_tune(monkeypatch, calls)
     assert cli_main(["--model", "llama-1b", "--batch", "2", "--seq", "4096", "--level", "full"]) == 0
     assert seen == {"preset": "llama-1b", "batch": 2, "seq": 4096, "dtype": "bfloat16", "optimizer": "coda-adamw",
-                    "compile": False}
+                    "compile": False, "prefill": False}
     assert len(calls) == 2 and all(c[3]["level"] == "full" for c in calls)
     out = capsys.readouterr()
     assert "8192x8192x2048 identity" in out.out and "results stored in" in out.out
@@ -485,6 +487,9 @@ def test_cli_model_records_a_step_then_tunes_every_problem(monkeypatch, capsys):
     # --compile: the step of torch.compile(model) is recorded (the fused+compile mode's problems)
     assert cli_main(["--model", "llama-1b", "--compile", "--source", "heuristic"]) == 0 and seen["compile"] is True
     assert "(torch.compile)" in capsys.readouterr().err
+    # --prefill: the inference forward is recorded instead of the training step
+    assert cli_main(["--model", "llama-1b", "--prefill", "--batch", "4", "--source", "heuristic"]) == 0
+    assert seen["prefill"] is True and seen["batch"] == 4 and "prefill forward" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--source takes"):
         cli_main(["--model", "llama-1b", "--source", "guessed"])
 
