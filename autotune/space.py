@@ -25,7 +25,7 @@ import dataclasses
 import itertools
 from typing import Any, Iterable, Iterator, Optional
 
-from coda.config import GemmConfig
+from coda.config import SPLITS, GemmConfig
 # the rules every config obeys live in the runtime (coda.runtime.rules, issue 27); re-exported here
 from coda.runtime.rules import (CLUSTERS, EPI_N, INT32_MAX, RASTERS, SCHEDS, SCHEDULES, STAGES, SWIZZLES,  # noqa: F401
                                 TILE_M, TILE_N, VERIFIED_TILES, config_from_dict, config_reason, config_to_dict,
@@ -78,6 +78,31 @@ def candidates(epi: Any, in_dtype: Any, out_dtype: Any, M: int, N: int, L: int =
     else:
         kept = [c for c in kept if _first_order(c) in firsts and c not in around]
     return _shape_filter(kept, pruned, epi, M, N, L)
+
+
+# in-kernel split-K (GemmConfig.splits) for problems of at most two waves of tiles: these base tiles, each split at
+# most into four waves of units, every split at least SPLIT_MIN_K_TILES deep
+SPLIT_BASES = (GemmConfig(tile_m=128, tile_n=256, cluster_m=1), GemmConfig(tile_m=128, tile_n=128, cluster_m=1))
+SPLIT_MIN_K_TILES = 8
+
+
+def split_candidates(epi: Any, in_dtype: Any, out_dtype: Any, M: int, N: int, K: int, L: int = 1,
+                     sms: int = 132) -> list:
+    """Split-K configs worth timing for a problem of at most two waves of tiles (none otherwise): for each of
+    :data:`SPLIT_BASES`, the splits s with tiles x s <= 4 x sms and K / s >= SPLIT_MIN_K_TILES k-tiles that the
+    rules keep."""
+    out = []
+    for base in SPLIT_BASES:
+        tiles = L * -(-M // base.tile_m) * -(-N // base.tile_n)
+        if tiles > 2 * sms:
+            continue
+        for s in SPLITS[1:]:
+            cfg = dataclasses.replace(base, splits=s)
+            if (tiles * s <= 4 * sms and -(-K // cfg.tile_k) >= SPLIT_MIN_K_TILES * s
+                    and config_reason(cfg, epi, in_dtype, out_dtype) is None
+                    and shape_reasons(cfg, epi, M, N, L, K) is None):
+                out.append(cfg)
+    return out
 
 
 def _shape_filter(kept: list, pruned: list, epi: Any, M: int, N: int, L: int):

@@ -267,6 +267,7 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
     """Time every candidate config for ``epi(a @ b.T)`` and return the best (see the module docstring)."""
     import coda
     import coda.reference
+    from coda import _device
     from coda._device import require_hopper
     from coda._validate import check_gemm_args
     from coda.kernels.epilogue import check_epilogue, out_flags
@@ -284,6 +285,9 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
     default = heuristic(prob)
     cands, pruned = space.candidates(epi, prob.in_dtype, prob.out_dtype, M, prob.N, L,
                                      "near" if level == "near" else "quick", [default])
+    # few tiles, long K: the in-kernel split-K variants too (space.split_candidates)
+    cands += [c for c in space.split_candidates(epi, prob.in_dtype, prob.out_dtype, M, prob.N, prob.K, L,
+                                                _device.sm_count(prob.device)) if c not in cands]
     if default in cands:
         cands.remove(default)
         cands.insert(0, default)

@@ -70,10 +70,13 @@ def compile_variant(cfg: GemmConfig, epi: Epilogue = IDENTITY, in_dtype="bf16", 
         try:
             t = time.time()
             (a, b, c), xs = fake_args(epi, in_dtype, out_dtype, majors)
+            from cutlass.cute.runtime import make_fake_compact_tensor
+            import cutlass
             if cfg.sched == "dynamic":  # the tile counter (kernels/schedule.py), after the epilogue's tensors
-                from cutlass.cute.runtime import make_fake_compact_tensor
-                import cutlass
                 xs.append(make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=16))
+            if cfg.splits > 1:  # the split-K workspace and flags (kernels/split_k.py), after the epilogue's tensors
+                xs += [make_fake_compact_tensor(cutlass.Float32, (1 << 20,), assumed_align=16),
+                       make_fake_compact_tensor(cutlass.Int32, (1024,), assumed_align=16)]
             cute.compile(GemmSm90(cfg, epi, even=even), a, b, c, 132 // (cfg.cluster_m * cfg.cluster_n),
                          crt.make_fake_stream(), *xs,
                          options=f"--gpu-arch={arch} --keep-ptx --keep-cubin --dump-dir={d}")

@@ -25,6 +25,7 @@ import os
 from typing import Iterator, Optional
 
 TILE_K = 64
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)  # GemmConfig.splits (in-kernel split-K)
 SMEM_CAPACITY = 227 * 1024  # bytes of dynamic shared memory per CTA on sm_90
 # Register budget of a consumer thread after setmaxnreg (232): the fp32 accumulator must leave room for addressing
 # and the epilogue. 192 values a thread: a 128 x 192 ping-pong warpgroup (the widest tile whose plain GEMM and light
@@ -55,6 +56,10 @@ class GemmConfig:
     # k-extent of a pipeline stage: 64 (default) or 32 (stages of half the bytes: 6 instead of 3 beside the epilogue
     # warps' 64 KB staged tile at 128 x 256)
     tile_k: int = TILE_K
+    # in-kernel split-K (kernels/split_k.py): each output tile's k-tiles cut into ``splits`` ranges run as separate
+    # units of the persistent schedule, the partials added in split order by the last one before its epilogue (for
+    # few output tiles with a long K); cooperative, static schedule, shared epilogue
+    splits: int = 1
 
     # -- derived ---------------------------------------------------------------------------------------------------
     @property
@@ -75,7 +80,8 @@ class GemmConfig:
         return (f"{self.tile_m}x{self.tile_n}_{sched}_c{self.cluster_m}x{self.cluster_n}"
                 f"_r{self.raster}{self.swizzle}{st}{dyn}" + ("_ewg" if self.epi_wg else "")
                 + (f"_pf{self.l2_prefetch}" if self.l2_prefetch else "")
-                + (f"_k{self.tile_k}" if self.tile_k != TILE_K else ""))
+                + (f"_k{self.tile_k}" if self.tile_k != TILE_K else "")
+                + (f"_sk{self.splits}" if self.splits != 1 else ""))
 
     def problems(self) -> list[str]:
         """Reasons this config cannot be built (empty list: valid)."""
@@ -110,6 +116,11 @@ class GemmConfig:
             out.append(f"tile_k must be 32 or 64, got {self.tile_k}")
         if self.epi_wg and (self.pingpong or self.tile_m != 128 or self.sched != "static"):
             out.append("epi_wg=True is built for cooperative 128-row tiles with sched='static'")
+        if self.splits not in SPLITS:
+            out.append(f"splits must be one of {SPLITS}, got {self.splits}")
+        elif self.splits > 1 and (self.pingpong or self.sched != "static" or self.epi_wg or self.l2_prefetch):
+            out.append("splits > 1 is built for the cooperative schedule with sched='static', the shared epilogue "
+                       "(epi_wg=False) and l2_prefetch=0")
         return out
 
     def validate(self) -> "GemmConfig":

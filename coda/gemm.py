@@ -126,7 +126,39 @@ def epilogue_tensors(epi: Epilogue, prob, operands: dict, out3: torch.Tensor, cf
         partials[r.name] = (p[:, :tiles], r.op)
     if cfg.sched == "dynamic":  # the tile counter, last (kernels/schedule.py)
         args.append((_tile_counter(out3.device), 0))
+    if cfg.splits > 1:  # the split-K workspace and flags, last (kernels/split_k.py)
+        args += [(t, 0) for t in _split_buffers(cfg, L, M, prob.N, out3.device)]
     return args, outs, partials
+
+
+_split_bufs: dict = {}
+_graph_split_bufs: list = []  # captured launches' buffers, alive as long as the process (a graph may be replayed)
+
+
+def _split_buffers(cfg: GemmConfig, L: int, M: int, N: int, device) -> list:
+    """[workspace (fp32), flags (int32, zero between launches: the kernel resets every flag it reads)] of a split-K
+    launch over the (L, M, N) accumulator: one tile slot and flag per non-final split of every CTA tile
+    (``split_k.slots``). One pair per device and stream, grown as needed (stream-ordered: launches queued on a
+    replaced pair finish first); a launch captured into a CUDA graph gets a pair of its own, kept alive."""
+    from .kernels.split_k import slots as split_slots
+    rows = -(-(-(-M // cfg.tile_m)) // cfg.cluster_m)
+    cols = -(-(-(-N // cfg.tile_n)) // cfg.cluster_n)
+    n = split_slots(rows * cols * L, cfg.splits, cfg.cluster_m * cfg.cluster_n)
+    tile = cfg.tile_m * cfg.tile_n
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        bufs = [torch.empty(n * tile, dtype=torch.float32, device=device),
+                torch.zeros(n, dtype=torch.int32, device=device)]
+        _graph_split_bufs.append(bufs)
+        return bufs
+    index = device.index if device.type == "cuda" and device.index is not None else (
+        torch.cuda.current_device() if device.type == "cuda" else 0)
+    key = (str(device), index, _launch.stream_handle(index) if device.type == "cuda" else 0)
+    bufs = _split_bufs.get(key)
+    if bufs is None or bufs[0].numel() < n * tile or bufs[1].numel() < n:
+        n = max(n, bufs[1].numel() if bufs else 0)
+        bufs = _split_bufs[key] = [_persistent_zeros(n * tile, torch.float32, device),
+                                   _persistent_zeros(n, torch.int32, device)]
+    return bufs
 
 
 _counters: dict = {}
@@ -195,6 +227,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
     check_call(epi, prob, out, operands)
     if config is not None:
         config.validate()
+        if config.splits > 1 and -(-prob.K // config.tile_k) < config.splits:
+            raise ValueError(f"coda.gemm: config splits={config.splits} needs at least {config.splits} k-tiles of "
+                             f"{config.tile_k}; K={prob.K} has {-(-prob.K // config.tile_k)}")
     _device.require_hopper(prob.device, "coda.gemm")
     if config is None and epi.is_identity and not (prob.batched or prob.zero_k or prob.empty_result):
         split = split_k(prob.M, prob.N, prob.K, prob.out_dtype.itemsize, _device.sm_count(prob.device))
@@ -401,10 +436,11 @@ def _make_plan(fn, cute_args, views, handle, prob, cfg, epi, tensors, device_ind
     # an epilogue whose kernel arguments are all its operands' own memory -- tensor operands passed as views,
     # Scalars given as 1-element fp32 device tensors, extra outputs only in place (an operand's memory again, e.g.
     # coda.optim's AdamW), no reductions: a repeated call only needs those data pointers (and, for the dynamic
-    # schedule, the current stream's tile counter, the last argument)
+    # schedule, the current stream's tile counter, the last argument; split-K takes the full path: its buffers)
     plan.operand_names = None
     n_ops = len(epi.operands)
-    if (plan.has_epi_args and all(n in epi.inplace for n in epi.outputs) and not epi.kernel_reductions()
+    if (plan.has_epi_args and cfg.splits == 1 and all(n in epi.inplace for n in epi.outputs)
+            and not epi.kernel_reductions()
             and all((op.spec.by_view or op.spec is SCALAR) and isinstance(operands.get(op.name), torch.Tensor)
                     and v.data_ptr() == operands[op.name].data_ptr() for op, v in zip(epi.operands, views[3:]))
             and all(v.data_ptr() == operands[n].data_ptr() for n, v in zip(epi.outputs, views[3 + n_ops:]))):

@@ -1,6 +1,8 @@
 """``python -m coda.bench.split_k``: few-tile, long-K GEMMs (the LM head's dX chunks, issue 29's shapes) timed as
 coda.gemm's default, as fixed configs unsplit, as K-splits (one batched launch into fp32 partials, summed and cast,
-what ``coda.gemm._split_k`` runs) and as cuBLAS, in one process (do_bench medians of 3). Layout: the dX layout of the
+what ``coda.gemm._split_k`` runs), as the in-kernel split-K (``GemmConfig.splits``: "sk{s}" at 128 x 256 tiles,
+"sk{s}/128" at 128 x 128) and as cuBLAS, in one process (do_bench medians of 3; a result off the cuBLAS one by
+more than 2 % of its largest magnitude prints as nan). Layout: the dX layout of the
 ops (a K-major, b = W^T an MN-major view); ``--layout fwd`` for both K-major."""
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ SHAPES = [(2816, 2048, 128256), (2560, 2048, 128256), (4096, 2048, 128256), (512
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layout", default="dx", choices=("dx", "fwd"))
-    ap.add_argument("--splits", default="2,3,4,6,8")
+    ap.add_argument("--splits", default="2,3,4,6,8,16")
     args = ap.parse_args(argv)
     import torch
     from .gemm import median_of_runs as bench
@@ -49,6 +51,14 @@ def main(argv=None) -> int:
             err = (run().float() - ref.float()).abs().max().item()
             row[f"split{s}"] = bench(run)
             row[f"split{s}"] = row[f"split{s}"] if err <= 0.02 * ref.float().abs().max().item() else float("nan")
+            for tn in (256, 128):  # the in-kernel split-K
+                c = GemmConfig(tile_n=tn, cluster_m=1, splits=s)
+                if c.problems() or -(-K // c.tile_k) < s:
+                    continue
+                err = (coda.gemm(a, b, config=c).float() - ref.float()).abs().max().item()
+                name = f"sk{s}" + ("/128" if tn == 128 else "")
+                row[name] = bench(lambda c=c: coda.gemm(a, b, config=c))
+                row[name] = row[name] if err <= 0.02 * ref.float().abs().max().item() else float("nan")
         best = min(row, key=lambda k: row[k])
         print(f"{M}x{N}x{K}: cuBLAS {t_cub:.3f} ms; model split {split_k(M, N, K)}; "
               + ", ".join(f"{k} {v / t_cub:.3f}" for k, v in row.items()) + f"; best {best}", flush=True)

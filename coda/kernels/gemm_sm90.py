@@ -11,8 +11,9 @@ Phase 0 (host, ``__call__``): build the tiled WGMMA, the swizzled shared-memory 
 Phase 1 (all warps): allocate shared memory, initialise the mainloop mbarrier pipeline, cluster-sync.
 Phase 2 (producer warpgroup, warp 0; registers lowered to 40): for each tile of this CTA (``schedule.py``: grouped
   raster order; cluster c takes tiles c, c + P, ..., or with ``sched="dynamic"`` the next index from a global
-  counter, passed on to the consumers through a shared-memory ring), for each k-tile: wait for an empty stage,
-  TMA-load A and B into it (multicast to the cluster peers).
+  counter, passed on to the consumers through a shared-memory ring; with ``splits`` > 1 each tile is that many
+  units of contiguous k-ranges, ``split_k.py``), for each k-tile: wait for an empty stage, TMA-load A and B into it
+  (multicast to the cluster peers).
 Phase 3 (consumer warpgroups; registers raised to 232):
   cooperative: both warpgroups work on the same tile (64 or 128 rows each);
   ping-pong:   warpgroup w takes every other tile; an ordering barrier serialises the two mainloops so that one
@@ -25,7 +26,8 @@ Phase 3 (consumer warpgroups; registers raised to 232):
      (axis n) reductions accumulate in registers across the sub-tiles and are reduced across the 4 lanes sharing a
      row, then written as one partial per (row, N-tile); per-column (axis m) reductions are reduced over a warp's rows
      (in-thread, then across the 8 lanes sharing a column) and written as one partial per (column, warp of the
-     M-tile). No atomics: deterministic. The tile grid is rounded up to whole clusters only: the peer of a CTA
+     M-tile). No atomics: deterministic. Split-K: a non-final unit stores its fp32 accumulator to a workspace
+     slot and raises the slot's flag; the final one adds the partials in split order, then runs the epilogue. The tile grid is rounded up to whole clusters only: the peer of a CTA
      past the last M- or N-tile computes a tile that stores nothing (TMA clips it, partial stores are predicated
      on the tile index).
 """
@@ -41,7 +43,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ..config import GemmConfig
-from . import epilogue_wg, l2_prefetch, lse, schedule, segment, visit
+from . import epilogue_wg, l2_prefetch, lse, schedule, segment, split_k, visit
 from .ring_view import RingView
 from .epilogue import (MAX_EPI_TENSORS, ODD_OUT, Epilogue, staged_operands,  # noqa: F401 (the x-slots)
                        smem_plan, tile_operand_cols)
@@ -107,8 +109,11 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
         n_ops = len(self.epi.operands)
         n_out = len(self.epi.outputs)
         self.dynamic = cfg.sched == "dynamic"
-        counter = epi_args[-1:] if self.dynamic else []  # schedule.py: two int32, last after the epilogue's
-        epi_args = epi_args[:len(epi_args) - len(counter)]
+        # the schedule's tensors, last after the epilogue's: the dynamic tile counter (schedule.py: two int32) or
+        # the split-K workspace and flags (split_k.py)
+        n_sched = 1 if self.dynamic else 2 if cfg.splits > 1 else 0
+        sched_ts = epi_args[len(epi_args) - n_sched:] if n_sched else []
+        epi_args = epi_args[:len(epi_args) - n_sched]
         op_tensors = epi_args[:n_ops]
         out_tensors = epi_args[n_ops:n_ops + n_out]
         red_tensors = epi_args[n_ops + n_out:]
@@ -171,9 +176,11 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
         self.tx_bytes = (cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0)))
                          + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0))))
 
-        # persistent grid (schedule.py): one cluster per cluster tile, at most what fits on the GPU at once
+        # persistent grid (schedule.py): one cluster per cluster tile (split-K: per unit), at most what fits on the
+        # GPU at once
         rows, cols = self._cluster_tiles(mD)
-        grid = (cfg.cluster_m, cfg.cluster_n, cutlass.min(rows * cols * mD.shape[2], max_active_clusters))
+        grid = (cfg.cluster_m, cfg.cluster_n, cutlass.min(rows * cols * mD.shape[2] * cfg.splits,
+                                                           max_active_clusters))
 
         ab_stage = self.ab_stage
         ab_dt = self.ab_dtype
@@ -189,7 +196,7 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
         # (epi_wg: the epilogue warps store into the tensors themselves, element by element)
         self.kernel(tma_a, tA, tma_b, tB, mD, [s[0] for s in stores], store_ts if self.ewg else [s[1] for s in stores],
                     op_tensors, red_tensors, self.tiled_mma, a_smem, b_smem, epi_smems,
-                    [x[0] for x in lds], [x[1] for x in lds], ld_smems, counter).launch(
+                    [x[0] for x in lds], [x[1] for x in lds], ld_smems, sched_ts).launch(
             grid=grid, block=[3 * WG_THREADS, 1, 1], cluster=(cfg.cluster_m, cfg.cluster_n, 1),
             min_blocks_per_mp=1, stream=stream)
 
@@ -204,7 +211,7 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                mD: cute.Tensor, store_atoms: list, store_tensors: list, op_tensors: list, red_tensors: list,
                tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
-               epi_smems: list, ld_atoms: list, ld_tensors: list, ld_smems: list, counter: list):
+               epi_smems: list, ld_atoms: list, ld_tensors: list, ld_smems: list, sched_ts: list):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -266,9 +273,13 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, (self.mcast_a + self.mcast_b - 1) * consumer_wgs * 4),
             tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, *cta_layout.shape)), defer_sync=True)
-        sched = None  # sched="dynamic": the tile-index ring from the producer warp to the consumers (schedule.py)
+        # sched="dynamic": the tile-index ring from the producer warp to the consumers (schedule.py); split-K: the
+        # workspace and flags (split_k.py)
+        sched = None
         if cutlass.const_expr(self.dynamic):
-            sched = schedule.make_ring(smem, counter, cfg.cluster_m * cfg.cluster_n, 2 * WG_THREADS, cta_rank)
+            sched = schedule.make_ring(smem, sched_ts, cfg.cluster_m * cfg.cluster_n, 2 * WG_THREADS, cta_rank)
+        elif cutlass.const_expr(cfg.splits > 1):
+            sched = sched_ts
         pipeline_init_arrive(cluster_shape_mn=(cfg.cluster_m, cfg.cluster_n), is_relaxed=True)
 
         gA = cute.local_tile(mA, (cfg.tile_m, cfg.tile_k), (None, None, None))  # (bM, bK, m, k, l)
@@ -296,9 +307,10 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
                     ring_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, schedule.RING)
                     t = schedule.producer_next(sched, ring_state)
                     ring_state.advance()
-                while t < w["n_tiles"]:  # this cluster's tiles: c, c + P, ... or the counter's (schedule.py)
+                while t < w["n_tiles"]:  # this cluster's tiles (units): c, c + P, ... or the counter's (schedule.py)
                     m, n, l = self._tile(w, t)
-                    for k in range(k_tiles):
+                    kb, ke = self._k_range(t, k_tiles)
+                    for k in range(kb, ke):
                         mainloop.producer_acquire(state)
                         bar = mainloop.producer_get_barrier(state)
                         cute.copy(tma_a, tAgA[(None, m, k, l)], tAsA[(None, state.index)], tma_bar_ptr=bar,
@@ -309,7 +321,7 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
                         state.advance()
                         if cutlass.const_expr(cfg.l2_prefetch > 0 and len(self.pf_ops) > 0):
                             l2_prefetch.chunk(cfg, self.op_tile[1], [op_tensors[i] for i in self.pf_ops],
-                                              m, n, l, k - (k_tiles - cfg.l2_prefetch), tidx)
+                                              m, n, l, k - (ke - cfg.l2_prefetch), tidx)
                     if cutlass.const_expr(self.dynamic):
                         t = schedule.producer_next(sched, ring_state)
                         ring_state.advance()
@@ -369,9 +381,14 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
             epi = self._epi_setup(tiled_mma, etidx, cwg, sOuts, mD, tile_ld["out_views"])
             scalars = self._read_scalars(op_tensors)
         tiles_done = cutlass.Int32(0)
+        sk = None  # split-K (split_k.py): the workspace, the flags, the consumers' barrier, this CTA's slot offset
+        if cutlass.const_expr(cfg.splits > 1):
+            sk = (*sched, pipeline.NamedBarrier(barrier_id=BAR_EPI, num_threads=self.epi_threads),
+                  cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
 
-        while t < w["n_tiles"]:  # this consumer's tiles (schedule.py)
+        while t < w["n_tiles"]:  # this consumer's tiles (split-K: units; schedule.py, split_k.py)
             m, n, l = self._tile(w, t)
+            kb, ke = self._k_range(t, k_tiles)
             pre = []
             if cutlass.const_expr(not self.ewg):
                 # this tile's VecN / VecM operand values, loaded now so the global-memory latency hides under the
@@ -379,12 +396,15 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
                 pre = self._prefetch(op_tensors, m, n, l, etidx)
                 # and the TMA loads of its first `ring` TileMN sub-tiles (into buffers the previous tile is done
                 # with)
-                for e in cutlass.range_constexpr(min(self.ring, cfg.tile_n // cfg.epi_n)):
-                    self._load_tiles(tile_ld, e, m, n, l, tiles_done, cwg, etidx)
+                if cutlass.const_expr(cfg.splits > 1):
+                    if ke == k_tiles:  # split-K: the final unit runs the epilogue
+                        self._first_tile_loads(tile_ld, m, n, l, tiles_done, cwg, etidx)
+                else:
+                    self._first_tile_loads(tile_ld, m, n, l, tiles_done, cwg, etidx)
             # ---- 3a mainloop
             if cutlass.const_expr(pp):
                 cute.arch.barrier(barrier_id=BAR_ORDER + cwg, number_of_threads=2 * WG_THREADS)
-            read, release = self._mainloop(mainloop, read, release, k_tiles, k_blocks, tiled_mma, acc, tCrA, tCrB,
+            read, release = self._mainloop(mainloop, read, release, ke - kb, k_blocks, tiled_mma, acc, tCrA, tCrB,
                                            dict(sA=sA, tidx=etidx, m=m, n=n, n_cols=w["cols"] * cfg.cluster_n,
                                                 ops=op_tensors))
             if cutlass.const_expr(pp):
@@ -393,14 +413,24 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
                 read.advance(k_tiles)
                 release.advance(k_tiles)
 
-            # ---- 3b epilogue (or the hand-off to the epilogue warpgroup)
+            # ---- 3b epilogue (or the hand-off to the epilogue warpgroup; split-K: a non-final unit's partial to
+            # the workspace, the final unit adds the others' first)
+            stage = dict(pre=pre, sOps=sOps, scalars=scalars, ld=tile_ld, etidx=etidx)
             if cutlass.const_expr(self.ewg):
                 self.ewg_stage(acc, tiled_mma, etidx, sStage)
+                tiles_done += 1
+            elif cutlass.const_expr(cfg.splits > 1):
+                if ke == k_tiles:
+                    self._split_fixup(sk, acc, t, True, etidx)
+                    self._epilogue(epi, acc, m, n, l, tiles_done, mD, store_atoms, store_tensors, op_tensors,
+                                   red_tensors, cwg, stage)
+                    tiles_done += 1
+                else:
+                    self._split_fixup(sk, acc, t, False, etidx)
             else:
-                self._epilogue(epi, acc, m, n, l, tiles_done, mD, store_atoms, store_tensors,
-                               op_tensors, red_tensors, cwg, dict(pre=pre, sOps=sOps, scalars=scalars, ld=tile_ld,
-                                                                  etidx=etidx))
-            tiles_done += 1
+                self._epilogue(epi, acc, m, n, l, tiles_done, mD, store_atoms, store_tensors, op_tensors,
+                               red_tensors, cwg, stage)
+                tiles_done += 1
             if cutlass.const_expr(self.dynamic):
                 t = schedule.consumer_next(sched, ring_state)
                 ring_state.advance()
@@ -460,16 +490,49 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
         bidx, bidy, bidz = cute.arch.block_idx()
         _, _, n_clusters = cute.arch.grid_dim()
         rows, cols = self._cluster_tiles(mD)
-        return dict(rows=rows, cols=cols, n_tiles=rows * cols * mD.shape[2], cluster=bidz, n_clusters=n_clusters,
+        # n_tiles: linear units (split-K: splits per cluster tile; split_k.py)
+        return dict(rows=rows, cols=cols, n_tiles=rows * cols * mD.shape[2] * cfg.splits, cluster=bidz,
+                    n_clusters=n_clusters,
                     rank_m=bidx % cfg.cluster_m, rank_n=bidy % cfg.cluster_n)
 
     @cute.jit
     def _tile(self, w, t):
-        """CTA tile (m, n, l) of linear cluster tile t."""
+        """CTA tile (m, n, l) of linear cluster tile t (split-K: of linear unit t)."""
         cfg = self.cfg
+        if cutlass.const_expr(cfg.splits > 1):
+            t = t // cfg.splits
         mc, nc, l = schedule.tile_coord(t, w["rows"], w["cols"], cfg.swizzle, cfg.raster == "m")
         return (cute.arch.make_warp_uniform(mc * cfg.cluster_m + w["rank_m"]),
                 cute.arch.make_warp_uniform(nc * cfg.cluster_n + w["rank_n"]), cute.arch.make_warp_uniform(l))
+
+    @cute.jit
+    def _k_range(self, t, k_tiles):
+        """The k-tiles [kb, ke) of linear unit t: all of them, or its split's (split_k.py)."""
+        kb, ke = 0, k_tiles
+        if cutlass.const_expr(self.cfg.splits > 1):
+            _, _, kb, ke = split_k.unit(t, self.cfg.splits, k_tiles)
+        return kb, ke
+
+    @cute.jit
+    def _split_fixup(self, sk, acc, t, final: cutlass.Constexpr, etidx):
+        """Split-K after a unit's mainloop (split_k.py): a non-final split stores its partial, the final one adds
+        the tile's other partials in split order."""
+        cfg = self.cfg
+        ws, flags, bar, rank = sk
+        size = cfg.cluster_m * cfg.cluster_n
+        tile, s, _, _ = split_k.unit(t, cfg.splits, 1)
+        slot0 = tile * (cfg.splits - 1) * size + rank
+        if cutlass.const_expr(final):
+            split_k.add_partials(acc, ws, flags, slot0, cfg.splits - 1, size, etidx, self.epi_threads, bar)
+        else:
+            split_k.store_partial(acc, ws, flags, slot0 + s * size, etidx, self.epi_threads, bar)
+
+    @cute.jit
+    def _first_tile_loads(self, tile_ld, m, n, l, tiles_done, cwg, etidx):
+        """The TMA loads of a tile's first ``ring`` TileMN sub-tiles, issued before its mainloop (into buffers the
+        previous tile is done with)."""
+        for e in cutlass.range_constexpr(min(self.ring, self.cfg.tile_n // self.cfg.epi_n)):
+            self._load_tiles(tile_ld, e, m, n, l, tiles_done, cwg, etidx)
 
     # ------------------------------------------------------------------------------------------------- epilogue
     @cute.jit

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from coda.config import GemmConfig, all_configs
+from coda.config import SPLITS, GemmConfig, all_configs
 from coda.kernels.epilogue import MAX_EPI_TENSORS, out_col_bytes, smem_plan  # MAX: GemmSm90's x-slots
 
 from .keys import DTYPE_BYTES, _is_int, _is_num, dtype_name
@@ -45,9 +45,10 @@ def config_reason(cfg: GemmConfig, epi: Any = None, in_dtype: Any = "bfloat16",
     """Why ``cfg`` cannot (or need not) be built for this epilogue and these dtypes; None if it is kept."""
     epi = epi if epi is not None else _identity()
     n = epilogue_tensor_count(epi)
-    if n > MAX_EPI_TENSORS:
-        return (f"epilogue {epi.name!r} needs {n} kernel tensors (operands + extra outputs + reductions); the "
-                f"kernel takes at most {MAX_EPI_TENSORS}")
+    sched = (cfg.sched == "dynamic") + 2 * (cfg.splits > 1)  # the schedule's tensors after the epilogue's
+    if n + sched > MAX_EPI_TENSORS:
+        return (f"epilogue {epi.name!r} needs {n} kernel tensors (operands + extra outputs + reductions)"
+                + (f" and the schedule {sched}" if sched else "") + f"; the kernel takes at most {MAX_EPI_TENSORS}")
     problems = cfg.problems()
     if problems:
         return "invalid: " + "; ".join(problems)
@@ -82,10 +83,16 @@ def kernel_smem_plan(cfg: GemmConfig, epi: Any = None, in_dtype: Any = "bfloat16
                      DTYPE_BYTES[dtype_name(in_dtype)])
 
 
-def shape_reasons(cfg: GemmConfig, epi: Any, M: int, N: int, L: int = 1) -> Optional[str]:
-    """Problem-dependent pruning (``M``, ``L`` as the kernel sees them: a broadcast weight folds L into M)."""
+def shape_reasons(cfg: GemmConfig, epi: Any, M: int, N: int, L: int = 1, K: Optional[int] = None) -> Optional[str]:
+    """Problem-dependent pruning (``M``, ``L`` as the kernel sees them: a broadcast weight folds L into M; ``K``
+    where known)."""
     epi = epi if epi is not None else _identity()
     tiles_m, tiles_n = -(-M // cfg.tile_m), -(-N // cfg.tile_n)
+    if K is not None and cfg.splits > 1 and -(-K // cfg.tile_k) < cfg.splits:
+        return (f"splits={cfg.splits} but K={K} has {-(-K // cfg.tile_k)} k-tiles of {cfg.tile_k}: every split "
+                "needs at least one")
+    if cfg.splits > 1 and L * tiles_m * tiles_n * (cfg.splits - 1) * cfg.tile_m * cfg.tile_n > INT32_MAX:
+        return f"splits={cfg.splits}: the split-K workspace of this problem exceeds int32 indexing"
     if cfg.cluster_m == 2 and tiles_m == 1:
         return f"cluster 2x1 but M={M} is one {cfg.tile_m}-row tile: the peer CTA would only compute padding"
     if cfg.cluster_n == 2 and tiles_n == 1:
@@ -100,12 +107,12 @@ def shape_reasons(cfg: GemmConfig, epi: Any, M: int, N: int, L: int = 1) -> Opti
 
 # fields that came later, with the value an entry stored without them means ("sched": a static schedule; "epi_wg":
 # the shared epilogue, left out of stored entries while False so that they read as before)
-LATER_FIELDS = {"sched": "static", "epi_wg": False, "l2_prefetch": 0, "tile_k": 64}
+LATER_FIELDS = {"sched": "static", "epi_wg": False, "l2_prefetch": 0, "tile_k": 64, "splits": 1}
 
 
 def config_to_dict(cfg: GemmConfig) -> dict:
     d = dataclasses.asdict(cfg)
-    for k in ("epi_wg", "l2_prefetch", "tile_k"):  # left out at their defaults: entries read as before
+    for k in ("epi_wg", "l2_prefetch", "tile_k", "splits"):  # left out at their defaults: entries read as before
         if d[k] == LATER_FIELDS[k]:
             del d[k]
     return d
@@ -127,7 +134,7 @@ def config_problem(d: Any) -> Optional[str]:
     choices = {"tile_m": TILE_M, "tile_n": TILE_N, "cluster_m": (1, 2), "cluster_n": (1, 2),
                "pingpong": (False, True), "raster": RASTERS, "swizzle": range(1, 65),
                "stages": (None, *range(2, 17)), "epi_n": (16, 32, 64), "sched": SCHEDS, "epi_wg": (False, True),
-               "l2_prefetch": (0, 1, 2, 4, 8, 16, 32, 64, 128), "tile_k": (32, 64)}
+               "l2_prefetch": (0, 1, 2, 4, 8, 16, 32, 64, 128), "tile_k": (32, 64), "splits": SPLITS}
     types_ = {"pingpong": (bool,), "raster": (str,), "sched": (str,), "stages": (int, type(None)), "epi_wg": (bool,)}
     extra = sorted(set(d) - set(choices))
     if extra:

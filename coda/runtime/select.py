@@ -108,7 +108,8 @@ def _config_of(entry: Optional[dict], epi: Any, prob) -> Optional[Any]:
     except (TypeError, ValueError):
         return None
     M, L = _kernel_view(prob)
-    if rules.config_reason(cfg, epi, prob.in_dtype, prob.out_dtype) or rules.shape_reasons(cfg, epi, M, prob.N, L):
+    if (rules.config_reason(cfg, epi, prob.in_dtype, prob.out_dtype)
+            or rules.shape_reasons(cfg, epi, M, prob.N, L, prob.K)):
         return None
     return cfg
 
