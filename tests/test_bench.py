@@ -75,6 +75,9 @@ def test_registry_has_the_issue_ops():
     for op in TRANSFORMER_OPS:
         assert {f"{op}.fwd", f"{op}.fwd+bwd"} <= keys
         assert all(s.requires == op for s in B.REGISTRY if s.op == op)
+    # issue 28: the cross entropy's lean mode beside the default one
+    lean = next(s for s in B.REGISTRY if s.key == "linear_cross_entropy_lean.fwd+bwd")
+    assert lean.requires == "linear_cross_entropy" and "lean" in lean.description
     gemm = next(s for s in B.REGISTRY if s.key == "gemm.fwd")
     assert gemm.shapes == ((8192, 8192, 8192), (8192, 4096, 4096), (8192, 28672, 4096), (8192, 4096, 14336),
                            (8192, 128256, 4096))
