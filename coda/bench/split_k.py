@@ -10,13 +10,15 @@ import argparse
 import sys
 
 SHAPES = [(2816, 2048, 128256), (2560, 2048, 128256), (4096, 2048, 128256), (512, 512, 32768),
-          (1024, 2816, 8192), (6144, 768, 16384)]
+          (1024, 2816, 8192), (6144, 768, 16384),
+          (1, 4096, 4096), (17, 4096, 4096), (64, 4096, 4096)]  # issue 29's small M: 16-32 tiles on 132 SMs
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layout", default="dx", choices=("dx", "fwd"))
     ap.add_argument("--splits", default="2,3,4,6,8,16")
+    ap.add_argument("--shapes", default=None, metavar="M,N,K[;M,N,K]", help="instead of the default list")
     args = ap.parse_args(argv)
     import torch
     from .gemm import median_of_runs as bench
@@ -31,7 +33,8 @@ def main(argv=None) -> int:
             "128x128 coop 1x1": GemmConfig(tile_m=128, tile_n=128)}
     big = cfgs["128x256 2x1 dyn"]
     print(torch.cuda.get_device_name(), "layout", args.layout)
-    for M, N, K in SHAPES:
+    shapes = [tuple(map(int, x.split(","))) for x in args.shapes.split(";")] if args.shapes else SHAPES
+    for M, N, K in shapes:
         a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         b = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) if args.layout == "fwd"
              else torch.randn(K, N, device="cuda", dtype=torch.bfloat16).t())
