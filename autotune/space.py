@@ -87,16 +87,16 @@ SPLIT_MIN_K_TILES = 8
 
 
 def split_candidates(epi: Any, in_dtype: Any, out_dtype: Any, M: int, N: int, K: int, L: int = 1,
-                     sms: int = 132) -> list:
+                     sms: int = 132, level: str = "quick") -> list:
     """Split-K configs worth timing for a problem of at most two waves of tiles (none otherwise): for each of
     :data:`SPLIT_BASES`, the splits s with tiles x s <= 4 x sms and K / s >= SPLIT_MIN_K_TILES k-tiles that the
-    rules keep."""
+    rules keep; ``level="near"``: the first base's splits 2, 4 and 8 only (each candidate is one more compile)."""
     out = []
-    for base in SPLIT_BASES:
+    for base in SPLIT_BASES[:1] if level == "near" else SPLIT_BASES:
         tiles = L * -(-M // base.tile_m) * -(-N // base.tile_n)
         if tiles > 2 * sms:
             continue
-        for s in SPLITS[1:]:
+        for s in (2, 4, 8) if level == "near" else SPLITS[1:]:
             cfg = dataclasses.replace(base, splits=s)
             if (tiles * s <= 4 * sms and -(-K // cfg.tile_k) >= SPLIT_MIN_K_TILES * s
                     and config_reason(cfg, epi, in_dtype, out_dtype) is None

@@ -287,7 +287,7 @@ def tune(a: torch.Tensor, b: torch.Tensor, epi: Any = None, out_dtype: Optional[
                                      "near" if level == "near" else "quick", [default])
     # few tiles, long K: the in-kernel split-K variants too (space.split_candidates)
     cands += [c for c in space.split_candidates(epi, prob.in_dtype, prob.out_dtype, M, prob.N, prob.K, L,
-                                                _device.sm_count(prob.device)) if c not in cands]
+                                                _device.sm_count(prob.device), level) if c not in cands]
     if default in cands:
         cands.remove(default)
         cands.insert(0, default)

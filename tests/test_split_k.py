@@ -118,3 +118,20 @@ def test_split_kernels_build_for_sm90a_without_spills(cfg, monkeypatch):
         row = compile_variant(cfg, epi)
         assert row["ok"], (epi.name, row["error"])
         assert row["wgmma"] > 0 and row["spill_bytes"] == 0
+
+
+def test_the_tuner_times_splits_only_for_few_tiles_and_a_long_k():
+    from autotune import space
+    from coda.kernels.epilogue import IDENTITY
+
+    def names(M, N, K, level="quick"):
+        return [c.name for c in space.split_candidates(IDENTITY, "bfloat16", "bfloat16", M, N, K, level=level)]
+    few = names(512, 512, 32768)
+    assert "128x256_coop_c1x1_rm8_sk16" in few and "128x128_coop_c1x1_rm8_sk2" in few
+    assert names(8192, 8192, 2048) == []  # 256 tiles of 128 x 256 and 512 of 128 x 128: two waves and more
+    assert names(512, 512, 1024) == ["128x256_coop_c1x1_rm8_sk2", "128x128_coop_c1x1_rm8_sk2"]  # 16 k-tiles
+    assert names(512, 512, 960) == []  # 15 k-tiles: no split keeps 8 a split
+    assert names(1, 4096, 4096, "near") == ["128x256_coop_c1x1_rm8_sk2", "128x256_coop_c1x1_rm8_sk4",
+                                            "128x256_coop_c1x1_rm8_sk8"]
+    assert all(GemmConfig(**{k: v for k, v in rules.config_to_dict(c).items()}).problems() == []
+               for c in space.split_candidates(IDENTITY, "bfloat16", "bfloat16", 6144, 768, 16384))
