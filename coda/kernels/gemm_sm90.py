@@ -27,9 +27,9 @@ Phase 3 (consumer warpgroups; registers raised to 232):
      row, then written as one partial per (row, N-tile); per-column (axis m) reductions are reduced over a warp's rows
      (in-thread, then across the 8 lanes sharing a column) and written as one partial per (column, warp of the
      M-tile). No atomics: deterministic. Split-K: a non-final unit stores its fp32 accumulator to a workspace
-     slot and raises the slot's flag; the final one adds the partials in split order, then runs the epilogue. The tile grid is rounded up to whole clusters only: the peer of a CTA
-     past the last M- or N-tile computes a tile that stores nothing (TMA clips it, partial stores are predicated
-     on the tile index).
+     slot and raises the slot's flag; the final one adds the partials in split order, then runs the epilogue.
+     The tile grid is rounded up to whole clusters only: the peer of a CTA past the last M- or N-tile computes a
+     tile that stores nothing (TMA clips it, partial stores are predicated on the tile index).
 """
 from __future__ import annotations
 
@@ -492,8 +492,7 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
         rows, cols = self._cluster_tiles(mD)
         # n_tiles: linear units (split-K: splits per cluster tile; split_k.py)
         return dict(rows=rows, cols=cols, n_tiles=rows * cols * mD.shape[2] * cfg.splits, cluster=bidz,
-                    n_clusters=n_clusters,
-                    rank_m=bidx % cfg.cluster_m, rank_n=bidy % cfg.cluster_n)
+                    n_clusters=n_clusters, rank_m=bidx % cfg.cluster_m, rank_n=bidy % cfg.cluster_n)
 
     @cute.jit
     def _tile(self, w, t):
