@@ -233,7 +233,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
     _device.require_hopper(prob.device, "coda.gemm")
     if config is None and epi.is_identity and not (prob.batched or prob.zero_k or prob.empty_result):
         split = split_k(prob.M, prob.N, prob.K, prob.out_dtype.itemsize, _device.sm_count(prob.device))
-        if split > 1:
+        if split > 1 and not _remembered(prob, epi):  # a tuned or shipped config (in-kernel split-K, say) wins
             return _split_k(a, b, out, prob, split)
     cfg = (config or select_config(prob, epi, a, b, operands)).validate()
     cfg = l2_prefetch_env(cfg, any(o.spec is TILE for o in epi.operands), prob.zero_k)
@@ -273,6 +273,13 @@ def split_k_views(t: torch.Tensor, split: int) -> torch.Tensor:
     rows, K = t.shape
     s_rows, s_k = t.stride()
     return t.as_strided((split, rows, K // split), (s_k * (K // split), s_rows, s_k))
+
+
+def _remembered(prob, epi: Epilogue) -> bool:
+    """Whether the config chain has a measured config for this problem (the tuning store, or a shipped entry);
+    never with ``CODA_AUTOTUNE=0``, which reads no cache."""
+    from .runtime import select
+    return select.mode() != "off" and (select.lookup(prob, epi) is not None or select.shipped(prob, epi) is not None)
 
 
 def _split_k(a, b, out, prob, split: int):

@@ -135,3 +135,31 @@ def test_the_tuner_times_splits_only_for_few_tiles_and_a_long_k():
                                             "128x256_coop_c1x1_rm8_sk8"]
     assert all(GemmConfig(**{k: v for k, v in rules.config_to_dict(c).items()}).problems() == []
                for c in space.split_candidates(IDENTITY, "bfloat16", "bfloat16", 6144, 768, 16384))
+
+
+def test_a_remembered_config_wins_over_the_host_split(monkeypatch):
+    """coda.gemm(config=None) of a plain few-tile long-K problem: the host's batched split unless the store or the
+    shipped file has a config for it (a tuned in-kernel split, say); with CODA_AUTOTUNE=0 always the split."""
+    from coda import _device
+    from coda.runtime import select
+    monkeypatch.delenv("CODA_AUTOTUNE", raising=False)  # (conftest sets 0) the library's default
+    monkeypatch.setattr(_device, "require_hopper", lambda *a, **k: None)
+    monkeypatch.setattr(_device, "sm_count", lambda *a: 132)
+    monkeypatch.setattr(gemm_module, "split_k", lambda *a: 4)
+    monkeypatch.setattr(gemm_module, "_split_k", lambda *a: "host split")
+
+    class Chosen(Exception):
+        pass
+
+    def chosen(*a):
+        raise Chosen
+    monkeypatch.setattr(gemm_module, "select_config", chosen)
+    a, b = torch.randn(512, 4096, dtype=torch.bfloat16), torch.randn(512, 4096, dtype=torch.bfloat16)
+    monkeypatch.setattr(select, "lookup", lambda *a: None)
+    monkeypatch.setattr(select, "shipped", lambda *a: None)
+    assert coda.gemm(a, b) == "host split"
+    monkeypatch.setattr(select, "lookup", lambda *a: GemmConfig(cluster_m=1, splits=4))
+    with pytest.raises(Chosen):
+        coda.gemm(a, b)
+    monkeypatch.setenv("CODA_AUTOTUNE", "0")
+    assert coda.gemm(a, b) == "host split"
