@@ -258,7 +258,23 @@ def summary() -> str:
             f"{c['heuristic']} heuristic (CODA_AUTOTUNE={os.environ.get('CODA_AUTOTUNE', '') or 'unset'})")
     if c["heuristic"] and mode() == "default":
         line += "; tune them once per machine: python -m coda.autotune --model PRESET (or CODA_AUTOTUNE=1)"
+    guessed = heuristic_problems()
+    if guessed:  # which ones (what `--source heuristic` would tune): M x N x K, layouts of A / B, epilogue
+        more = len(guessed) - SUMMARY_LISTED
+        line += "; heuristic: " + ", ".join(guessed[:SUMMARY_LISTED]) + (f" and {more} more" if more > 0 else "")
     return line
+
+
+SUMMARY_LISTED = 4  # heuristic-served problems the summary line names
+
+
+def heuristic_problems() -> list:
+    """Labels of the problems this process ran with the heuristic's config, in the order first met:
+    ``"MxNxK[xL] a/b epilogue"`` (the kernel's M and L; a / b: the operands' major modes)."""
+    with _usage_lock:
+        sids = [sid for sid, src in _usage.items() if src == "heuristic"]
+    return [f"{M}x{N}x{K}{f'x{L}' if L > 1 else ''} {am}/{bm} {name or qual}"
+            for M, N, K, L, _, _, am, bm, qual, name in sids]
 
 
 def _at_exit() -> None:
