@@ -35,11 +35,12 @@ from . import compile_cache, keys, store as _store_module  # noqa: F401 (the ali
 # ``store`` attribute below is the results store, and a later ``import coda.autotune.store`` must not replace it)
 from coda.runtime.select import (MIN_TUNE_FLOP, _config_of, _entry, _heuristic_on_gpu, _kernel_view,  # noqa: F401
                                  _memory, _recorders, _served, _tune_lock, _usage, _usage_lock, counts, enabled,
-                                 forget, heuristic, key_for, lookup, mode, select_config, shipped, store, summary)
+                                 forget, heuristic, heuristic_problems, key_for, lookup, mode, select_config,
+                                 shipped, store, summary)
 from coda.runtime.store import cache_dir, path_exists
 
 __all__ = ["enabled", "mode", "select_config", "lookup", "tune", "tune_shape", "clear", "cache_dir", "store",
-           "summary", "counts", "MIN_TUNE_FLOP"]
+           "summary", "counts", "heuristic_problems", "MIN_TUNE_FLOP"]
 
 
 def tune(a: Any, b: Any, *, epilogue: Any = None, out_dtype: Any = None, level: str = "quick", save: bool = True,

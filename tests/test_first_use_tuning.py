@@ -528,6 +528,7 @@ def test_summary_counts_distinct_shapes_by_source(monkeypatch):
     assert "python -m coda.autotune --model" in line and "\n" not in line
     # which problems the heuristic served (session 52's compiled step said "2 heuristic" and no more)
     assert line.endswith("; heuristic: 4096x4096x512 k/k identity, 4096x1024x512 k/k identity")
+    assert at.heuristic_problems() == ["4096x4096x512 k/k identity", "4096x1024x512 k/k identity"]
 
 
 def test_k0_passes_use_the_store_and_shipped_configs_and_never_tune(monkeypatch, tmp_path):
