@@ -233,7 +233,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
     _device.require_hopper(prob.device, "coda.gemm")
     if config is None and epi.is_identity and not (prob.batched or prob.zero_k or prob.empty_result):
         split = split_k(prob.M, prob.N, prob.K, prob.out_dtype.itemsize, _device.sm_count(prob.device))
-        if split > 1 and not _remembered(prob, epi):  # a tuned or shipped config (in-kernel split-K, say) wins
+        if split > 1 and not _remembered_split(prob, epi):  # a tuned or shipped in-kernel split-K wins
             return _split_k(a, b, out, prob, split)
     cfg = (config or select_config(prob, epi, a, b, operands)).validate()
     cfg = l2_prefetch_env(cfg, any(o.spec is TILE for o in epi.operands), prob.zero_k)
@@ -275,11 +275,16 @@ def split_k_views(t: torch.Tensor, split: int) -> torch.Tensor:
     return t.as_strided((split, rows, K // split), (s_k * (K // split), s_rows, s_k))
 
 
-def _remembered(prob, epi: Epilogue) -> bool:
-    """Whether the config chain has a measured config for this problem (the tuning store, or a shipped entry);
-    never with ``CODA_AUTOTUNE=0``, which reads no cache."""
+def _remembered_split(prob, epi: Epilogue) -> bool:
+    """Whether the config chain's measured config for this problem (the tuning store, else a shipped entry) is an
+    in-kernel split-K (``GemmConfig.splits`` > 1): it then replaces the host split. An unsplit one does not (a
+    shipped entry may come from an M up to 4x away, where the tiles filled the SMs). Never with
+    ``CODA_AUTOTUNE=0``, which reads no cache."""
     from .runtime import select
-    return select.mode() != "off" and (select.lookup(prob, epi) is not None or select.shipped(prob, epi) is not None)
+    if select.mode() == "off":
+        return False
+    cfg = select.lookup(prob, epi) or select.shipped(prob, epi)
+    return cfg is not None and cfg.splits > 1
 
 
 def _split_k(a, b, out, prob, split: int):

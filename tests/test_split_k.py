@@ -137,9 +137,9 @@ def test_the_tuner_times_splits_only_for_few_tiles_and_a_long_k():
                for c in space.split_candidates(IDENTITY, "bfloat16", "bfloat16", 6144, 768, 16384))
 
 
-def test_a_remembered_config_wins_over_the_host_split(monkeypatch):
+def test_a_remembered_split_config_wins_over_the_host_split(monkeypatch):
     """coda.gemm(config=None) of a plain few-tile long-K problem: the host's batched split unless the store or the
-    shipped file has a config for it (a tuned in-kernel split, say); with CODA_AUTOTUNE=0 always the split."""
+    shipped file has an in-kernel split-K config for it; with CODA_AUTOTUNE=0 always the host split."""
     from coda import _device
     from coda.runtime import select
     monkeypatch.delenv("CODA_AUTOTUNE", raising=False)  # (conftest sets 0) the library's default
@@ -157,6 +157,8 @@ def test_a_remembered_config_wins_over_the_host_split(monkeypatch):
     a, b = torch.randn(512, 4096, dtype=torch.bfloat16), torch.randn(512, 4096, dtype=torch.bfloat16)
     monkeypatch.setattr(select, "lookup", lambda *a: None)
     monkeypatch.setattr(select, "shipped", lambda *a: None)
+    assert coda.gemm(a, b) == "host split"
+    monkeypatch.setattr(select, "lookup", lambda *a: GemmConfig(cluster_m=1))  # measured unsplit: the host split
     assert coda.gemm(a, b) == "host split"
     monkeypatch.setattr(select, "lookup", lambda *a: GemmConfig(cluster_m=1, splits=4))
     with pytest.raises(Chosen):
