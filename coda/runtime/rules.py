@@ -91,7 +91,8 @@ def shape_reasons(cfg: GemmConfig, epi: Any, M: int, N: int, L: int = 1, K: Opti
     if K is not None and cfg.splits > 1 and -(-K // cfg.tile_k) < cfg.splits:
         return (f"splits={cfg.splits} but K={K} has {-(-K // cfg.tile_k)} k-tiles of {cfg.tile_k}: every split "
                 "needs at least one")
-    if cfg.splits > 1 and L * tiles_m * tiles_n * (cfg.splits - 1) * cfg.tile_m * cfg.tile_n > INT32_MAX:
+    padded = -(-tiles_m // cfg.cluster_m) * cfg.cluster_m * -(-tiles_n // cfg.cluster_n) * cfg.cluster_n  # CTAs
+    if cfg.splits > 1 and L * padded * (cfg.splits - 1) * cfg.tile_m * cfg.tile_n > INT32_MAX:
         return f"splits={cfg.splits}: the split-K workspace of this problem exceeds int32 indexing"
     if cfg.cluster_m == 2 and tiles_m == 1:
         return f"cluster 2x1 but M={M} is one {cfg.tile_m}-row tile: the peer CTA would only compute padding"
