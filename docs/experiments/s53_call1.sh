@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 53's device call 1 (H100, ~4 min): the in-kernel split-K (533b548, GemmConfig(splits=S); built and
+# Session 53's device call 1 (H100, <= 10 min): the in-kernel split-K (533b548, GemmConfig(splits=S); built and
 # CPU-tested only) and the prefill recorder (4b88f74). 1. its GPU tests (float64 2x rule, NaN-poisoned outputs,
 # epilogues run once on the summed tile, determinism and flag reset, CUDA-graph replay) and the prefill test;
 # 2. issue 29's few-tile long-K shapes side by side (python -m coda.bench.split_k: cuBLAS, default, fixed configs,
@@ -14,5 +14,5 @@ timeout ${TEST_S:-240} python -m pytest -q -x tests/test_split_k_gpu.py tests/te
 echo "tests wall $(( $(date +%s) - S )) s"
 S=$(date +%s)
 timeout ${BENCH_S:-330} python -m coda.bench.split_k --layout fwd --splits 2,4,8,16 2>&1 | grep -v Warn | \
-    tee "$OUT/split_k_fwd.txt" | tail -8
+    tee "$OUT/split_k_fwd.txt" | tail -11
 echo "bench wall $(( $(date +%s) - S )) s"
