@@ -121,7 +121,7 @@ def test_split_kernels_build_for_sm90a_without_spills(cfg, monkeypatch):
 
 
 def test_the_tuner_times_splits_only_for_few_tiles_and_a_long_k():
-    from autotune import space
+    from coda.autotune import space
     from coda.kernels.epilogue import IDENTITY
 
     def names(M, N, K, level="quick"):
