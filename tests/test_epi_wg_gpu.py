@@ -194,7 +194,7 @@ def test_shipped_epilogue_warp_entries_match_the_default_kernel(monkeypatch):
     default kernel's within the staged accumulator's bf16 rounding, and within 2x its error against float64."""
     import json
 
-    from autotune import space
+    from coda.autotune import space
     from coda.runtime.shipped import SHIPPED_DIR
     empty = torch.empty
 
