@@ -7,12 +7,8 @@
 cd "$(dirname "$0")/../.." || exit 1
 export CODA_COMMIT=${CODA_COMMIT:?set CODA_COMMIT: the device copy of .git is stale}
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
-mkdir -p ~/.cache/coda
-S=$(date +%s)
-timeout ${TUNE_S:-240} python -m coda.autotune --model llama-1b --optimizer coda-adamw --compile --source heuristic \
-    --level near 2>&1 | grep -v "Warning\|warn(\|it/s\|shape/s" | tail -12
-echo "tune wall $(( $(date +%s) - S )) s"
-cp ~/.cache/coda/autotune.json "$OUT/llama1b_compile_s52.json" 2>/dev/null
+source docs/experiments/lib_device.sh
+tune_model "${TUNE_S:-240}" llama1b_compile_s52.json --compile --source heuristic --level near
 rm -f ~/.cache/coda/autotune.json  # the steps below: shipped configs only, with the kernels the tuning left cached
 for i in ${RUNS-1 2}; do  # RUNS="": the tuning only
   (unset CODA_AUTOTUNE; CODA_AUTOTUNE_SUMMARY=1 timeout ${STEP_S:-100} python -m coda.bench.step --model llama-1b \

@@ -9,10 +9,6 @@
 cd "$(dirname "$0")/../.." || exit 1
 export CODA_COMMIT=${CODA_COMMIT:?set CODA_COMMIT: the device copy of .git is stale}
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
-mkdir -p ~/.cache/coda
-S=$(date +%s)
-timeout ${TUNE_S:-500} python -m coda.autotune --model llama-1b --optimizer coda-adamw --retune --level quick \
-    --only "${ONLY:-rms_swiglu_bwd,rmsnorm_dgrad,residual_add_sumsq_bfloat16_gamma,rms_swiglu_preact}" 2>&1 | \
-    grep -v "Warning\|warn(\|it/s\|shape/s" | tail -14
-echo "tune wall $(( $(date +%s) - S )) s"
-cp ~/.cache/coda/autotune.json "$OUT/llama1b_retune_s53.json" 2>/dev/null
+source docs/experiments/lib_device.sh
+tune_model "${TUNE_S:-500}" llama1b_retune_s53.json --retune --level quick \
+    --only "${ONLY:-rms_swiglu_bwd,rmsnorm_dgrad,residual_add_sumsq_bfloat16_gamma,rms_swiglu_preact}"
