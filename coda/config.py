@@ -204,6 +204,10 @@ def all_configs() -> Iterator[GemmConfig]:
     # the dynamic tile schedule (kernels/schedule.py: a global tile counter), built for the cooperative schedule
     for tm, tn, cm, cn in ((128, 256, 1, 1), (128, 256, 2, 1), (256, 128, 1, 2)):
         yield GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, sched="dynamic")
+    # in-kernel split-K (kernels/split_k.py): two of them, so that the sweep and the GPU variant tests (K >= 4
+    # k-tiles there) cover it
+    yield GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, splits=2)
+    yield GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, splits=4)
 
 
 H100_SMS = 132  # SMs of an H100 SXM: the default wave size of the heuristic
