@@ -84,6 +84,10 @@ MEMCHECK_TESTS=(
   "tests/test_dsl_gpu.py::test_tile_operand_tma_and_element_paths[128x128_pp_c1x1_rm8]"
   "tests/test_mlp_gpu.py::test_ragged_fwd_bwd[True-lead0-200-136-mlp]"
   "tests/test_mlp_gpu.py::test_ragged_fwd_bwd[False-lead0-200-136-mlp]"
+  # in-kernel split-K (GemmConfig.splits): the workspace slots and flags, ragged, and the final split's epilogue
+  # with staged operands, a reduction and a TileMN operand
+  "tests/test_split_k_gpu.py::test_split_k_matches_float64[200-136-16384-128x256_coop_c1x1_rm8_sk16]"
+  "tests/test_split_k_gpu.py::test_split_k_epilogues_run_once_on_the_summed_tile"
 )
 # not covered, no GPU test exists: epilogues/scale_bias.py (ScaleBias, ScaleBiasSumsq: only coda.bench and
 # examples/quickstart.py run them, at 8192^3) and coda.ops.mlp's second GEMM (residual_add).
