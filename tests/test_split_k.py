@@ -49,6 +49,15 @@ def test_units_partition_every_k_range(splits):
         assert all(e > b for b, e in ranges), (splits, k_tiles, ranges)  # every split has a k-tile
 
 
+@pytest.mark.parametrize("splits,size", [(2, 1), (4, 2), (16, 2), (3, 1)])
+def test_workspace_slots_are_one_per_partial(splits, size):
+    """Every (cluster tile, non-final split, CTA rank) has its own slot, and they fill the host's buffer exactly."""
+    tiles = 7
+    got = sorted(split_k.slot(t, s, r, splits, size) for t in range(tiles) for s in range(splits - 1)
+                 for r in range(size))
+    assert got == list(range(split_k.slots(tiles, splits, size)))
+
+
 def _simulate(n_tiles: int, splits: int, clusters: int) -> int:
     """The persistent static schedule with the fixup's waits: cluster c runs units c, c + P, ... in order, one
     step each; a tile's final unit can only run once its other units ran. Returns the steps, or -1 on deadlock."""

@@ -520,7 +520,7 @@ class GemmSm90(visit.EpilogueVisit, epilogue_wg.EpilogueWarpgroup):
         ws, flags, bar, rank = sk
         size = cfg.cluster_m * cfg.cluster_n
         tile, s, _, _ = split_k.unit(t, cfg.splits, 1)
-        slot0 = tile * (cfg.splits - 1) * size + rank
+        slot0 = tile * (cfg.splits - 1) * size + rank  # split_k.slot(tile, 0, rank, ...); split s: + s * size
         if cutlass.const_expr(final):
             split_k.add_partials(acc, ws, flags, slot0, cfg.splits - 1, size, etidx, self.epi_threads, bar)
         else:

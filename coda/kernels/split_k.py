@@ -75,6 +75,11 @@ def k_range(s: int, splits: int, k_tiles: int) -> tuple:
     return s * k_tiles // splits, (s + 1) * k_tiles // splits
 
 
+def slot(tile: int, s: int, rank: int, splits: int, cluster_size: int) -> int:
+    """Python mirror of the kernel's workspace slot of (cluster tile, non-final split s, CTA rank)."""
+    return (tile * (splits - 1) + s) * cluster_size + rank
+
+
 def slots(cluster_tiles: int, splits: int, cluster_size: int) -> int:
     """Workspace slots (and flags) of a launch: one per non-final split of every cluster tile and CTA."""
     return cluster_tiles * (splits - 1) * cluster_size
