@@ -32,7 +32,8 @@ from .kernels.operand_kinds import SCALAR, TILE
 from .kernels.epilogue import (Epilogue, check_call, check_epilogue, empty_reductions,
                                finish_reduction, out_flags)
 from .runtime import precompile as _precompile
-from .runtime.select import select_config
+from .runtime.rules import split_reason
+from .runtime.select import measured_config, select_config
 
 _TORCH_TO_CUTLASS = {}
 _cache: dict = {}
@@ -150,9 +151,7 @@ def _split_buffers(cfg: GemmConfig, L: int, M: int, N: int, device) -> list:
                 torch.zeros(n, dtype=torch.int32, device=device)]
         _graph_split_bufs.append(bufs)
         return bufs
-    index = device.index if device.type == "cuda" and device.index is not None else (
-        torch.cuda.current_device() if device.type == "cuda" else 0)
-    key = (str(device), index, _launch.stream_handle(index) if device.type == "cuda" else 0)
+    key = _stream_key(device)
     bufs = _split_bufs.get(key)
     if bufs is None or bufs[0].numel() < n * tile or bufs[1].numel() < n:
         n = max(n, bufs[1].numel() if bufs else 0)
@@ -175,13 +174,20 @@ _graph_pools: dict = {}  # device index -> [buffer (COUNTER_SLOT * GRAPH_COUNTER
 _graph_lock = threading.Lock()
 
 
+def _stream_key(device) -> tuple:
+    """(device index, current stream handle) of a CUDA device -- what launches sharing a buffer must share --;
+    (str(device), 0) elsewhere (only the CPU tests build kernel arguments there)."""
+    if device.type != "cuda":
+        return (str(device), 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return (index, _launch.stream_handle(index))
+
+
 def _tile_counter(device) -> torch.Tensor:
     """The dynamic schedule's two int32 (next tile, finished CTAs), zero between launches: the last CTA of each
     launch resets them. One pair per device and stream, so that launches sharing one run one after another.
     A launch captured into a CUDA graph gets a pair of its own (see ``GRAPH_COUNTERS``)."""
-    if device.type != "cuda":  # only the CPU tests build kernel arguments there
-        key = (str(device), 0)
-    elif torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         index = device.index if device.index is not None else torch.cuda.current_device()
         pool = _graph_pools.get(index)
         with _graph_lock:
@@ -191,11 +197,9 @@ def _tile_counter(device) -> torch.Tensor:
         if i is None:  # no launch before the capture, or used up
             return torch.zeros(2, dtype=torch.int32, device=device)
         return pool[0][COUNTER_SLOT * i:COUNTER_SLOT * i + 2]
-    else:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (index, _launch.stream_handle(index))
-        if index not in _graph_pools:
-            _graph_pools[index] = [_persistent_zeros(COUNTER_SLOT * GRAPH_COUNTERS, torch.int32, device), 0]
+    key = _stream_key(device)
+    if device.type == "cuda" and key[0] not in _graph_pools:
+        _graph_pools[key[0]] = [_persistent_zeros(COUNTER_SLOT * GRAPH_COUNTERS, torch.int32, device), 0]
     c = _counters.get(key)
     if c is None:
         c = _counters[key] = _persistent_zeros(2, torch.int32, device)
@@ -227,13 +231,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, epilogue: Optional[Epilogue] = Non
     check_call(epi, prob, out, operands)
     if config is not None:
         config.validate()
-        if config.splits > 1 and -(-prob.K // config.tile_k) < config.splits:
-            raise ValueError(f"coda.gemm: config splits={config.splits} needs at least {config.splits} k-tiles of "
-                             f"{config.tile_k}; K={prob.K} has {-(-prob.K // config.tile_k)}")
+        why = split_reason(config, prob.K)
+        if why:
+            raise ValueError(f"coda.gemm: config {why}")
     _device.require_hopper(prob.device, "coda.gemm")
     if config is None and epi.is_identity and not (prob.batched or prob.zero_k or prob.empty_result):
         split = split_k(prob.M, prob.N, prob.K, prob.out_dtype.itemsize, _device.sm_count(prob.device))
-        if split > 1 and not _remembered_split(prob, epi):  # a tuned or shipped in-kernel split-K wins
+        remembered = measured_config(prob, epi)  # a tuned or shipped in-kernel split-K wins
+        if split > 1 and not (remembered is not None and remembered.splits > 1):
             return _split_k(a, b, out, prob, split)
     cfg = (config or select_config(prob, epi, a, b, operands)).validate()
     cfg = l2_prefetch_env(cfg, any(o.spec is TILE for o in epi.operands), prob.zero_k)
@@ -273,21 +278,6 @@ def split_k_views(t: torch.Tensor, split: int) -> torch.Tensor:
     rows, K = t.shape
     s_rows, s_k = t.stride()
     return t.as_strided((split, rows, K // split), (s_k * (K // split), s_rows, s_k))
-
-
-def _remembered_split(prob, epi: Epilogue) -> bool:
-    """Whether the config chain's measured config for this problem (the tuning store, else a shipped entry) is an
-    in-kernel split-K (``GemmConfig.splits`` > 1): it then replaces the host split. An unsplit one does not (a
-    shipped entry may come from an M up to 4x away, where the tiles filled the SMs). Never with
-    ``CODA_AUTOTUNE=0``, which reads no cache."""
-    from .runtime import select
-    if select.mode() == "off":
-        return False
-    try:
-        cfg = select.lookup(prob, epi) or select.shipped(prob, epi)
-    except Exception:  # the store's trouble (it warns itself) must not break a GEMM call: the host split then
-        return False
-    return cfg is not None and cfg.splits > 1
 
 
 def _split_k(a, b, out, prob, split: int):

@@ -164,12 +164,14 @@ def test_a_remembered_split_config_wins_over_the_host_split(monkeypatch):
         raise Chosen
     monkeypatch.setattr(gemm_module, "select_config", chosen)
     a, b = torch.randn(512, 4096, dtype=torch.bfloat16), torch.randn(512, 4096, dtype=torch.bfloat16)
-    monkeypatch.setattr(select, "lookup", lambda *a: None)
-    monkeypatch.setattr(select, "shipped", lambda *a: None)
+    monkeypatch.setattr(select, "key_for", lambda *a: "key")  # (a CPU device has no tuning key)
+    chain = []  # what the store / shipped file would serve: (config, source), not memoised here
+    monkeypatch.setattr(select, "_default_chain", lambda *a: chain[-1])
+    chain.append((GemmConfig(), "heuristic"))
     assert coda.gemm(a, b) == "host split"
-    monkeypatch.setattr(select, "lookup", lambda *a: GemmConfig(cluster_m=1))  # measured unsplit: the host split
+    chain.append((GemmConfig(cluster_m=1), "tuned"))  # measured unsplit: the host split
     assert coda.gemm(a, b) == "host split"
-    monkeypatch.setattr(select, "lookup", lambda *a: GemmConfig(cluster_m=1, splits=4))
+    chain.append((GemmConfig(cluster_m=1, splits=4), "shipped"))
     with pytest.raises(Chosen):
         coda.gemm(a, b)
     monkeypatch.setenv("CODA_AUTOTUNE", "0")

@@ -83,17 +83,26 @@ def kernel_smem_plan(cfg: GemmConfig, epi: Any = None, in_dtype: Any = "bfloat16
                      DTYPE_BYTES[dtype_name(in_dtype)])
 
 
+def split_reason(cfg: GemmConfig, K: int) -> Optional[str]:
+    """Why ``cfg``'s split-K cannot run a K-deep problem: every split needs a k-tile (None: it can)."""
+    k_tiles = -(-K // cfg.tile_k)
+    if cfg.splits > 1 and k_tiles < cfg.splits:
+        return f"splits={cfg.splits} needs at least {cfg.splits} k-tiles of {cfg.tile_k}; K={K} has {k_tiles}"
+    return None
+
+
 def shape_reasons(cfg: GemmConfig, epi: Any, M: int, N: int, L: int = 1, K: Optional[int] = None) -> Optional[str]:
     """Problem-dependent pruning (``M``, ``L`` as the kernel sees them: a broadcast weight folds L into M; ``K``
     where known)."""
     epi = epi if epi is not None else _identity()
     tiles_m, tiles_n = -(-M // cfg.tile_m), -(-N // cfg.tile_n)
-    if K is not None and cfg.splits > 1 and -(-K // cfg.tile_k) < cfg.splits:
-        return (f"splits={cfg.splits} but K={K} has {-(-K // cfg.tile_k)} k-tiles of {cfg.tile_k}: every split "
-                "needs at least one")
-    padded = -(-tiles_m // cfg.cluster_m) * cfg.cluster_m * -(-tiles_n // cfg.cluster_n) * cfg.cluster_n  # CTAs
-    if cfg.splits > 1 and L * padded * (cfg.splits - 1) * cfg.tile_m * cfg.tile_n > INT32_MAX:
-        return f"splits={cfg.splits}: the split-K workspace of this problem exceeds int32 indexing"
+    if cfg.splits > 1:
+        why = split_reason(cfg, K) if K is not None else None
+        if why:
+            return why
+        padded = -(-tiles_m // cfg.cluster_m) * cfg.cluster_m * -(-tiles_n // cfg.cluster_n) * cfg.cluster_n  # CTAs
+        if L * padded * (cfg.splits - 1) * cfg.tile_m * cfg.tile_n > INT32_MAX:
+            return f"splits={cfg.splits}: the split-K workspace of this problem exceeds int32 indexing"
     if cfg.cluster_m == 2 and tiles_m == 1:
         return f"cluster 2x1 but M={M} is one {cfg.tile_m}-row tile: the peer CTA would only compute padding"
     if cfg.cluster_n == 2 and tiles_n == 1:

@@ -172,6 +172,23 @@ def _default_chain(prob, epi: Any, key: str, default: Any) -> tuple:
     return hit
 
 
+def measured_config(prob, epi: Any) -> Optional[Any]:
+    """The config a tuning run measured for this problem -- remembered in this process, in the store, or shipped --
+    without tuning, or None (also with ``CODA_AUTOTUNE=0``, which reads no cache, and where the store cannot be
+    read: a GEMM call must not fail on it). Memoised with the default chain's answers."""
+    if mode() == "off":
+        return None
+    try:
+        key = key_for(prob, epi)
+        cfg = _memory.get(key)
+        if cfg is None:
+            cfg, source = _default_chain(prob, epi, key, heuristic(prob))
+            cfg = None if source == "heuristic" else cfg
+    except Exception:
+        return None
+    return cfg
+
+
 def _capturing() -> bool:
     import torch
     try:
