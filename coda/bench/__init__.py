@@ -270,22 +270,18 @@ for _name, _act in (("linear_swiglu", F.silu), ("linear_geglu", F.gelu)):
                 grad_inputs=("x", "weight"), compare=False,
                 description=f"`{_name}(x, weight)` = {_act.__name__}(gate) * up of x @ weight.T; weight: 2I x H "
                             "(outputs not compared: CODA interleaves the gate/up rows, the weight layout is its own).")
-register_op("linear_cross_entropy", params=("M", "H", "V"), shapes=((_LLAMA["M"], _LLAMA["H"], _LLAMA["V"]),),
-            gemms=lambda s: [(s["M"], s["V"], s["H"])], make_inputs=_ce_inputs,
-            eager=lambda i: F.cross_entropy(F.linear(i["x"], i["weight"]).float(), i["target"]),
-            coda=lambda i: _coda_ops("linear_cross_entropy")(i["x"], i["weight"], i["target"]),
-            requires="linear_cross_entropy", grad_inputs=("x", "weight"),
-            description="`linear_cross_entropy(x, weight, target)`: mean cross entropy of the LM head logits "
-                        "x @ weight.T (weight: V x H), the default mode (the memory budget's choice: here the fast "
-                        "one, the gradients formed in the forward through a <= 1 GB chunk); torch eager "
-                        "materialises the M x V logits.")
-register_op("linear_cross_entropy_lean", params=("M", "H", "V"), shapes=((_LLAMA["M"], _LLAMA["H"], _LLAMA["V"]),),
-            gemms=lambda s: [(s["M"], s["V"], s["H"])], make_inputs=_ce_inputs,
-            eager=lambda i: F.cross_entropy(F.linear(i["x"], i["weight"]).float(), i["target"]),
-            coda=lambda i: _coda_ops("linear_cross_entropy")(i["x"], i["weight"], i["target"], mode="lean"),
-            requires="linear_cross_entropy", grad_inputs=("x", "weight"),
-            description="`linear_cross_entropy(..., mode=\"lean\")`: the same loss with no logits stored (the "
-                        "backward recomputes them chunk by chunk: four GEMMs, <= 0.1 GB extra).")
+for _name, _mode, _what in (
+        ("linear_cross_entropy", {}, "the default mode (the memory budget's choice: here the fast one, the gradients "
+         "formed in the forward through a <= 1 GB chunk); torch eager materialises the M x V logits."),
+        ("linear_cross_entropy_lean", {"mode": "lean"}, "the lean mode: no logits stored (the backward recomputes "
+         "them chunk by chunk: four GEMMs, <= 0.1 GB extra).")):
+    register_op(_name, params=("M", "H", "V"), shapes=((_LLAMA["M"], _LLAMA["H"], _LLAMA["V"]),),
+                gemms=lambda s: [(s["M"], s["V"], s["H"])], make_inputs=_ce_inputs,
+                eager=lambda i: F.cross_entropy(F.linear(i["x"], i["weight"]).float(), i["target"]),
+                coda=lambda i, kw=_mode: _coda_ops("linear_cross_entropy")(i["x"], i["weight"], i["target"], **kw),
+                requires="linear_cross_entropy", grad_inputs=("x", "weight"),
+                description="`linear_cross_entropy(x, weight, target)`: mean cross entropy of the LM head logits "
+                            "x @ weight.T (weight: V x H), " + _what)
 register_op("mlp", params=("M", "H", "I"), shapes=((_LLAMA["M"], _LLAMA["H"], _LLAMA["I"]),),
             gemms=lambda s: [(s["M"], 2 * s["I"], s["H"]), (s["M"], s["H"], s["I"])], make_inputs=_mlp_inputs,
             eager=_mlp_eager,
